@@ -1,0 +1,195 @@
+"""Local folder or hub id -> (model, tokenizer).
+
+Reads HF checkpoints (single or sharded safetensors) and mlx-lm / mlx-community folders
+(`quantization` in config.json, per-module overrides included).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import (
+    BPEStreamingDetokenizer,
+    NaiveStreamingDetokenizer,
+    SPMStreamingDetokenizer,
+    TokenizerWrapper,
+)
+
+from .models import MODEL_TYPES
+from .models.base import CausalLM
+
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+_DOWNLOAD_PATTERNS = ["*.json", "model*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
+
+
+def resolve_path(path_or_hub_id: str | Path, allow_patterns: list[str] | None = None) -> Path:
+    """A local folder as is; otherwise a hub id fetched with `huggingface_hub`."""
+    path = Path(path_or_hub_id).expanduser()
+    if path.exists():
+        return path
+    name = str(path_or_hub_id)
+    if not _HUB_ID.match(name):
+        raise FileNotFoundError(f"model path {name!r} does not exist")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(
+            snapshot_download(name, allow_patterns=allow_patterns or _DOWNLOAD_PATTERNS)
+        )
+    except Exception as e:  # the hub raises many types: network, auth, missing repo
+        raise FileNotFoundError(
+            f"{name!r} is not a local folder and could not be fetched from the Hugging Face "
+            f"Hub ({type(e).__name__}: {e})"
+        ) from e
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def load_config(path: Path) -> dict[str, Any]:
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a folder")
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"no config.json in {path}")
+    return read_json(config_file)
+
+
+def model_class(config: dict[str, Any]):
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not supported (supported: {', '.join(MODEL_TYPES)})"
+        )
+    return MODEL_TYPES[model_type]
+
+
+def load_safetensors(files: list[Path]) -> dict[str, mx.array]:
+    weights: dict[str, mx.array] = {}
+    for file in files:
+        try:
+            weights.update(mx.load(str(file)))
+        except Exception as e:  # mlx raises RuntimeError/ValueError for unreadable files
+            raise ValueError(f"cannot read {file} (corrupt or not safetensors): {e}") from e
+    return weights
+
+
+def load_weights(path: Path) -> dict[str, mx.array]:
+    files = sorted(Path(f) for f in glob.glob(str(path / "model*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no model*.safetensors weights in {path}")
+    return load_safetensors(files)
+
+
+def quantize_predicate(quantization: dict[str, Any], weights: dict[str, mx.array]):
+    """mlx-lm's rule: a module is quantized when its `.scales` are stored; overrides by path."""
+
+    def predicate(module_path: str, module: nn.Module):
+        override = quantization.get(module_path)
+        if isinstance(override, dict):
+            return override
+        if override is False:
+            return False
+        return f"{module_path}.scales" in weights
+
+    return predicate
+
+
+def build_model(
+    config: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype | None = None
+) -> CausalLM:
+    """A model with `weights` loaded; shapes are checked against `config`."""
+    module = model_class(config)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    weights = model.sanitize(weights)
+    quantization = config.get("quantization")
+    if quantization is not None:
+        nn.quantize(
+            model,
+            group_size=quantization.get("group_size", 64),
+            bits=quantization.get("bits", 4),
+            mode=quantization.get("mode", "affine"),
+            class_predicate=quantize_predicate(quantization, weights),
+        )
+    if dtype is not None:
+        weights = {
+            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+            for k, v in weights.items()
+        }
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ValueError(f"weights do not fit the {config.get('model_type')} config: {e}") from e
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def load_model(path: Path, dtype: mx.Dtype | None = None) -> tuple[CausalLM, dict[str, Any]]:
+    config = load_config(path)
+    model_class(config)
+    return build_model(config, load_weights(path), dtype), config
+
+
+def eos_token_ids(path: Path, config: dict[str, Any]) -> list[int]:
+    """EOS ids from config.json and generation_config.json (the tokenizer adds its own)."""
+    ids: list[int] = []
+    sources = [config]
+    if (path / "generation_config.json").exists():
+        sources.append(read_json(path / "generation_config.json"))
+    for source in sources:
+        eos = source.get("eos_token_id")
+        for i in eos if isinstance(eos, list) else [eos]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+def _detokenizer_class(path: Path):
+    """mlx-lm's choice of streaming detokenizer, from the tokenizer.json decoder."""
+    file = path / "tokenizer.json"
+    if not file.exists():
+        return NaiveStreamingDetokenizer
+    decoder = read_json(file).get("decoder") or {}
+    if decoder.get("type") == "ByteLevel":
+        return BPEStreamingDetokenizer
+    steps = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else []
+    replaces_metaspace = any(
+        d.get("type") == "Replace" and d.get("pattern", {}).get("String") == "\u2581"
+        for d in steps
+    )
+    if replaces_metaspace and any(d.get("type") == "ByteFallback" for d in steps):
+        strips = any(d.get("type") == "Strip" for d in steps)
+        return lambda tok: SPMStreamingDetokenizer(tok, trim_space=strips)
+    return NaiveStreamingDetokenizer
+
+
+def load_tokenizer(path: Path, eos_ids: list[int] | None = None) -> TokenizerWrapper:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    # tokenizer.json is the full truth; AutoTokenizer may pick a class by model_type that
+    # rebuilds the pipeline differently (transformers 5.x does so for qwen2 folders).
+    if (path / "tokenizer.json").exists():
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return TokenizerWrapper(tokenizer, _detokenizer_class(path), eos_token_ids=eos_ids)
+
+
+def load(
+    path_or_hub_id: str | Path, *, dtype: mx.Dtype | None = None
+) -> tuple[CausalLM, TokenizerWrapper]:
+    """Loads a model and its tokenizer from a local folder or a Hugging Face hub id."""
+    path = resolve_path(path_or_hub_id)
+    model, config = load_model(path, dtype)
+    return model, load_tokenizer(path, eos_token_ids(path, config))

@@ -1,0 +1,255 @@
+"""What every model family shares: config parsing, the attention core and the forward contract.
+
+One forward serves prefill, one-token decode, chain verification and tree verification:
+
+    model(tokens, cache, *, positions=None, mask=None, hidden_layers=()) -> ModelOutput
+
+`positions` are rotary positions per token (default: consecutive from `cache.offset`); they are
+kept apart from cache slots, which are always `offset .. offset + L`. `mask` is an additive
+(L, offset + L) mask over cached + new keys (default: causal).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..cache import KVCache
+from .rope import RotaryEmbedding, rope_parameters
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    logits: mx.array  # (B, L, V)
+    hidden: mx.array  # (B, L, hidden): the final-norm output, i.e. the input of lm_head
+    layer_hidden: tuple[mx.array, ...] = ()  # outputs of the requested layers, in request order
+
+
+@dataclass
+class BaseModelArgs:
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rope_parameters: dict[str, Any] | None = None
+    rope_scaling: dict[str, Any] | None = None
+    partial_rotary_factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    use_sliding_window: bool = False
+    max_window_layers: int | None = None
+    layer_types: list[str] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> BaseModelArgs:
+        names = inspect.signature(cls).parameters
+        return cls(**{k: v for k, v in config.items() if k in names and k != "extra"})
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    def rope_config(self) -> dict[str, Any]:
+        config = {
+            "rope_theta": self.rope_theta,
+            "rope_parameters": self.rope_parameters,
+            "rope_scaling": self.rope_scaling,
+            "partial_rotary_factor": self.partial_rotary_factor,
+        }
+        if self.original_max_position_embeddings is not None:
+            config["original_max_position_embeddings"] = self.original_max_position_embeddings
+        return rope_parameters(config)
+
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Which layers attend within `sliding_window` (HF semantics per family)."""
+        return (False,) * self.num_hidden_layers
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """Per-forward state every layer reads: built once, passed down as an argument."""
+
+    cache: KVCache | None
+    offset: int
+    positions: mx.array | None
+    freqs: mx.array
+    mask: mx.array | str | None
+    window_mask: mx.array | None  # set when a sliding-window layer must mask old keys
+    sliding: tuple[bool, ...]
+
+
+def _additive_mask(allowed: mx.array, dtype: mx.Dtype) -> mx.array:
+    return mx.where(allowed, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+
+
+def build_context(
+    rope: RotaryEmbedding,
+    cache: KVCache | None,
+    length: int,
+    positions: mx.array | None,
+    mask: mx.array | None,
+    window: int | None,
+    sliding: tuple[bool, ...],
+    dtype: mx.Dtype,
+) -> ForwardContext:
+    offset = cache.offset if cache is not None else 0
+    total = offset + length
+    seq_len = total
+    if positions is not None and rope.depends_on_length:
+        # A host sync, only for rope types whose frequencies depend on the largest position.
+        seq_len = int(positions.max().item()) + 1
+    if mask is not None:
+        mask = mask.astype(dtype)
+    window_mask = None
+    if window is not None and any(sliding) and total > window:
+        q = mx.arange(offset, total)[:, None]
+        k = mx.arange(total)[None, :]
+        window_mask = _additive_mask((k <= q) & (q - k < window), dtype)
+        if mask is not None:
+            window_mask = mx.minimum(window_mask, mask)
+    if mask is None and length > 1:
+        mask = "causal"
+    freqs = rope.freqs(seq_len)
+    return ForwardContext(cache, offset, positions, freqs, mask, window_mask, sliding)
+
+
+def attend(
+    ctx: ForwardContext,
+    layer: int,
+    rope: RotaryEmbedding,
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+) -> mx.array:
+    """RoPE at the context's positions, cache write, SDPA. Takes (B, H, L, D) heads."""
+    B, _, L, _ = queries.shape
+    queries = rope(queries, ctx.offset, ctx.positions, ctx.freqs)
+    keys = rope(keys, ctx.offset, ctx.positions, ctx.freqs)
+    if ctx.cache is not None:
+        keys, values = ctx.cache.update(layer, keys, values)
+    mask = ctx.window_mask if ctx.window_mask is not None and ctx.sliding[layer] else ctx.mask
+    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    return out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, H * D)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm decoder block shared by Llama, Qwen2 and Phi-3 (HF parameter names)."""
+
+    def __init__(self, args: BaseModelArgs, self_attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, ctx: ForwardContext, layer: int) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), ctx, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderStack(nn.Module):
+    """Embeddings, blocks and final norm; subclasses build `layers` for their family."""
+
+    def __init__(self, args: BaseModelArgs, layers: list[nn.Module]):
+        super().__init__()
+        self.args = args
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = layers
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self._rope = RotaryEmbedding(
+            args.head_dim, args.rope_config(), args.max_position_embeddings
+        )
+        self._sliding = args.sliding_layers()
+
+    @property
+    def rope(self) -> RotaryEmbedding:
+        return self._rope
+
+    def __call__(
+        self,
+        tokens: mx.array,
+        cache: KVCache | None,
+        positions: mx.array | None,
+        mask: mx.array | None,
+        hidden_layers: tuple[int, ...],
+    ) -> tuple[mx.array, tuple[mx.array, ...]]:
+        h = self.embed_tokens(tokens)
+        ctx = build_context(
+            self._rope,
+            cache,
+            tokens.shape[1],
+            positions,
+            mask,
+            self.args.sliding_window,
+            self._sliding,
+            h.dtype,
+        )
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            h = layer(h, ctx, i)
+            if i in hidden_layers:
+                captured[i] = h
+        if cache is not None:
+            cache.advance(tokens.shape[1])
+        return self.norm(h), tuple(captured[i] for i in hidden_layers)
+
+
+class CausalLM(nn.Module):
+    """`model` (a DecoderStack) plus the vocabulary projection, tied or not."""
+
+    model: DecoderStack
+
+    def __init__(self, args: BaseModelArgs):
+        super().__init__()
+        self.args = args
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(
+        self,
+        tokens: mx.array,
+        cache: KVCache | None = None,
+        *,
+        positions: mx.array | None = None,
+        mask: mx.array | None = None,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> ModelOutput:
+        hidden, captured = self.model(tokens, cache, positions, mask, tuple(hidden_layers))
+        return ModelOutput(self.project(hidden), hidden, captured)
+
+    def project(self, hidden: mx.array) -> mx.array:
+        """Final hidden states to logits (heads such as EAGLE reuse this)."""
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(hidden)
+        return self.lm_head(hidden)
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        return self.model.layers
+
+    def make_cache(self) -> KVCache:
+        return KVCache(len(self.model.layers))
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
+        if self.args.tie_word_embeddings:
+            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
+        return weights

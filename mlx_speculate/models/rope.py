@@ -1,0 +1,145 @@
+"""Rotary position embeddings at explicit per-token positions, with HF's scaling types.
+
+Frequencies follow `transformers.modeling_rope_utils` exactly: `default`, `linear`, `dynamic`
+(NTK, recomputed from the largest position of each forward), `llama3`, and Phi-3's `longrope`
+(alias `su`: short/long factors switched on the largest position, plus a cos/sin scale).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
+
+
+def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """One dict of rope settings from either config form.
+
+    transformers 5.x writes `rope_parameters` (with `rope_theta` inside); older configs write a
+    top-level `rope_theta` and an optional `rope_scaling` dict (`type` or `rope_type`).
+    """
+    params: dict[str, Any] = {}
+    legacy = config.get("rope_scaling") or {}
+    params.update(legacy)
+    params.update(config.get("rope_parameters") or {})
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    params.setdefault("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if "original_max_position_embeddings" in config:
+        params.setdefault(
+            "original_max_position_embeddings", config["original_max_position_embeddings"]
+        )
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    params["rope_type"] = "longrope" if rope_type == "su" else rope_type
+    params.pop("type", None)
+    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"rope_type {params['rope_type']!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    return params
+
+
+class RotaryEmbedding:
+    """Applies RoPE (HF rotate-half layout) to the first `dims` features of (B, H, L, D) inputs."""
+
+    def __init__(self, head_dim: int, params: dict[str, Any], max_position_embeddings: int):
+        self.dims = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        self.rope_type = params["rope_type"]
+        self.base = float(params["rope_theta"])
+        self.max_position_embeddings = max_position_embeddings
+        self.params = params
+        exponents = [2 * i / self.dims for i in range(self.dims // 2)]
+        self._inv_freq = [1.0 / self.base**e for e in exponents]
+        self._attention_factor = 1.0
+        if self.rope_type == "linear":
+            self._inv_freq = [f / params["factor"] for f in self._inv_freq]
+        elif self.rope_type == "llama3":
+            self._inv_freq = _llama3_inv_freq(self._inv_freq, params)
+        elif self.rope_type == "longrope":
+            self._original_max = params["original_max_position_embeddings"]
+            factor = params.get("factor") or max_position_embeddings / self._original_max
+            self._attention_factor = params.get("attention_factor") or (
+                math.sqrt(1 + math.log(factor) / math.log(self._original_max))
+                if factor > 1.0
+                else 1.0
+            )
+        # mx.fast.rope takes `freqs` as 1 / inv_freq.
+        self._freqs = self._to_freqs(self._inv_freq)
+        self._long_freqs = None
+        if self.rope_type == "longrope":
+            self._freqs = self._to_freqs(_scaled(self._inv_freq, params["short_factor"]))
+            self._long_freqs = self._to_freqs(_scaled(self._inv_freq, params["long_factor"]))
+        # Cos/sin scale on the rotated features only, as HF multiplies cos and sin.
+        self._scale = None
+        if self._attention_factor != 1.0:
+            self._scale = mx.array(
+                [self._attention_factor] * self.dims + [1.0] * (head_dim - self.dims)
+            )
+
+    @staticmethod
+    def _to_freqs(inv_freq: list[float]) -> mx.array:
+        return mx.array([1.0 / f for f in inv_freq], dtype=mx.float32)
+
+    @property
+    def depends_on_length(self) -> bool:
+        """Whether the frequencies change with the largest position of a forward."""
+        return self.rope_type in ("dynamic", "longrope")
+
+    def freqs(self, seq_len: int) -> mx.array:
+        """The frequencies HF uses for a forward whose largest position is `seq_len - 1`."""
+        if self.rope_type == "longrope" and seq_len > self._original_max:
+            return self._long_freqs
+        if self.rope_type == "dynamic" and seq_len > self.max_position_embeddings:
+            factor = self.params["factor"]
+            ratio = factor * seq_len / self.max_position_embeddings - (factor - 1)
+            base = self.base * ratio ** (self.dims / (self.dims - 2))
+            return self._to_freqs([1.0 / base ** (2 * i / self.dims) for i in range(self.dims // 2)])
+        return self._freqs
+
+    def __call__(
+        self, x: mx.array, offset: int, positions: mx.array | None, freqs: mx.array
+    ) -> mx.array:
+        if self._scale is not None:
+            x = x * self._scale.astype(x.dtype)
+        if positions is None:
+            return mx.fast.rope(
+                x, self.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=freqs
+            )
+        # mx.fast.rope takes one offset per batch row: move tokens into the batch axis.
+        B, H, L, D = x.shape
+        x = x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D)  # (B*L, H, 1, D)
+        x = mx.fast.rope(
+            x,
+            self.dims,
+            traditional=False,
+            base=None,
+            scale=1.0,
+            offset=positions.reshape(-1),
+            freqs=freqs,
+        )
+        return x.reshape(B, L, H, D).transpose(0, 2, 1, 3)  # (B, H, L, D)
+
+
+def _scaled(inv_freq: list[float], factors: list[float]) -> list[float]:
+    return [f / s for f, s in zip(inv_freq, factors, strict=True)]
+
+
+def _llama3_inv_freq(inv_freq: list[float], params: dict[str, Any]) -> list[float]:
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    out = []
+    for f in inv_freq:
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            out.append(f)
+        elif wavelen > low_wavelen:
+            out.append(f / factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
+    return out

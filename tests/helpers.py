@@ -1,0 +1,74 @@
+"""Helpers for tests: tiny seeded models and greedy references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+from mlx_speculate.loading import build_model, model_class
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+
+TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 96,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 97,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+
+
+def tiny_config(model_type: str = "llama", **overrides: Any) -> dict[str, Any]:
+    config = {"model_type": model_type, **TINY, **overrides}
+    return config
+
+
+def random_weights(config: dict[str, Any], seed: int = 0, qk_std: float = 0.3) -> dict:
+    """Random float32 weights for `config`; q/k projections get a larger scale so attention
+    is far from uniform and rotary bugs show up in the logits."""
+    module = model_class(config)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    params = tree_flatten(model.parameters())
+    keys = mx.random.split(mx.random.key(seed), len(params))
+    weights = {}
+    for k, (name, value) in zip(keys, params, strict=True):
+        if name.endswith("norm.weight"):
+            weights[name] = 1.0 + 0.1 * mx.random.normal(value.shape, key=k)
+        elif any(p in name for p in ("q_proj", "k_proj", "qkv_proj")):
+            weights[name] = qk_std * mx.random.normal(value.shape, key=k)
+        else:
+            weights[name] = 0.05 * mx.random.normal(value.shape, key=k) * (
+                2.0 if "embed" in name else 1.0
+            )
+    return weights
+
+
+def tiny_model(model_type: str = "llama", seed: int = 0, **overrides: Any) -> nn.Module:
+    config = tiny_config(model_type, **overrides)
+    return build_model(config, random_weights(config, seed))
+
+
+def to_float32(model: nn.Module) -> nn.Module:
+    model.update(tree_map(lambda a: a.astype(mx.float32), model.parameters()))
+    return model
+
+
+def greedy_reference(model: nn.Module, prompt: list[int], n: int) -> list[int]:
+    """Plain greedy decoding, one token per forward, with the model's own cache."""
+    cache = model.make_cache()
+    logits = model(mx.array([prompt]), cache).logits[0, -1]
+    out = []
+    for _ in range(n):
+        token = int(mx.argmax(logits).item())
+        out.append(token)
+        logits = model(mx.array([[token]]), cache).logits[0, -1]
+    return out
