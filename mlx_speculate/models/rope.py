@@ -51,8 +51,7 @@ class RotaryEmbedding:
         self.base = float(params["rope_theta"])
         self.max_position_embeddings = max_position_embeddings
         self.params = params
-        exponents = [2 * i / self.dims for i in range(self.dims // 2)]
-        self._inv_freq = [1.0 / self.base**e for e in exponents]
+        self._inv_freq = _inv_freq(self.base, self.dims)
         self._attention_factor = 1.0
         if self.rope_type == "linear":
             self._inv_freq = [f / params["factor"] for f in self._inv_freq]
@@ -96,7 +95,7 @@ class RotaryEmbedding:
             factor = self.params["factor"]
             ratio = factor * seq_len / self.max_position_embeddings - (factor - 1)
             base = self.base * ratio ** (self.dims / (self.dims - 2))
-            return self._to_freqs([1.0 / base ** (2 * i / self.dims) for i in range(self.dims // 2)])
+            return self._to_freqs(_inv_freq(base, self.dims))
         return self._freqs
 
     def __call__(
@@ -117,10 +116,14 @@ class RotaryEmbedding:
             traditional=False,
             base=None,
             scale=1.0,
-            offset=positions.reshape(-1),
+            offset=mx.broadcast_to(positions, (B, L)).reshape(-1),
             freqs=freqs,
         )
         return x.reshape(B, L, H, D).transpose(0, 2, 1, 3)  # (B, H, L, D)
+
+
+def _inv_freq(base: float, dims: int) -> list[float]:
+    return [1.0 / base ** (2 * i / dims) for i in range(dims // 2)]
 
 
 def _scaled(inv_freq: list[float], factors: list[float]) -> list[float]:

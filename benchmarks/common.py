@@ -1,0 +1,117 @@
+"""Shared benchmark plumbing: BLAS choice, model folders, timing summaries.
+
+On Linux the `mlx[cpu]` wheel runs float32 matmuls on reference BLAS (~2 GFLOP/s here).
+`--openblas` loads Debian's OpenBLAS (`apt-get install libopenblas0-pthread`) before MLX,
+which the benchmarks report in their header; it is never loaded silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+CACHE = Path(os.environ.get("MLX_SPECULATE_BENCH_DIR", Path.home() / ".cache/mlx_speculate"))
+SMOLLM2_GGUF = Path(
+    os.environ.get("MLX_SPECULATE_SMOLLM2_GGUF", CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf")
+)
+
+# Qwen2.5-0.5B's shapes (random weights: speed only, text is noise).
+QWEN25_05B = {
+    "model_type": "qwen2",
+    "architectures": ["Qwen2ForCausalLM"],
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": True,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+
+def add_blas_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--openblas",
+        nargs="?",
+        const=OPENBLAS,
+        default=None,
+        metavar="PATH",
+        help=f"load OpenBLAS before MLX for float32 matmuls (default path {OPENBLAS})",
+    )
+
+
+def setup_blas(path: str | None) -> str:
+    """Loads OpenBLAS when asked (must run before `import mlx`); returns a description."""
+    if "mlx.core" in sys.modules and path:
+        raise RuntimeError("OpenBLAS must be loaded before mlx is imported")
+    if path:
+        if not Path(path).exists():
+            raise SystemExit(f"{path} not found: apt-get install libopenblas0-pthread")
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        return f"OpenBLAS ({path})"
+    if os.environ.get("LD_PRELOAD", "").find("openblas") >= 0:
+        return f"OpenBLAS via LD_PRELOAD ({os.environ['LD_PRELOAD']})"
+    if platform.system() == "Darwin":
+        return "Accelerate (macOS)"
+    return "MLX wheel default (reference BLAS on Linux; pass --openblas for OpenBLAS)"
+
+
+def header(title: str, blas: str) -> None:
+    import mlx.core as mx
+
+    print(f"# {title}")
+    print(f"device: {mx.default_device()}, BLAS: {blas}, mlx {mx.__version__}")
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def write_random_model(folder: Path, config: dict, seed: int = 0) -> Path:
+    """A float32 folder with random weights in HF names, plus the Qwen2 tokenizer."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from mlx_speculate.loading import model_class
+
+    if (folder / "model.safetensors").exists():
+        return folder
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    module = model_class(config)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.random.seed(seed)
+    weights = {
+        name: (0.02 * mx.random.normal(p.shape)).astype(mx.float32)
+        for name, p in tree_flatten(model.parameters())
+    }
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    write_qwen2_tokenizer(tmp)
+    tmp.rename(folder)
+    return folder
+
+
+def write_qwen2_tokenizer(folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    gguf = SHARED / "tokenizers" / "ggml-vocab-qwen2.gguf"
+    if not gguf.exists():
+        raise SystemExit(f"{gguf} not found: the Qwen2 tokenizer comes from ../shared")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer.save_pretrained(str(folder))

