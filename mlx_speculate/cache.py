@@ -57,13 +57,16 @@ class KVCache:
         self.offset = length
 
     def compact(self, start: int, slots: Sequence[int]) -> None:
-        """Moves `slots` (ascending, all >= start) to start, start+1, ...; the rest is dropped.
+        """Moves `slots` (strictly ascending, all >= start) to start, start+1, ...; the rest is
+        dropped.
 
         Used after tree verification: the accepted path's keys were written at scattered slots.
         """
         slots = list(slots)
-        if any(s < start or s >= self.offset for s in slots) or slots != sorted(slots):
-            raise ValueError(f"slots {slots} are not ascending within [{start}, {self.offset})")
+        if any(s < start or s >= self.offset for s in slots) or slots != sorted(set(slots)):
+            raise ValueError(
+                f"slots {slots} are not strictly ascending within [{start}, {self.offset})"
+            )
         end = start + len(slots)
         if slots != list(range(start, end)):
             index = mx.array(slots)

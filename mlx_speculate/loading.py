@@ -110,7 +110,11 @@ def build_model(
 ) -> CausalLM:
     """A model with `weights` loaded; shapes are checked against `config`."""
     module = model_class(config)
-    model = module.Model(module.ModelArgs.from_dict(config))
+    try:
+        args = module.ModelArgs.from_dict(config)
+    except TypeError as e:  # a required size is absent
+        raise ValueError(f"{config.get('model_type')} config is incomplete: {e}") from e
+    model = module.Model(args)
     weights = model.sanitize(weights)
     quantization = config.get("quantization")
     if quantization is not None:
@@ -129,7 +133,10 @@ def build_model(
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise ValueError(f"weights do not fit the {config.get('model_type')} config: {e}") from e
+        detail = " ".join(str(e).split())  # mlx lists missing/extra names on new lines
+        raise ValueError(
+            f"weights do not fit the {config.get('model_type')} config: {detail}"
+        ) from e
     mx.eval(model.parameters())
     model.eval()
     return model
@@ -138,7 +145,9 @@ def build_model(
 def load_model(path: Path, dtype: mx.Dtype | None = None) -> tuple[CausalLM, dict[str, Any]]:
     config = load_config(path)
     model_class(config)
-    return build_model(config, load_weights(path), dtype), config
+    model = build_model(config, load_weights(path), dtype)
+    model.source = path
+    return model, config
 
 
 def eos_token_ids(path: Path, config: dict[str, Any]) -> list[int]:

@@ -72,3 +72,26 @@ def greedy_reference(model: nn.Module, prompt: list[int], n: int) -> list[int]:
         out.append(token)
         logits = model(mx.array([[token]]), cache).logits[0, -1]
     return out
+
+
+def tree_inputs(parents: list[int], offset: int) -> tuple[mx.array, mx.array]:
+    """Rotary positions (offset + depth) and the additive (N, offset + N) mask of a tree whose
+    node i has parent `parents[i]` (-1 for the root; parents come before children)."""
+    n = len(parents)
+    depth = [0] * n
+    allowed = [[True] * offset + [False] * n for _ in range(n)]
+    for i, p in enumerate(parents):
+        depth[i] = 0 if p < 0 else depth[p] + 1
+        if p >= 0:
+            allowed[i][offset:] = allowed[p][offset:]
+        allowed[i][offset + i] = True
+    mask = mx.where(mx.array(allowed), 0.0, -mx.inf)
+    return mx.array([offset + d for d in depth]), mask
+
+
+def tree_path(parents: list[int], node: int) -> list[int]:
+    """Node indices from the root to `node`."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]

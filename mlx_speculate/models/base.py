@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -119,9 +120,15 @@ def build_context(
         mask = mask.astype(dtype)
     window_mask = None
     if window is not None and any(sliding) and total > window:
-        q = mx.arange(offset, total)[:, None]
-        k = mx.arange(total)[None, :]
-        window_mask = _additive_mask((k <= q) & (q - k < window), dtype)
+        # Causal by cache slot, distance by rotary position (committed slots sit at their
+        # positions; tree nodes at offset + depth): (B or 1, 1, L, offset + L).
+        q_pos = (mx.arange(offset, total) if positions is None else positions).reshape(-1, length)
+        k_pos = mx.concatenate(
+            [mx.broadcast_to(mx.arange(offset), (q_pos.shape[0], offset)), q_pos], axis=1
+        )
+        causal = mx.arange(total)[None, :] <= mx.arange(offset, total)[:, None]
+        near = q_pos[:, :, None] - k_pos[:, None, :] < window
+        window_mask = _additive_mask(causal & near, dtype)[:, None]
         if mask is not None:
             window_mask = mx.minimum(window_mask, mask)
     if mask is None and length > 1:
@@ -216,6 +223,7 @@ class CausalLM(nn.Module):
     """`model` (a DecoderStack) plus the vocabulary projection, tied or not."""
 
     model: DecoderStack
+    source: Path | None = None  # the folder `load` read it from (Medusa heads live beside it)
 
     def __init__(self, args: BaseModelArgs):
         super().__init__()

@@ -12,6 +12,8 @@ from .base import BaseModelArgs, CausalLM, DecoderStack, ForwardContext, Transfo
 
 @dataclass
 class ModelArgs(BaseModelArgs):
+    rms_norm_eps: float = 1e-5  # transformers' Phi3Config default
+
     def sliding_layers(self) -> tuple[bool, ...]:
         # transformers applies `sliding_window` to every Phi-3 layer when it is set.
         return (self.sliding_window is not None,) * self.num_hidden_layers

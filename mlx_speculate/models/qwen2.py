@@ -9,8 +9,7 @@ from . import llama
 
 @dataclass
 class ModelArgs(llama.ModelArgs):
-    rope_theta: float = 1000000.0
-    tie_word_embeddings: bool = True
+    max_window_layers: int = 28  # transformers' Qwen2Config default
 
     @property
     def qkv_bias(self) -> bool:
@@ -26,8 +25,7 @@ class ModelArgs(llama.ModelArgs):
         if self.layer_types is not None:
             return tuple(t == "sliding_attention" for t in self.layer_types)
         # transformers: layers from `max_window_layers` on use the window.
-        first = self.max_window_layers or 0
-        return tuple(i >= first for i in range(self.num_hidden_layers))
+        return tuple(i >= self.max_window_layers for i in range(self.num_hidden_layers))
 
 
 class Model(llama.Model):

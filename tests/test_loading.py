@@ -1,0 +1,246 @@
+"""Loading: local folders, hub ids, sharded and quantized weights, EOS ids, and clear errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import huggingface_hub
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_speculate.loading import build_model, load, load_model
+
+from .helpers import random_weights, tiny_config
+
+TOKENS = mx.array([[1, 5, 9, 33, 2, 70, 96, 4]])
+WORDS = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(94)]
+
+
+def write_tokenizer(path: Path) -> None:
+    """A 97-word WordLevel tokenizer with `</s>` (id 2) as its EOS token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(path / "tokenizer.json"))
+    special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **special}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def write_folder(
+    path: Path, config: dict[str, Any], weights: dict[str, mx.array], tokenizer: bool = True
+) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    if tokenizer:
+        write_tokenizer(path)
+    return path
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    """A complete tiny llama folder."""
+    config = tiny_config()
+    return write_folder(tmp_path / "tiny", config, random_weights(config))
+
+
+def reference_logits() -> mx.array:
+    config = tiny_config()
+    return build_model(config, random_weights(config))(TOKENS).logits
+
+
+def no_download(*args, **kwargs):
+    raise AssertionError("snapshot_download must not be called for a local folder")
+
+
+def test_local_folder(folder, monkeypatch):
+    """A local folder loads without touching the hub; logits equal the in-memory model."""
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_download)
+    model, tokenizer = load(folder)
+    assert mx.array_equal(model(TOKENS).logits, reference_logits())
+    assert tokenizer.encode("w0 w1", add_special_tokens=False) == [3, 4]
+
+
+def test_local_folder_named_like_a_hub_id(folder, tmp_path, monkeypatch):
+    """A relative `org/name` that exists locally is read from disk, not downloaded."""
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_download)
+    (tmp_path / "org").mkdir()
+    folder.rename(tmp_path / "org" / "name")
+    monkeypatch.chdir(tmp_path)
+    model, _ = load("org/name")
+    assert mx.array_equal(model(TOKENS).logits, reference_logits())
+
+
+def test_hub_id_is_downloaded(folder, monkeypatch):
+    """A missing `org/name` goes through snapshot_download and loads what it returns."""
+    calls = []
+
+    def fake_download(repo_id, **kwargs):
+        calls.append(repo_id)
+        return str(folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    model, _ = load("some-org/some.model-1")
+    assert calls == ["some-org/some.model-1"]
+    assert mx.array_equal(model(TOKENS).logits, reference_logits())
+
+
+def test_hub_failure_is_a_clear_error(monkeypatch):
+    """A hub id that cannot be fetched raises FileNotFoundError naming the id and the cause."""
+
+    def offline(repo_id, **kwargs):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(FileNotFoundError, match=r"'some-org/missing'.*ConnectionError: no network"):
+        load("some-org/missing")
+
+
+def assert_one_line(error: pytest.ExceptionInfo, *needles: str) -> None:
+    message = str(error.value)
+    assert "\n" not in message, message
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_missing_folder(tmp_path):
+    """A path that is neither a folder nor a hub id is a FileNotFoundError naming it."""
+    with pytest.raises(FileNotFoundError) as error:
+        load(tmp_path / "absent")
+    assert_one_line(error, str(tmp_path / "absent"))
+
+
+def test_folder_without_config(folder):
+    """A folder without config.json is a FileNotFoundError naming the folder."""
+    (folder / "config.json").unlink()
+    with pytest.raises(FileNotFoundError) as error:
+        load(folder)
+    assert_one_line(error, "config.json", str(folder))
+
+
+def test_invalid_config_json(folder):
+    """A config.json that is not JSON is a ValueError naming the file."""
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(ValueError) as error:
+        load(folder)
+    assert_one_line(error, str(folder / "config.json"))
+
+
+def test_config_without_a_required_size(folder):
+    """A config.json lacking hidden_size is a ValueError naming the field."""
+    config = tiny_config()
+    del config["hidden_size"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as error:
+        load(folder)
+    assert_one_line(error, "hidden_size")
+
+
+def test_unknown_model_type(folder):
+    """An unsupported model_type is a ValueError naming it and the supported types."""
+    (folder / "config.json").write_text(json.dumps(tiny_config("gpt2")))
+    with pytest.raises(ValueError) as error:
+        load(folder)
+    assert_one_line(error, "'gpt2'", "llama", "qwen2", "phi3")
+
+
+def test_missing_weights(folder):
+    """A folder without model*.safetensors is a FileNotFoundError naming the folder."""
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError) as error:
+        load(folder)
+    assert_one_line(error, "safetensors", str(folder))
+
+
+def test_corrupt_safetensors(folder):
+    """Garbage in model.safetensors is a ValueError naming the file."""
+    (folder / "model.safetensors").write_bytes(b"\x00garbage" * 100)
+    with pytest.raises(ValueError) as error:
+        load(folder)
+    assert_one_line(error, str(folder / "model.safetensors"))
+
+
+def test_weights_of_another_shape(folder):
+    """Weights from a larger intermediate_size are a ValueError naming the parameter and shapes."""
+    weights = random_weights(tiny_config(intermediate_size=128))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    with pytest.raises(ValueError) as error:
+        load(folder)
+    assert_one_line(error, "model.layers.0.mlp.gate_proj.weight", "(96, 64)", "(128, 64)")
+
+
+@pytest.mark.parametrize("change", ["missing", "extra"])
+def test_missing_or_extra_weights(folder, change):
+    """A missing or an unknown tensor is a one-line ValueError naming it."""
+    weights = random_weights(tiny_config())
+    name = "lm_head.weight" if change == "missing" else "model.extra.weight"
+    if change == "missing":
+        del weights[name]
+    else:
+        weights[name] = mx.zeros((3,))
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    with pytest.raises(ValueError) as error:
+        load(folder)
+    assert_one_line(error, name)
+
+
+def test_sharded_safetensors(tmp_path):
+    """Weights split over two shards with an index load equal to a single file."""
+    config = tiny_config()
+    weights = random_weights(config)
+    folder = write_folder(tmp_path / "sharded", config, {}, tokenizer=False)
+    (folder / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2]}
+    shards["model-00002-of-00002.safetensors"] = names[1::2]
+    weight_map = {}
+    for file, shard in shards.items():
+        mx.save_safetensors(str(folder / file), {n: weights[n] for n in shard})
+        weight_map |= dict.fromkeys(shard, file)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    model, _ = load_model(folder)
+    assert mx.array_equal(model(TOKENS).logits, reference_logits())
+
+
+def test_quantized_folder(tmp_path):
+    """An mlx-lm quantized folder (with per-module overrides) loads equal to the in-memory model."""
+    config = tiny_config()
+    quantization = {
+        "group_size": 32,
+        "bits": 4,
+        "lm_head": {"group_size": 32, "bits": 8},
+        "model.layers.0.mlp.down_proj": False,
+    }
+    model = build_model(config, random_weights(config))
+
+    def predicate(path: str, module: nn.Module) -> bool | dict:
+        if not hasattr(module, "to_quantized") or path == "model.layers.0.mlp.down_proj":
+            return False
+        return {"group_size": 32, "bits": 8} if path == "lm_head" else True
+
+    nn.quantize(model, 32, 4, class_predicate=predicate)
+    assert model.lm_head.bits == 8 and model.model.layers[1].mlp.down_proj.bits == 4
+    assert isinstance(model.model.layers[0].mlp.down_proj, nn.Linear)
+    weights = dict(tree_flatten(model.parameters()))
+    folder = write_folder(tmp_path / "q", config | {"quantization": quantization}, weights)
+
+    loaded, _ = load(folder)
+    assert isinstance(loaded.model.layers[0].mlp.down_proj, nn.Linear)
+    assert loaded.lm_head.bits == 8 and loaded.model.embed_tokens.bits == 4
+    assert mx.array_equal(loaded(TOKENS).logits, model(TOKENS).logits)
+
+
+def test_eos_ids_from_config_generation_config_and_tokenizer(folder):
+    """EOS ids are the union of config.json, generation_config.json and the tokenizer's."""
+    config = tiny_config() | {"eos_token_id": 5}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
+    _, tokenizer = load(folder)
+    assert tokenizer.eos_token_ids == {2, 5, 7}
