@@ -1,0 +1,373 @@
+"""HF folder, hub id or Llama GGUF -> an mlx-lm model folder, optionally quantized.
+
+    python -m mlx_speculate.convert --hf-path SRC --mlx-path DST [-q] [--q-bits 4] ...
+
+The output is what `mlx_lm.convert` writes, so both this package and mlx-lm load it:
+`config.json` (the source config, rope settings in both the `rope_parameters` and the legacy
+`rope_theta`/`rope_scaling` forms, plus `quantization` and its mirror `quantization_config`),
+`model.safetensors` or shards with `model.safetensors.index.json`, and the tokenizer files.
+The folder is written beside DST under a temporary name and renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+from tqdm import tqdm
+
+from .loading import build_model, load_config, load_weights, resolve_path
+from .models.rope import rope_parameters
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+GGUF_DEFAULT_DTYPE = "float16"
+Q_BITS = (2, 3, 4, 5, 6, 8)
+Q_GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 64
+GGUF_GROUP_SIZE = 32  # llama.cpp's Q4_0/Q4_1/Q8_0 block size
+MAX_SHARD_BYTES = 5 << 30  # mlx-lm's shard limit (5 GiB)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+def convert(
+    hf_path: str | Path,
+    mlx_path: str | Path,
+    *,
+    quantize: bool = False,
+    q_bits: int = 4,
+    q_group_size: int | None = None,
+    dtype: str | None = None,
+    overwrite: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    medusa_path: str | Path | None = None,
+) -> Path:
+    """Converts `hf_path` into an mlx-lm folder at `mlx_path` and returns that path.
+
+    `dtype` casts every floating-point tensor; None keeps the checkpoint's own dtypes
+    (float16 for GGUF, whose tensors are dequantized to float32 on reading).
+    `q_group_size` defaults to 64, and to 32 for GGUF: llama.cpp's block size, which keeps
+    re-quantized SmolLM2 coherent where 64 does not.
+    `medusa_path`: Medusa heads converted alongside (same dtype and quantization) into
+    `mlx_path/medusa`.
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+    if quantize and q_bits not in Q_BITS:
+        raise ValueError(f"q_bits {q_bits} is not supported (supported: {Q_BITS})")
+    if quantize and q_group_size is not None and q_group_size not in Q_GROUP_SIZES:
+        raise ValueError(
+            f"q_group_size {q_group_size} is not supported (supported: {Q_GROUP_SIZES})"
+        )
+    dst = Path(mlx_path).expanduser()
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"{dst} already exists (pass --overwrite to replace it)")
+
+    src = Path(hf_path).expanduser()
+    gguf = src.suffix == ".gguf"
+    if gguf:
+        if not src.is_file():
+            raise FileNotFoundError(f"GGUF file {str(src)!r} does not exist")
+        from .gguf import read_gguf
+
+        print(f"reading {src}")
+        checkpoint = read_gguf(src)
+        config, weights = dict(checkpoint.config), checkpoint.weights
+        dtype = dtype or GGUF_DEFAULT_DTYPE
+        q_group_size = q_group_size or GGUF_GROUP_SIZE
+        if quantize:
+            print(
+                "warning: the GGUF is already quantized by llama.cpp; -q quantizes its "
+                "dequantized weights again, which adds a second rounding error",
+                file=sys.stderr,
+            )
+    else:
+        src = resolve_path(hf_path)
+        print(f"loading {src}")
+        config = load_config(src)
+        _check_quantization(config, quantize)
+        weights = load_weights(src)
+        q_group_size = q_group_size or DEFAULT_GROUP_SIZE
+
+    model = _build(config, weights)
+    del weights
+    config = _rope_both_forms(config)
+    if dtype is not None:
+        target = DTYPES[dtype]
+        model.update(
+            tree_map(
+                lambda a: a.astype(target) if mx.issubdtype(a.dtype, mx.floating) else a,
+                model.parameters(),
+            )
+        )
+        config["torch_dtype"] = config["dtype"] = dtype
+    if quantize:
+        quantize_model(model, q_bits, q_group_size)
+        settings = {"group_size": q_group_size, "bits": q_bits, "mode": "affine"}
+        config["quantization"] = dict(settings)
+        config["quantization_config"] = dict(settings)
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; DST gets the usual mode
+    try:
+        write_weights(tmp, dict(tree_flatten(model.parameters())), max_shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if gguf:
+            from .gguf import write_gguf_tokenizer
+
+            write_gguf_tokenizer(src, tmp)  # chat template included
+        else:
+            _copy_tokenizer(src, tmp)
+        if medusa_path is not None:
+            from .heads import convert_medusa_heads
+
+            convert_medusa_heads(
+                medusa_path,
+                tmp / "medusa",
+                model_config=config,
+                quantize=quantize,
+                q_bits=q_bits,
+                q_group_size=q_group_size,
+                dtype=DTYPES[dtype] if dtype is not None else None,
+            )
+        _move_into_place(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    size = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
+    kind = f"{q_bits}-bit group {q_group_size}" if quantize else dtype or "source dtype"
+    print(f"wrote {dst} ({kind}, {size / 1e6:.1f} MB of weights)")
+    return dst
+
+
+def quantizable(group_size: int):
+    """mlx-lm's rule: Linear/Embedding layers whose input dimension divides into groups."""
+
+    def predicate(path: str, module: nn.Module) -> bool:
+        return hasattr(module, "to_quantized") and module.weight.shape[-1] % group_size == 0
+
+    return predicate
+
+
+def quantize_model(model: nn.Module, bits: int, group_size: int) -> None:
+    """Affine quantization in place; other layers (norms, odd widths) stay float."""
+    nn.quantize(
+        model,
+        group_size=group_size,
+        bits=bits,
+        mode="affine",
+        class_predicate=quantizable(group_size),
+    )
+
+
+def make_shards(weights: dict[str, mx.array], max_bytes: int) -> list[dict[str, mx.array]]:
+    """Consecutive groups of tensors of at most `max_bytes` (a larger tensor stands alone)."""
+    shards: list[dict[str, mx.array]] = []
+    size = 0
+    for name, value in weights.items():
+        if not shards or size + value.nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = value
+        size += value.nbytes
+    return shards
+
+
+def write_weights(out: Path, weights: dict[str, mx.array], max_shard_bytes: int) -> None:
+    shards = make_shards(weights, max_shard_bytes)
+    n = len(shards)
+    names = [
+        "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        for i in range(n)
+    ]
+    # Quantization is lazy: evaluating each tensor here is where the work happens.
+    with tqdm(total=len(weights), unit="tensor", desc="writing") as bar:
+        for name, shard in zip(names, shards, strict=True):
+            for value in shard.values():
+                mx.eval(value)
+                bar.update()
+            _write_shard(out / name, shard)
+    if n > 1:
+        index = {
+            "metadata": {"total_size": sum(v.nbytes for v in weights.values())},
+            "weight_map": {k: names[i] for i, s in enumerate(shards) for k in sorted(s)},
+        }
+        index["weight_map"] = dict(sorted(index["weight_map"].items()))
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_shard(path: Path, shard: dict[str, mx.array]) -> None:
+    mx.save_safetensors(str(path), shard, metadata={"format": "mlx"})
+
+
+def _build(config: dict[str, Any], weights: dict[str, mx.array]) -> nn.Module:
+    try:
+        return build_model(config, weights)
+    except TypeError as e:  # ModelArgs(...) without a required field
+        raise ValueError(
+            f"config.json does not describe a {config.get('model_type')} model: {e}"
+        ) from e
+
+
+def _check_quantization(config: dict[str, Any], quantize: bool) -> None:
+    if quantize and "quantization" in config:
+        raise ValueError("checkpoint is already quantized; convert from a float checkpoint")
+    hf_quant = config.get("quantization_config")
+    if hf_quant is not None and "quantization" not in config:
+        method = hf_quant.get("quant_method", "unknown") if isinstance(hf_quant, dict) else "?"
+        raise ValueError(
+            f"checkpoint is quantized with {method!r}, which is not supported; "
+            "convert from a float checkpoint"
+        )
+
+
+def _rope_both_forms(config: dict[str, Any]) -> dict[str, Any]:
+    """`rope_parameters` (transformers 5) plus `rope_theta`/`rope_scaling` (mlx-lm, older HF)."""
+    config = dict(config)
+    params = rope_parameters(config)
+    config["rope_parameters"] = params
+    config["rope_theta"] = params["rope_theta"]
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        config["rope_scaling"] = None
+    else:
+        legacy = {
+            k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")
+        }
+        config["rope_scaling"] = {**legacy, "type": rope_type, "rope_type": rope_type}
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        config.setdefault("partial_rotary_factor", params["partial_rotary_factor"])
+    if "original_max_position_embeddings" in params:
+        config.setdefault(
+            "original_max_position_embeddings", params["original_max_position_embeddings"]
+        )
+    return config
+
+
+def _copy_tokenizer(src: Path, out: Path) -> None:
+    files = [src / name for name in TOKENIZER_FILES if (src / name).is_file()]
+    files += sorted(p for p in src.glob("*.jinja") if p.is_file())
+    for file in files:
+        shutil.copyfile(file, out / file.name)
+    if not any(f.name.startswith("tokenizer") for f in files):
+        print(f"warning: no tokenizer files in {src}; add them to the output", file=sys.stderr)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _move_into_place(tmp: Path, dst: Path) -> None:
+    """Renames `tmp` to `dst`; an existing `dst` is moved aside first and removed after."""
+    old = None
+    if dst.exists() or dst.is_symlink():
+        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent)) / "old"
+        dst.rename(old)
+    try:
+        tmp.rename(dst)
+    except BaseException:
+        if old is not None:
+            old.rename(dst)
+            shutil.rmtree(old.parent, ignore_errors=True)
+        raise
+    if old is not None:
+        shutil.rmtree(old.parent, ignore_errors=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mlx_speculate.convert",
+        description=(
+            "Convert a Hugging Face checkpoint (local folder or hub id) or a Llama GGUF file "
+            "into an mlx-lm model folder, optionally quantized (MLX affine quantization). "
+            "Supported model types: llama, qwen2, phi3."
+        ),
+    )
+    parser.add_argument(
+        "--hf-path",
+        required=True,
+        metavar="SRC",
+        help="HF model folder, Hugging Face hub id (owner/name) or a .gguf file",
+    )
+    parser.add_argument(
+        "--mlx-path",
+        required=True,
+        metavar="DST",
+        help="output folder (must not exist unless --overwrite)",
+    )
+    parser.add_argument(
+        "-q",
+        "--quantize",
+        action="store_true",
+        help="quantize Linear/Embedding layers whose input dimension is a multiple of the "
+        "group size; other layers stay float",
+    )
+    parser.add_argument(
+        "--q-bits", type=int, default=4, choices=[4, 8], help="bits per weight (default: 4)"
+    )
+    parser.add_argument(
+        "--q-group-size",
+        type=int,
+        choices=list(Q_GROUP_SIZES),
+        help=f"weights sharing one scale and bias (default: {DEFAULT_GROUP_SIZE}; "
+        f"{GGUF_GROUP_SIZE} for GGUF, llama.cpp's block size)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        help="cast floating-point weights (default: keep the checkpoint's dtype; "
+        f"{GGUF_DEFAULT_DTYPE} for GGUF)",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument(
+        "--medusa-path",
+        metavar="HEADS",
+        help="Medusa heads (published folder or file) to convert into DST/medusa",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        convert(
+            args.hf_path,
+            args.mlx_path,
+            quantize=args.quantize,
+            q_bits=args.q_bits,
+            q_group_size=args.q_group_size,
+            dtype=args.dtype,
+            overwrite=args.overwrite,
+            medusa_path=args.medusa_path,
+        )
+    except (ValueError, OSError, ImportError) as e:  # ImportError: a .pt checkpoint, no torch
+        message = " ".join(str(e).split())
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
