@@ -7,6 +7,9 @@ The output is what `mlx_lm.convert` writes, so both this package and mlx-lm load
 `rope_theta`/`rope_scaling` forms, plus `quantization` and its mirror `quantization_config`),
 `model.safetensors` or shards with `model.safetensors.index.json`, and the tokenizer files.
 The folder is written beside DST under a temporary name and renamed into place at the end.
+
+A GGUF source converted with -q keeps llama.cpp's own Q4_0/Q4_1/Q8_0 tensors bit for bit (MLX's
+affine quantization at group size 32 represents them exactly): no second rounding.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 GGUF_DEFAULT_DTYPE = "float16"
 Q_BITS = (2, 3, 4, 5, 6, 8)
 Q_GROUP_SIZES = (32, 64, 128)
+DEFAULT_BITS = 4
 DEFAULT_GROUP_SIZE = 64
 GGUF_GROUP_SIZE = 32  # llama.cpp's Q4_0/Q4_1/Q8_0 block size
 MAX_SHARD_BYTES = 5 << 30  # mlx-lm's shard limit (5 GiB)
@@ -54,7 +58,7 @@ def convert(
     mlx_path: str | Path,
     *,
     quantize: bool = False,
-    q_bits: int = 4,
+    q_bits: int | None = None,
     q_group_size: int | None = None,
     dtype: str | None = None,
     overwrite: bool = False,
@@ -63,16 +67,19 @@ def convert(
 ) -> Path:
     """Converts `hf_path` into an mlx-lm folder at `mlx_path` and returns that path.
 
-    `dtype` casts every floating-point tensor; None keeps the checkpoint's own dtypes
-    (float16 for GGUF, whose tensors are dequantized to float32 on reading).
-    `q_group_size` defaults to 64, and to 32 for GGUF: llama.cpp's block size, which keeps
-    re-quantized SmolLM2 coherent where 64 does not.
+    `dtype` casts every floating-point tensor, quantization scales and biases included; None
+    keeps the checkpoint's own dtypes (float16 for GGUF: its quantization scales are float16 in
+    the file, so they stay exact; F32 norms are rounded, and bfloat16 would round the scales).
+    `quantize` with a GGUF source keeps the file's own Q4_0/Q4_1/Q8_0 tensors exactly (their
+    bits, group size 32) and leaves its float tensors float; `q_bits` and `q_group_size` apply
+    only to a GGUF holding no quantized tensor. `q_bits` defaults to 4; `q_group_size` to 64,
+    and to 32 for GGUF (llama.cpp's block size).
     `medusa_path`: Medusa heads converted alongside (same dtype and quantization) into
     `mlx_path/medusa`.
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
-    if quantize and q_bits not in Q_BITS:
+    if quantize and q_bits is not None and q_bits not in Q_BITS:
         raise ValueError(f"q_bits {q_bits} is not supported (supported: {Q_BITS})")
     if quantize and q_group_size is not None and q_group_size not in Q_GROUP_SIZES:
         raise ValueError(
@@ -84,22 +91,27 @@ def convert(
 
     src = Path(hf_path).expanduser()
     gguf = src.suffix == ".gguf"
+    kept = None  # the GGUF's own quantization, in config.json form
     if gguf:
         if not src.is_file():
             raise FileNotFoundError(f"GGUF file {str(src)!r} does not exist")
         from .gguf import read_gguf
 
         print(f"reading {src}")
-        checkpoint = read_gguf(src)
+        checkpoint = read_gguf(src, keep_quantization=quantize)
         config, weights = dict(checkpoint.config), checkpoint.weights
         dtype = dtype or GGUF_DEFAULT_DTYPE
+        kept = checkpoint.quantization
+        if kept is not None:
+            config["quantization"] = kept  # build_model quantizes the modules to fit
+            if q_bits not in (None, kept["bits"]) or q_group_size not in (None, kept["group_size"]):
+                print(
+                    f"note: -q keeps the GGUF's own quantization ({describe_quantization(kept)}); "
+                    "--q-bits/--q-group-size are ignored",
+                    file=sys.stderr,
+                )
+            q_bits, q_group_size = kept["bits"], kept["group_size"]  # for the Medusa heads
         q_group_size = q_group_size or GGUF_GROUP_SIZE
-        if quantize:
-            print(
-                "warning: the GGUF is already quantized by llama.cpp; -q quantizes its "
-                "dequantized weights again, which adds a second rounding error",
-                file=sys.stderr,
-            )
     else:
         src = resolve_path(hf_path)
         print(f"loading {src}")
@@ -107,6 +119,7 @@ def convert(
         _check_quantization(config, quantize)
         weights = load_weights(src)
         q_group_size = q_group_size or DEFAULT_GROUP_SIZE
+    q_bits = q_bits or DEFAULT_BITS
 
     model = _build(config, weights)
     del weights
@@ -120,7 +133,9 @@ def convert(
             )
         )
         config["torch_dtype"] = config["dtype"] = dtype
-    if quantize:
+    if kept is not None:
+        config["quantization_config"] = dict(kept)
+    elif quantize:
         quantize_model(model, q_bits, q_group_size)
         settings = {"group_size": q_group_size, "bits": q_bits, "mode": "affine"}
         config["quantization"] = dict(settings)
@@ -155,9 +170,28 @@ def convert(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     size = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
-    kind = f"{q_bits}-bit group {q_group_size}" if quantize else dtype or "source dtype"
+    if quantize:
+        kind = describe_quantization(config["quantization"])
+        kind += ", as in the GGUF" if kept is not None else ""
+    else:
+        kind = dtype or "source dtype"
     print(f"wrote {dst} ({kind}, {size / 1e6:.1f} MB of weights)")
     return dst
+
+
+def describe_quantization(quantization: dict[str, Any]) -> str:
+    """'4-bit group 32', then the modules quantized otherwise: ', 8-bit group 32: lm_head'."""
+    text = f"{quantization['bits']}-bit group {quantization['group_size']}"
+    others: dict[str, list[str]] = {}
+    for module, override in quantization.items():
+        if isinstance(override, dict):
+            width = f"{override['bits']}-bit group {override['group_size']}"
+            others.setdefault(width, []).append(module)
+    for width, modules in others.items():
+        text += f", {width}: " + (
+            ", ".join(modules) if len(modules) <= 2 else f"{len(modules)} modules"
+        )
+    return text
 
 
 def quantizable(group_size: int):
@@ -322,23 +356,29 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantize",
         action="store_true",
         help="quantize Linear/Embedding layers whose input dimension is a multiple of the "
-        "group size; other layers stay float",
+        "group size; other layers stay float. A GGUF keeps its own Q4_0/Q4_1/Q8_0 tensors "
+        "exactly (4/4/8 bits, group 32) instead of being quantized again",
     )
     parser.add_argument(
-        "--q-bits", type=int, default=4, choices=[4, 8], help="bits per weight (default: 4)"
+        "--q-bits",
+        type=int,
+        choices=[4, 8],
+        help=f"bits per weight (default: {DEFAULT_BITS}; ignored for a quantized GGUF)",
     )
     parser.add_argument(
         "--q-group-size",
         type=int,
         choices=list(Q_GROUP_SIZES),
         help=f"weights sharing one scale and bias (default: {DEFAULT_GROUP_SIZE}; "
-        f"{GGUF_GROUP_SIZE} for GGUF, llama.cpp's block size)",
+        f"{GGUF_GROUP_SIZE} for GGUF, llama.cpp's block size; ignored for a quantized GGUF)",
     )
     parser.add_argument(
         "--dtype",
         choices=list(DTYPES),
-        help="cast floating-point weights (default: keep the checkpoint's dtype; "
-        f"{GGUF_DEFAULT_DTYPE} for GGUF)",
+        help="cast floating-point weights, quantization scales and biases included "
+        "(default: keep the checkpoint's dtype; "
+        f"{GGUF_DEFAULT_DTYPE} for GGUF, whose scales are float16 in the file). "
+        "MLX's CPU backend computes much faster in float32 than in float16",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument(

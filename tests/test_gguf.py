@@ -34,6 +34,7 @@ HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB, CONTEXT = 64, 128, 2, 4, 2, 128, 25
 HEAD_DIM = HIDDEN // HEADS
 SHARED_TOKENIZERS = Path(__file__).resolve().parents[2] / "shared" / "tokenizers"
 SMOLLM2_DEFAULT = Path.home() / ".cache/mlx_speculate/SmolLM2-135M-Instruct.Q4_1.gguf"
+QUANTIZED_PARTS = ("weight", "scales", "biases")
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -78,13 +79,21 @@ def write_gguf(
     state: dict[str, np.ndarray],
     *,
     quant: Q = Q.F32,
+    quant_overrides: dict[str, Q] | None = None,
     arch: str = "llama",
     rope_scaling_factor: float | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
+    alignment: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """Write `state` as llama.cpp would; return each stored tensor (HF name, GGUF row order)."""
+    """Write `state` as llama.cpp would (matrices in `quant`, or their type in `quant_overrides`;
+    norms in F32); return each stored tensor (HF name, GGUF row order)."""
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, LAYERS)
     writer = gguf.GGUFWriter(path, arch)
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    # Arrays in the metadata, as a real file's vocabulary: the header reader must step over them.
+    writer.add_array("general.languages", ["en", "fr"])
+    writer.add_array("general.numbers", [1, 2, 3])
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(FFN)
@@ -103,7 +112,7 @@ def write_gguf(
     stored = {}
     for name, w in state.items():
         w = to_gguf_order(name, w)
-        qtype = quant if w.ndim == 2 else Q.F32  # llama.cpp keeps norms in F32
+        qtype = (quant_overrides or {}).get(name, quant) if w.ndim == 2 else Q.F32
         data = gguf.quants.quantize(w, qtype) if qtype != Q.F32 else w
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight",)), data, raw_dtype=qtype)
         stored[name] = gguf.quants.dequantize(data, qtype)
@@ -176,6 +185,75 @@ def test_quantized_tensors_match_gguf_dequantization(tmp_path: Path, quant: Q) -
         np.testing.assert_allclose(ours, reference, rtol=1e-6, atol=1e-7, err_msg=name)
         if name.endswith("proj.weight"):
             assert not np.array_equal(ours, state[name])  # really quantized, not passed through
+
+
+@pytest.mark.parametrize(
+    "quant, bits", [(Q.Q8_0, 8), (Q.Q4_0, 4), (Q.Q4_1, 4)], ids=["Q8_0", "Q4_0", "Q4_1"]
+)
+def test_kept_quantization_is_exact(tmp_path: Path, quant: Q, bits: int) -> None:
+    # MLX's affine triples hold these types exactly: dequantizing them gives llama.cpp's values,
+    # and the Q/K row permutation is undone on the packed weights, scales and biases alike.
+    state = hf_state_dict(tied=False)
+    stored = write_gguf(tmp_path / "m.gguf", state, quant=quant)
+    kept = read_gguf(tmp_path / "m.gguf", keep_quantization=True)
+    dequantized = read_gguf(tmp_path / "m.gguf").weights
+    assert kept.config == expected_config(tied=False)
+    assert kept.quantization == {"group_size": 32, "bits": bits, "mode": "affine"}
+    matrices = [name for name, w in state.items() if w.ndim == 2]
+    expected_names = {n for n in state if n not in matrices} | {
+        f"{n.removesuffix('.weight')}.{part}" for n in matrices for part in QUANTIZED_PARTS
+    }
+    assert kept.weights.keys() == expected_names
+    for name, reference in stored.items():
+        if name not in matrices:  # norms stay float
+            assert kept.weights[name].dtype == mx.float32
+            np.testing.assert_array_equal(np.array(kept.weights[name]), state[name])
+            continue
+        module = name.removesuffix(".weight")
+        packed, scales, biases = (kept.weights[f"{module}.{p}"] for p in QUANTIZED_PARTS)
+        rows, cols = reference.shape
+        assert packed.dtype == mx.uint32 and packed.shape == (rows, cols * bits // 32)
+        assert scales.dtype == biases.dtype == mx.float16
+        assert scales.shape == biases.shape == (rows, cols // 32)
+        ours = mx.dequantize(
+            packed, scales.astype(mx.float32), biases.astype(mx.float32), group_size=32, bits=bits
+        )
+        assert mx.array_equal(ours, dequantized[name]).item(), name
+        np.testing.assert_allclose(
+            to_gguf_order(name, np.array(ours)), reference, rtol=1e-6, atol=1e-7, err_msg=name
+        )
+
+
+def test_kept_quantization_is_described_per_module(tmp_path: Path) -> None:
+    wide = {"model.embed_tokens.weight": Q.Q8_0, "lm_head.weight": Q.Q8_0}
+    write_gguf(tmp_path / "m.gguf", hf_state_dict(tied=False), quant=Q.Q4_1, quant_overrides=wide)
+    kept = read_gguf(tmp_path / "m.gguf", keep_quantization=True)
+    eight = {"group_size": 32, "bits": 8, "mode": "affine"}
+    assert kept.quantization == {
+        "group_size": 32,
+        "bits": 4,
+        "mode": "affine",
+        "model.embed_tokens": eight,
+        "lm_head": eight,
+    }
+    assert kept.weights["model.embed_tokens.weight"].shape == (VOCAB, HIDDEN * 8 // 32)
+
+
+def test_keeping_quantization_of_a_float_file_changes_nothing(tmp_path: Path) -> None:
+    state = hf_state_dict(tied=True)
+    write_gguf(tmp_path / "m.gguf", state, quant=Q.F16)
+    kept = read_gguf(tmp_path / "m.gguf", keep_quantization=True)
+    assert kept.quantization is None and read_gguf(tmp_path / "m.gguf").quantization is None
+    assert kept.weights.keys() == state.keys()
+    assert all(w.dtype == mx.float32 for w in kept.weights.values())
+
+
+def test_header_with_custom_alignment(tmp_path: Path) -> None:
+    state = hf_state_dict(tied=True)
+    write_gguf(tmp_path / "m.gguf", state, alignment=256)
+    weights = read_gguf(tmp_path / "m.gguf").weights
+    for name, w in state.items():
+        np.testing.assert_array_equal(np.array(weights[name]), w, err_msg=name)
 
 
 def test_hf_rope_on_read_weights_matches_llama_cpp_interleaved_rope(tmp_path: Path) -> None:
@@ -330,6 +408,30 @@ def test_smollm2_weights_match_gguf_reference_dequantization(
         np.testing.assert_allclose(ours, reference, rtol=1e-6, atol=1e-7, err_msg=name)
         types[tensor.tensor_type.name] += 1
     assert types == {"Q4_1": 210, "Q8_0": 1, "F32": 61}
+
+
+def test_smollm2_kept_quantization(smollm2: Path, smollm2_checkpoint: GGUFCheckpoint) -> None:
+    # Q4_1 everywhere but the Q8_0 embedding (tied: it is also the output projection).
+    kept = read_gguf(smollm2, keep_quantization=True)
+    assert kept.config == smollm2_checkpoint.config
+    assert kept.quantization == {
+        "group_size": 32,
+        "bits": 4,
+        "mode": "affine",
+        "model.embed_tokens": {"group_size": 32, "bits": 8, "mode": "affine"},
+    }
+    assert len(kept.weights) == 61 + 211 * 3
+    for name, reference in smollm2_checkpoint.weights.items():
+        module = name.removesuffix(".weight")
+        if f"{module}.scales" not in kept.weights:
+            assert mx.array_equal(kept.weights[name], reference).item(), name
+            continue
+        packed, scales, biases = (kept.weights[f"{module}.{p}"] for p in QUANTIZED_PARTS)
+        bits = 8 if module == "model.embed_tokens" else 4
+        ours = mx.dequantize(
+            packed, scales.astype(mx.float32), biases.astype(mx.float32), group_size=32, bits=bits
+        )
+        assert mx.array_equal(ours, reference).item(), name
 
 
 def test_smollm2_tokenizer(
