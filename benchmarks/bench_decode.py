@@ -48,7 +48,9 @@ def model_folder(name: str) -> Path:
             return source
     dest = CACHE / f"{name}-mlx"
     if not dest.exists():
-        convert(source, dest, quantize=quantize, q_bits=4, q_group_size=64, dtype="float32")
+        # A GGUF keeps its own Q4_1/Q8_0 (group 32); the random HF model gets 4-bit group 64.
+        bits = {} if family == "smollm2" else {"q_bits": 4, "q_group_size": 64}
+        convert(source, dest, quantize=quantize, dtype="float32", **bits)
     return dest
 
 

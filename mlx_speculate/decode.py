@@ -4,9 +4,9 @@ Plain decoding is this loop with no drafter (or a step where the drafter propose
 the target then verifies just the pending token and the rule emits one token.
 
 Host synchronisation, per step:
-  1. `mx.eval` of the acceptance result (plus the cache writes), then `.item()`/`.tolist()` on
-     the already-evaluated arrays. Draft-model proposals, the target forward and the chain
-     acceptance rules are all lazy and run as one graph.
+  1. `mx.eval` of the acceptance result, then `.item()`/`.tolist()` on the already-evaluated
+     arrays. Draft-model proposals, the target forward and the chain acceptance rules are all
+     lazy and run as one graph; the cache writes are evaluated as inputs of the attention.
   2. Tree acceptance reads the per-node target distributions on the host after that same eval.
   3. Only when the rope type depends on the largest position (dynamic NTK, longrope) does a tree
      forward read that position back (models/base.py).
@@ -156,7 +156,7 @@ class Decoder:
         if draft is not None and draft.tree is not None:
             path, tokens = self._accept_tree(step)
         else:
-            mx.eval(step.tokens, step.num_accepted, self.cache.state)
+            mx.eval(step.tokens, step.num_accepted)
             n = step.num_accepted.item()
             tokens = step.tokens[: n + 1].tolist()
             path = list(range(n + 1))
@@ -179,7 +179,7 @@ class Decoder:
         draft_logprobs = step.draft.logprobs
         scores = step.logits if self.sampling.greedy else step.target_logprobs
         extra = [] if draft_logprobs is None else [draft_logprobs]
-        mx.eval(scores, step.tokens, self.cache.state, *extra)
+        mx.eval(scores, step.tokens, *extra)
         node_tokens = np.array(step.tokens)  # the verified inputs: root, then the draft nodes
         if self.sampling.greedy:
             result = greedy_tree_accept(tree.parents, node_tokens, np.array(scores))
@@ -207,7 +207,7 @@ class Decoder:
             if pipelined and self.room() > 1:
                 # One token per step: queue the next forward on the lazy token now.
                 upcoming = self._queue(step.tokens[:1], 0, None)
-                mx.async_eval(upcoming.tokens, self.cache.state)
+                mx.async_eval(upcoming.tokens)
             result, state = self._finish(step)
             yield result
             if self.room() <= 0:

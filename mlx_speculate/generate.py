@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -14,9 +15,12 @@ from .decode import Decoder
 from .drafters import Drafter
 from .drafters.draft_model import DraftModelDrafter, check_vocabularies
 from .drafters.lookup import LookupDrafter
+from .drafters.medusa import DEFAULT_TREE, MedusaDrafter, TreeSpec
+from .heads import MedusaHeads, load_medusa_heads
 from .models.base import CausalLM
 from .policy import AdaptivePolicy, FixedPolicy, Policy
 from .sampling import SamplingParams
+from .tree import MEDUSA_TREES
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,9 @@ def stream_generate(
     num_draft_tokens: int | None = None,
     prompt_lookup: bool = False,
     max_ngram: int = 3,
+    medusa: bool | str | Path | MedusaHeads | None = None,
+    tree: TreeSpec | None = None,
+    typical_acceptance: bool = False,
     **sampling_kwargs,
 ) -> Iterator[GenerationResponse]:
     """Yields one response per emitted token.
@@ -95,6 +102,13 @@ def stream_generate(
     `tokenizer`) or by `prompt_lookup` (n-grams of up to `max_ngram` tokens) drafts
     `num_draft_tokens` tokens per step, or, when that is None, as many as measured costs and
     acceptance say pay (possibly none).
+
+    `medusa` drafts a tree with Medusa heads: True uses the heads beside the loaded model
+    (`medusa/` in its folder), a path names a heads folder (MLX or published Medusa-1), or give
+    `MedusaHeads`. `tree` is a name in MEDUSA_TREES, a list of choices or a Tree (default
+    mc_sim_7b_63); the policy picks how many of its nodes to verify. `typical_acceptance`
+    switches tree verification at temperature > 0 to Medusa's typical acceptance, which is
+    LOSSY: the output no longer follows the target's distribution.
     """
     sampling = sampling or SamplingParams(**sampling_kwargs)
     if max_tokens < 1:
@@ -102,6 +116,14 @@ def stream_generate(
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
     speculative = draft_model is not None or prompt_lookup
+    if medusa is not None and medusa is not False:
+        if drafter is not None or speculative:
+            raise ValueError("give only one of drafter, draft_model, prompt_lookup and medusa")
+        drafter = _medusa_drafter(model, medusa, tree)
+        if policy is None and num_draft_tokens is None:
+            policy = AdaptivePolicy(drafter.max_draft)
+    elif tree is not None or typical_acceptance:
+        raise ValueError("tree and typical_acceptance apply to Medusa: pass medusa=...")
     if speculative:
         if drafter is not None or (draft_model is not None and prompt_lookup):
             raise ValueError("give only one of drafter, draft_model and prompt_lookup")
@@ -115,7 +137,7 @@ def stream_generate(
         else:
             policy = AdaptivePolicy(MAX_DRAFT_TOKENS) if speculative else FixedPolicy(3)
     tokens = _encode(tokenizer, prompt)
-    decoder = Decoder(model, sampling, drafter, policy)
+    decoder = Decoder(model, sampling, drafter, policy, typical_acceptance=typical_acceptance)
     mx.reset_peak_memory()
     start = time.perf_counter()
     decoder.prefill(tokens)
@@ -189,6 +211,26 @@ def _builtin_drafter(
     return DraftModelDrafter(draft_model, vocab_size, sampling)
 
 
+def _medusa_drafter(
+    model: CausalLM, medusa: bool | str | Path | MedusaHeads, tree: TreeSpec | None
+) -> MedusaDrafter:
+    if isinstance(medusa, MedusaHeads):
+        heads = medusa
+        heads.check_fits(model.args.hidden_size, model.args.vocab_size)
+    elif medusa is True:
+        if model.source is None:
+            raise ValueError(
+                "medusa=True looks for heads beside a model loaded from a folder with load(); "
+                "pass the heads folder or MedusaHeads instead"
+            )
+        heads = load_medusa_heads(model.source, model)
+    elif isinstance(medusa, str | Path):
+        heads = load_medusa_heads(medusa, model)
+    else:
+        raise ValueError(f"medusa must be True, a folder or MedusaHeads, got {medusa!r}")
+    return MedusaDrafter(heads, DEFAULT_TREE if tree is None else tree)
+
+
 def _find_stop(text: str, stops: Sequence[str], sent: int) -> int:
     """Where the first stop string starts in `text`, or -1; only new text is searched."""
     hits = [
@@ -245,6 +287,20 @@ def build_parser() -> argparse.ArgumentParser:
     speculative.add_argument(
         "--max-ngram", type=int, default=3, help="longest n-gram prompt lookup matches"
     )
+    speculative.add_argument(
+        "--medusa", nargs="?", const=True, default=False, metavar="DIR",
+        help="draft trees with Medusa heads: those beside the model (its medusa/ folder), "
+        "or the heads folder DIR",
+    )
+    speculative.add_argument(
+        "--medusa-tree", choices=list(MEDUSA_TREES), default=None,
+        help=f"Medusa tree (default: {DEFAULT_TREE})",
+    )
+    speculative.add_argument(
+        "--typical-acceptance", action="store_true",
+        help="Medusa's typical acceptance when sampling: faster but LOSSY (the output no "
+        "longer follows the model's distribution)",
+    )
     return parser
 
 
@@ -269,11 +325,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             model, tokenizer, tokens, max_tokens=args.max_tokens, sampling=sampling,
             stop=args.stop, draft_model=draft_model, draft_tokenizer=draft_tokenizer,
             num_draft_tokens=args.num_draft_tokens, prompt_lookup=args.prompt_lookup,
-            max_ngram=args.max_ngram,
+            max_ngram=args.max_ngram, medusa=args.medusa, tree=args.medusa_tree,
+            typical_acceptance=args.typical_acceptance,
         ):
             print(response.text, end="", flush=True)
         print()
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.verbose and response is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from statistics import median
 from typing import Protocol
@@ -41,12 +42,18 @@ class AdaptivePolicy:
     token is accepted with the same probability), so a step of k drafts yields
     E(k) = 1 + a + ... + a^k tokens. k = 0 (plain decoding) is a candidate like any other.
 
-    After a short warm-up over k in {0, 1, 2}, every `explore_every`-th step tries a neighbour of
-    the best k, so costs stay measured near the choice without paying for far-off lengths.
+    After a short warm-up over k in {0, 1}, now and then a step tries each neighbour of the best
+    k, so costs stay measured near the choice without paying for far-off lengths: first
+    `explore_every` steps after the best k last changed, then at doubling gaps (up to 8x)
+    while it holds. The first drafting step after plain ones is not timed: a draft model then
+    also catches up on the tokens it skipped, a cost that steady drafting does not pay. A probe
+    whose first step goes untimed (that, or a length never run before) lasts two steps, and a
+    probe from k = 0 goes on (up to 8 more steps) while its drafts are all accepted, unless
+    drafting would not pay even if every draft were accepted.
     """
 
     def __init__(
-        self, max_k: int = 8, window: int = 8, explore_every: int = 32, decay: float = 0.98
+        self, max_k: int = 8, window: int = 8, explore_every: int = 64, decay: float = 0.95
     ):
         if max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {max_k}")
@@ -56,34 +63,45 @@ class AdaptivePolicy:
         self._times: dict[int, deque[float]] = {}
         self._warm: set[int] = set()
         self._hits = self._misses = 1.0  # a prior of acceptance 1/2, forgotten as steps come
-        self._plan = [k for k in (1, 1, 0, 0, 2, 2) if k <= max_k]
+        self._plan = [k for k in (1, 1, 0, 0) if k <= max_k]
         self._window = window
-        self._steps = 0
-        self._side = 1
+        self._best: int | None = None
+        self._gap = self._until_probe = explore_every
+        self._previous = 0  # drafted count of the last observed step
+        self._all_accepted = False  # ... and whether all its drafts were accepted
+        self._extra_probes = 0
 
     @property
     def acceptance(self) -> float:
         return self._hits / (self._hits + self._misses)
 
-    def expected_tokens(self, k: int) -> float:
-        a = self.acceptance
+    def expected_tokens(self, k: int, acceptance: float | None = None) -> float:
+        a = self.acceptance if acceptance is None else acceptance
         return sum(a**i for i in range(k + 1))
 
     def cost(self, k: int) -> float | None:
         """Estimated seconds of a step drafting k tokens (None before any measurement)."""
+        return self._costs(k)[k]
+
+    def _costs(self, max_k: int) -> list[float | None]:
+        """Estimated seconds for k = 0 .. max_k, from the measured medians."""
         known = sorted((d, median(t)) for d, t in self._times.items() if t)
         if not known:
-            return None
-        measured = dict(known)
-        if k in measured:
-            return measured[k]
-        below = [(d, t) for d, t in known if d < k]
-        above = [(d, t) for d, t in known if d > k]
-        if below and above:
-            (d0, t0), (d1, t1) = below[-1], above[0]
-            return t0 + (t1 - t0) * (k - d0) / (d1 - d0)
-        d0, t0 = below[-1] if below else above[0]
-        return max(t0 + self._slope(known) * (k - d0), 1e-9)
+            return [None] * (max_k + 1)
+        lengths = [d for d, _ in known]
+        slope = self._slope(known)
+        costs = []
+        for k in range(max_k + 1):
+            i = bisect_left(lengths, k)  # known[i - 1] < k <= known[i]
+            if i < len(known) and lengths[i] == k:
+                costs.append(known[i][1])
+            elif 0 < i < len(known):
+                (d0, t0), (d1, t1) = known[i - 1], known[i]
+                costs.append(t0 + (t1 - t0) * (k - d0) / (d1 - d0))
+            else:
+                d0, t0 = known[i - 1] if i else known[0]
+                costs.append(max(t0 + slope * (k - d0), 1e-9))
+        return costs
 
     @staticmethod
     def _slope(known: list[tuple[int, float]]) -> float:
@@ -96,28 +114,48 @@ class AdaptivePolicy:
         den = sum((d - mean_d) ** 2 for d in ds)
         return max(num / den, 0.0)
 
-    def best(self) -> int:
-        """The k with the highest expected tokens per second (ties: the smaller k)."""
-        if self.cost(0) is None:
+    def best(self, acceptance: float | None = None) -> int:
+        """The k with the highest expected tokens per second (ties: the smaller k), at the
+        estimated acceptance rate or the one given."""
+        costs = self._costs(self.max_k)
+        if costs[0] is None:
             return min(1, self.max_k)
-        rates = [self.expected_tokens(k) / self.cost(k) for k in range(self.max_k + 1)]
+        rates = [self.expected_tokens(k, acceptance) / costs[k] for k in range(self.max_k + 1)]
         return max(range(self.max_k + 1), key=lambda k: (rates[k], -k))
 
     def choose(self) -> int:
-        self._steps += 1
         if self._plan:
             return self._plan.pop(0)
         best = self.best()
-        if self._steps % self.explore_every == 0:
-            self._side = -self._side
-            neighbour = best + self._side
-            return neighbour if 0 <= neighbour <= self.max_k else best - self._side
-        return best
+        if best != self._best:
+            self._best, self._gap = best, self.explore_every
+            self._until_probe = min(self._until_probe, self._gap)
+        if best == 0 and self._all_accepted and self._extra_probes > 0 and self.best(1.0) > 0:
+            # A probe away from plain decoding whose drafts all pass, where drafting would pay
+            # at a high enough acceptance: gather more evidence now rather than one gap later.
+            self._extra_probes -= 1
+            return self._previous
+        self._until_probe -= 1
+        if self._until_probe > 0:
+            return best
+        self._gap = min(2 * self._gap, 8 * self.explore_every)
+        self._until_probe = self._gap
+        self._extra_probes = 8
+        previous = best
+        for k in (best + 1, best - 1):  # longer first: a step after k = 0 is not timed
+            if 0 <= k <= self.max_k:
+                untimed = k not in self._warm or (k > 0 and previous == 0)
+                self._plan.extend([k] * (2 if untimed else 1))
+                previous = k
+        return self._plan.pop(0) if self._plan else best
 
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:
+        catch_up = drafted > 0 and self._previous == 0
+        self._previous = drafted
+        self._all_accepted = drafted > 0 and accepted == drafted
         if drafted not in self._warm:
             self._warm.add(drafted)  # first step at a new length: allocation, kernel set-up
-        else:
+        elif not catch_up:
             self._times.setdefault(drafted, deque(maxlen=self._window)).append(seconds)
         if drafted > 0:
             self._hits = self.decay * self._hits + accepted

@@ -1,0 +1,110 @@
+"""Medusa heads vs a draft model vs plain decoding on the stories260K target, in one run.
+
+    python benchmarks/bench_medusa.py [--openblas] [--max-tokens 160] [--runs 3]
+
+Heads are fitted here to the target's own continuations (self-distillation, `fit_medusa_heads`:
+greedy rollouts, the regime benchmarked, from short prompts the target samples from BOS). The
+draft model is llama2xs281K (a separately trained TinyStories model with the same tokenizer).
+Greedy decoding; per method the median over prompts (and runs) of tokens/s and mean tokens per
+target forward. A first round warms up and is dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import SHARED, add_blas_argument, header, median, setup_blas  # noqa: E402
+
+PROMPTS = (
+    "Once upon a time",
+    "Lily and Tom went to the park. They",
+    "The little dog was sad because",
+    "One day, a big bird",
+    "Sam had a red ball.",
+)
+
+
+def run(stream_generate, *args, **kwargs) -> tuple[float, float]:
+    """tokens/s and tokens per target forward of one generation."""
+    start = time.perf_counter()
+    responses = list(stream_generate(*args, **kwargs))
+    seconds = time.perf_counter() - start
+    stats = responses[-1].stats
+    return stats.generated / seconds, stats.tokens_per_forward
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--runs", type=int, default=2, help="timed rounds over all prompts")
+    parser.add_argument("--heads", type=int, default=4, help="Medusa heads to fit")
+    parser.add_argument("--fit-steps", type=int, default=300)
+    parser.add_argument("--num-draft-tokens", type=int, default=4, help="draft-model k")
+    add_blas_argument(parser)
+    args = parser.parse_args(argv)
+    blas = setup_blas(args.openblas)
+    header("Medusa vs draft model vs plain: stories260K target, greedy", blas)
+
+    from mlx_speculate import load, stream_generate
+    from mlx_speculate.distill import fit_medusa_heads, sampled_prompts
+    from mlx_speculate.tree import MEDUSA_TREES
+
+    models = SHARED / "models"
+    if not (models / "stories260K-llama").exists():
+        raise SystemExit(f"{models} not found: the stories models come from ../shared")
+    target, tokenizer = load(models / "stories260K-llama")
+    draft, draft_tokenizer = load(models / "llama2xs281K-llama")
+
+    start = time.perf_counter()
+    prompts = sampled_prompts(target, [1], 128, 16)
+    heads = fit_medusa_heads(
+        target, prompts, num_heads=args.heads, length=128, temperature=0.0, steps=args.fit_steps
+    )
+    print(
+        f"fitted {args.heads} heads in {time.perf_counter() - start:.1f}s: greedy rollouts of "
+        f"128 tokens from 128 prompts sampled from BOS (16 tokens at T=1), {args.fit_steps} "
+        "Adam steps"
+    )
+
+    def medusa(tree: str, k: int | None):
+        return dict(medusa=heads, tree=tree, num_draft_tokens=k)
+
+    full = len(MEDUSA_TREES["mc_sim_7b_63"])
+    methods = {
+        "plain": {},
+        f"draft model k={args.num_draft_tokens}": dict(
+            draft_model=draft, draft_tokenizer=draft_tokenizer,
+            num_draft_tokens=args.num_draft_tokens,
+        ),
+        "draft model adaptive": dict(draft_model=draft, draft_tokenizer=draft_tokenizer),
+        f"medusa {full} nodes": medusa("mc_sim_7b_63", full),
+        "medusa 19 nodes": medusa("mc_sim_7b_63", 19),
+        "medusa 6 nodes": medusa("mc_sim_7b_63", 6),
+        "medusa adaptive": medusa("mc_sim_7b_63", None),
+    }  # fmt: skip
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
+    for round_ in range(args.runs + 1):  # round 0 warms up and is dropped
+        for prompt in prompts:
+            for name, kwargs in methods.items():
+                result = run(
+                    stream_generate, target, tokenizer, prompt, max_tokens=args.max_tokens, **kwargs
+                )
+                if round_ > 0:
+                    results[name].append(result)
+
+    print(f"\n{len(PROMPTS)} prompts x {args.runs} runs, {args.max_tokens} tokens each; medians")
+    print(f"{'method':<24} {'tok/s':>8} {'tok/fwd':>8} {'vs plain':>9}")
+    plain = median([r[0] for r in results["plain"]])
+    for name, values in results.items():
+        tps, per_forward = median([v[0] for v in values]), median([v[1] for v in values])
+        print(f"{name:<24} {tps:>8.1f} {per_forward:>8.2f} {tps / plain:>8.2f}x")
+
+
+if __name__ == "__main__":
+    main()

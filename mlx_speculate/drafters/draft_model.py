@@ -1,0 +1,145 @@
+"""A smaller model of the same vocabulary drafts tokens autoregressively with its own cache."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from ..models.base import CausalLM
+from ..sampling import SamplingParams, log_probs, sample
+from . import Draft, TargetState
+
+# Texts whose ids must agree between the two tokenizers: words, spacing, digits, punctuation,
+# code, and characters that fall back to bytes in small vocabularies.
+PROBES = (
+    "Hello, world!",
+    "Once upon a time, there was a little girl named Lily.",
+    "  leading spaces and\ttabs\nand new lines\n\n",
+    "The year 2024: 3.14159 * 42 = 131.95",
+    "def f(x):\n    return {'a': [1, 2, 3]}  # comment",
+    "naïve café, Grüße, 東京, emoji 🙂",
+    "UPPER lower MiXeD snake_case kebab-case CamelCase",
+)
+
+
+def _token_count(tokenizer) -> int:
+    """Highest token id + 1, added tokens included (len() is not forwarded by wrappers)."""
+    return max(tokenizer.get_vocab().values()) + 1
+
+
+def check_vocabularies(
+    target_vocab_size: int,
+    draft_vocab_size: int,
+    target_tokenizer=None,
+    draft_tokenizer=None,
+) -> int:
+    """The vocabulary range both models share; raises ValueError when they cannot share one.
+
+    Sizes may differ only by padding (e.g. 151,936 vs 152,064 for Qwen): every id the target's
+    tokenizer can produce must then lie inside both models. A draft tokenizer, when given, must
+    give the same ids for the same text and the same special tokens.
+    """
+    shared = min(target_vocab_size, draft_vocab_size)
+    if draft_tokenizer is not None and target_tokenizer is not None:
+        for name in ("bos_token_id", "eos_token_id"):
+            a, b = getattr(target_tokenizer, name, None), getattr(draft_tokenizer, name, None)
+            if a != b:
+                raise ValueError(
+                    f"draft tokenizer's {name} {b} does not match the target's {a} "
+                    f"(vocabularies: draft {draft_vocab_size}, target {target_vocab_size})"
+                )
+        for text in PROBES:
+            a = list(target_tokenizer.encode(text, add_special_tokens=False))
+            b = list(draft_tokenizer.encode(text, add_special_tokens=False))
+            if a != b:
+                raise ValueError(
+                    f"draft tokenizer (vocabulary {draft_vocab_size}) does not encode {text!r} "
+                    f"like the target's (vocabulary {target_vocab_size}): {b} vs {a}"
+                )
+    if target_vocab_size == draft_vocab_size:
+        return shared
+    used = None if target_tokenizer is None else _token_count(target_tokenizer)
+    if draft_tokenizer is not None:
+        used = max(used or 0, _token_count(draft_tokenizer))
+    if used is None or used > shared:
+        raise ValueError(
+            f"draft vocabulary {draft_vocab_size} does not match target {target_vocab_size}"
+            + ("" if used is None else f" (the tokenizer uses {used} ids)")
+        )
+    return shared
+
+
+class DraftModelDrafter:
+    """Proposes k tokens by running `model` autoregressively: lazy, so the whole draft joins the
+    target's verify forward in the loop's one evaluation.
+
+    The cache holds the context up to some point; each proposal first feeds, in one forward,
+    every context token not yet in it (the last context token is always among them), so no
+    token is run twice. After plain steps the draft may lag far behind: when more than
+    `max_catch_up` tokens are missing (or its own context would overflow), it restarts on the
+    first `SINK` context tokens and the last `max_catch_up`, StreamingLLM-style, since catching
+    up costs a forward over every skipped token. Only ids below `min(draft, target vocabulary)`
+    are proposed.
+    """
+
+    hidden_layers: tuple[int, ...] = ()
+    SINK = 4  # leading tokens kept on a restart: attention leans on them
+
+    def __init__(
+        self,
+        model: CausalLM,
+        target_vocab_size: int,
+        sampling: SamplingParams,
+        max_catch_up: int = 32,
+    ):
+        self.model = model
+        self.cache = model.make_cache()
+        self.sampling = sampling
+        self.target_vocab_size = target_vocab_size
+        self.shared = min(model.args.vocab_size, target_vocab_size)
+        self.max_catch_up = max_catch_up
+        # The cache holds context[:SINK] and then context[SINK + skipped : offset + skipped].
+        self.skipped = 0
+
+    def propose(self, context: Sequence[int], k: int, state: TargetState | None) -> Draft | None:
+        if k <= 0:
+            return None
+        # The last context token is pending: never in the cache yet.
+        self.rewind(len(context) - 1)
+        offset = self.cache.offset
+        behind = len(context) - offset - self.skipped
+        overflow = offset + behind + k > self.model.args.max_position_embeddings
+        if overflow or (offset > 0 and behind > self.max_catch_up):
+            self.cache.truncate(offset := min(offset, self.SINK))
+            self.skipped = max(len(context) - self.max_catch_up - self.SINK, 0)
+        fresh = list(context[offset : self.SINK]) + list(
+            context[max(offset, self.SINK) + self.skipped :]
+        )
+        # Ids beyond the shared range are clipped: a worse guess, never a wrong output.
+        inputs = mx.array([min(t, self.shared - 1) for t in fresh], dtype=mx.int32)
+        tokens, rows = [], []
+        for _ in range(k):
+            logits = self._to_target(self.model(inputs[None], self.cache).logits[0, -1])
+            logprobs = log_probs(logits, self.sampling)  # (V_target,)
+            # Greedy verification never reads the one-hot rows, so they are never computed.
+            token = mx.argmax(logits) if self.sampling.greedy else sample(logprobs)
+            inputs = token.astype(mx.int32).reshape(1)
+            tokens.append(inputs)
+            rows.append(logprobs)
+        return Draft(mx.concatenate(tokens), mx.stack(rows))
+
+    def rewind(self, length: int) -> None:
+        if length >= self.SINK + self.skipped:
+            self.cache.truncate(min(self.cache.offset, length - self.skipped))
+        else:  # only a reset reaches back into the skipped stretch
+            self.cache.truncate(min(self.cache.offset, length, self.SINK))
+            self.skipped = 0
+
+    def _to_target(self, logits: mx.array) -> mx.array:
+        """(V_draft,) -> (V_target,): the shared range, -inf beyond it."""
+        logits = logits[: self.shared].astype(mx.float32)
+        pad = self.target_vocab_size - self.shared
+        if pad == 0:
+            return logits
+        return mx.concatenate([logits, mx.full((pad,), -mx.inf, mx.float32)])

@@ -1,0 +1,290 @@
+"""Medusa heads: the MLX module, published checkpoints (Medusa-1) and the MLX heads folder.
+
+Published layout (FasterDecoding/Medusa): `config.json` (`medusa_num_heads`, `medusa_num_layers`,
+`base_model_name_or_path`) + `medusa_lm_head.safetensors` or `medusa_lm_head.pt`, keys
+`{k}.{j}.linear.weight`, `{k}.{j}.linear.bias`, `{k}.{num_layers}.weight`.
+
+MLX layout (what `convert_medusa_heads` writes, `medusa/` beside a converted model): the same
+config fields plus `hidden_size`, `vocab_size` and, when quantized, mlx-lm's `quantization`;
+`weights.safetensors` holding this module's parameter names.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .loading import load_safetensors, quantize_predicate, read_json, resolve_path
+
+MEDUSA_DIR = "medusa"  # heads folder inside a converted model folder
+MLX_WEIGHTS = "weights.safetensors"
+PUBLISHED_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+_KEY = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(.+)$")
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size, bias=True)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x + nn.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K heads; head k maps the target's final hidden state to logits for the token k+2 ahead.
+
+    `heads[k]` is `num_layers` independent ResBlocks followed by the vocabulary projection, so
+    parameter names are the upstream keys under `heads.`.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 5, num_layers: int = 1):
+        super().__init__()
+        if num_heads < 1 or num_layers < 0:
+            raise ValueError(f"need >= 1 heads and >= 0 layers, got {num_heads}, {num_layers}")
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.num_layers = num_layers
+        self.heads = [
+            [ResBlock(hidden_size) for _ in range(num_layers)]
+            + [nn.Linear(hidden_size, vocab_size, bias=False)]
+            for _ in range(num_heads)
+        ]
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.heads)
+
+    def __call__(self, hidden: mx.array, count: int | None = None) -> mx.array:
+        """(..., hidden) -> (count, ..., V) logits of the first `count` heads (default: all)."""
+        outs = []
+        for head in self.heads[: count or self.num_heads]:
+            x = hidden
+            for layer in head:
+                x = layer(x)
+            outs.append(x)
+        return mx.stack(outs)
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "medusa_num_heads": self.num_heads,
+            "medusa_num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+        }
+
+    def check_fits(self, hidden_size: int, vocab_size: int) -> None:
+        if self.hidden_size != hidden_size:
+            raise ValueError(
+                f"Medusa heads read hidden size {self.hidden_size}, the target's is {hidden_size}"
+            )
+        if self.vocab_size != vocab_size:
+            raise ValueError(
+                f"Medusa heads predict a vocabulary of {self.vocab_size}, the target's is "
+                f"{vocab_size}"
+            )
+
+
+def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Upstream keys (optionally under `medusa_head.`) -> this module's names."""
+    out = {}
+    for key, value in weights.items():
+        if key.startswith("heads."):
+            out[key] = value
+            continue
+        match = _KEY.match(key)
+        if match is None:
+            raise ValueError(f"unexpected key {key!r} in a Medusa checkpoint")
+        out["heads." + ".".join(match.groups())] = value
+    return out
+
+
+def _shape(weights: dict[str, mx.array]) -> tuple[int, int, int, int]:
+    """(num_heads, num_layers, hidden, vocab) read off the tensors."""
+    heads: dict[int, set[int]] = {}
+    for key in weights:
+        _, k, j, _ = key.split(".", 3)
+        heads.setdefault(int(k), set()).add(int(j))
+    if not heads or sorted(heads) != list(range(len(heads))):
+        raise ValueError(f"Medusa heads are not numbered 0..K-1: {sorted(heads)}")
+    depths = {len(layers) for layers in heads.values()}
+    if len(depths) != 1:
+        raise ValueError(f"Medusa heads have different numbers of layers: {sorted(depths)}")
+    num_layers = depths.pop() - 1
+    proj = weights.get(f"heads.0.{num_layers}.weight")
+    scales = weights.get(f"heads.0.{num_layers}.scales")
+    if proj is None:
+        raise ValueError(f"no vocabulary projection heads.0.{num_layers}.weight")
+    vocab = proj.shape[0]
+    # A quantized projection packs its input dimension; the block weights or scales give it back.
+    block = weights.get("heads.0.0.linear.bias")
+    if block is not None:
+        hidden = block.shape[0]
+    elif scales is None:
+        hidden = proj.shape[1]
+    else:
+        hidden = None
+    return len(heads), num_layers, hidden, vocab
+
+
+def _read_torch(path: Path) -> dict[str, mx.array]:
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError(
+            f"{path} is a PyTorch checkpoint and reading it needs torch, which is not installed "
+            "(pip install torch), or provide medusa_lm_head.safetensors instead"
+        ) from e
+    state = torch.load(str(path), map_location="cpu", weights_only=True)
+    out = {}
+    for key, tensor in state.items():
+        if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16
+            out[key] = mx.array(tensor.float().numpy()).astype(mx.bfloat16)
+        else:
+            out[key] = mx.array(tensor.numpy())
+    return out
+
+
+def heads_folder(path: str | Path) -> Path:
+    """The folder holding the heads: `path` itself or its `medusa/` subfolder; a hub id
+    (e.g. FasterDecoding/medusa-vicuna-7b-v1.3) is fetched."""
+    try:
+        path = resolve_path(path, allow_patterns=["config.json", "medusa_lm_head.*"])
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"Medusa heads: {e}") from e
+    if (path / MEDUSA_DIR).is_dir():
+        return path / MEDUSA_DIR
+    if not path.is_dir():
+        raise FileNotFoundError(f"Medusa heads folder {str(path)!r} is not a folder")
+    return path
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, mx.array]]:
+    """(config, sanitized weights) from an MLX heads folder, a published Medusa-1 folder, or
+    one weights file (its folder's config.json, if any, is read too)."""
+    if Path(path).expanduser().is_file():
+        file = Path(path).expanduser()
+        folder = file.parent
+    else:
+        folder = heads_folder(path)
+        files = [folder / name for name in (MLX_WEIGHTS, *PUBLISHED_WEIGHTS)]
+        found = [f for f in files if f.exists()]
+        if not found:
+            raise FileNotFoundError(
+                f"no Medusa weights in {folder} (looked for {', '.join(f.name for f in files)})"
+            )
+        file = found[0]
+    config_file = folder / "config.json"
+    config = read_json(config_file) if config_file.exists() else {}
+    weights = _read_torch(file) if file.suffix == ".pt" else load_safetensors([file])
+    return config, sanitize(weights)
+
+
+def build_heads(config: dict[str, Any], weights: dict[str, mx.array]) -> MedusaHeads:
+    """Heads shaped by the tensors; a config stating another head or layer count gets a warning."""
+    num_heads, num_layers, hidden, vocab = _shape(weights)
+    hidden = hidden or config.get("hidden_size")
+    if hidden is None:
+        raise ValueError("cannot tell the hidden size of quantized heads without hidden_size")
+    stated = (config.get("medusa_num_heads", 5), config.get("medusa_num_layers", 1))
+    for name, said, held in zip(
+        ("medusa_num_heads", "medusa_num_layers"), stated, (num_heads, num_layers), strict=True
+    ):
+        if said != held:
+            warnings.warn(
+                f"Medusa config says {name} = {said} but the checkpoint holds {held}; using {held}",
+                stacklevel=3,
+            )
+    heads = MedusaHeads(hidden, vocab, num_heads, num_layers)
+    quantization = config.get("quantization")
+    if quantization is not None:
+        nn.quantize(
+            heads,
+            group_size=quantization.get("group_size", 64),
+            bits=quantization.get("bits", 4),
+            mode=quantization.get("mode", "affine"),
+            class_predicate=quantize_predicate(quantization, weights),
+        )
+    try:
+        heads.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ValueError(f"Medusa weights do not fit their own shapes: {e}") from e
+    mx.eval(heads.parameters())
+    return heads
+
+
+def load_medusa_heads(path: str | Path, model: nn.Module | None = None) -> MedusaHeads:
+    """Heads from a heads folder, a published Medusa-1 folder, or a model folder with `medusa/`.
+
+    With `model`, the heads must read its hidden size and predict its vocabulary.
+    """
+    heads = build_heads(*read_checkpoint(path))
+    if model is not None:
+        heads.check_fits(model.args.hidden_size, model.args.vocab_size)
+    return heads
+
+
+def save_medusa_heads(
+    heads: MedusaHeads, folder: str | Path, extra_config: dict[str, Any] | None = None
+) -> Path:
+    """Writes `config.json` and `weights.safetensors` (MLX layout) into `folder`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {**(extra_config or {}), **heads.config()}
+    weights = dict(tree_flatten(heads.parameters()))
+    mx.save_safetensors(str(folder / MLX_WEIGHTS), weights, metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return folder
+
+
+def quantize_heads(heads: MedusaHeads, bits: int = 4, group_size: int = 64) -> dict[str, Any]:
+    """Affine quantization in place (mlx-lm's rule: Linear layers whose input width divides into
+    groups); returns the `quantization` config entry."""
+    nn.quantize(
+        heads,
+        group_size=group_size,
+        bits=bits,
+        mode="affine",
+        class_predicate=lambda _, m: (
+            isinstance(m, nn.Linear) and m.weight.shape[-1] % group_size == 0
+        ),
+    )
+    return {"group_size": group_size, "bits": bits, "mode": "affine"}
+
+
+def convert_medusa_heads(
+    medusa_path: str | Path,
+    out: str | Path,
+    *,
+    model_config: dict[str, Any] | None = None,
+    quantize: bool = False,
+    q_bits: int = 4,
+    q_group_size: int = 64,
+    dtype: mx.Dtype | None = None,
+) -> Path:
+    """Published (or MLX) heads at `medusa_path` -> an MLX heads folder `out`.
+
+    With `model_config`, the heads must fit that model. Quantization follows the model's bits and
+    group size: the vocabulary projections hold nearly all of the heads' weights.
+    """
+    config, weights = read_checkpoint(medusa_path)
+    if "quantization" in config:
+        raise ValueError(f"Medusa heads at {medusa_path} are already quantized")
+    heads = build_heads(config, weights)
+    if model_config is not None:
+        heads.check_fits(model_config["hidden_size"], model_config["vocab_size"])
+    if dtype is not None:
+        heads.set_dtype(dtype)
+    extra = {k: config[k] for k in ("base_model_name_or_path",) if k in config}
+    if quantize:
+        settings = quantize_heads(heads, q_bits, q_group_size)
+        extra["quantization"] = dict(settings)
+        extra["quantization_config"] = dict(settings)
+    return save_medusa_heads(heads, out, extra)
