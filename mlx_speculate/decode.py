@@ -10,8 +10,9 @@ Host synchronisation, per step:
   2. Tree acceptance reads the per-node target distributions on the host after that same eval.
   3. Only when the rope type depends on the largest position (dynamic NTK, longrope) does a tree
      forward read that position back (models/base.py).
-With no drafter, step t+1 is queued with `mx.async_eval` before step t's token is read, as
-mlx-lm does, so host work overlaps the next forward.
+When a plain step follows a plain one (always without a drafter; with one, when the policy
+chooses 0), step t+1 is queued with `mx.async_eval` before step t's token is read, as mlx-lm
+does, so host work overlaps the next forward.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .cache import KVCache
 from .drafters import Draft, Drafter, TargetState
 from .models.base import CausalLM
 from .policy import FixedPolicy, Policy
-from .sampling import SamplingParams, log_probs
+from .sampling import SamplingParams, log_probs, sample
 from .verify import (
     greedy_accept,
     greedy_tree_accept,
@@ -56,13 +57,12 @@ class _Pending:
 
     offset: int
     draft: Draft | None
-    tokens: mx.array  # (k + 1,) chain: emitted candidates; tree: unused
-    num_accepted: mx.array  # () chain only
+    tokens: mx.array  # (k + 1,) chain: emitted candidates; tree: the verified inputs
+    num_accepted: mx.array | None  # () drafted chains only
     logits: mx.array  # (k + 1, V)
     target_logprobs: mx.array | None  # processed, sampling only
     hidden: mx.array  # (k + 1, hidden)
     layer_hidden: tuple[mx.array, ...]
-    started: float
 
 
 class Decoder:
@@ -90,6 +90,7 @@ class Decoder:
         self.context: list[int] = []
         # Tree acceptance samples on the host after the step's one sync.
         self.rng = np.random.default_rng(sampling.seed)
+        self._clock = 0.0  # when the last step finished
 
     def prefill(self, prompt: Sequence[int]) -> None:
         """Puts all but the last prompt token in the cache."""
@@ -111,7 +112,6 @@ class Decoder:
         return self.max_context - len(self.context)
 
     def _queue(self, pending: mx.array, k: int, state: TargetState | None) -> _Pending:
-        started = time.perf_counter()
         draft = None
         if self.drafter is not None and k > 0:
             draft = self.drafter.propose(self.context, min(k, self.room()), state)
@@ -129,46 +129,57 @@ class Decoder:
         )
         logits = out.logits[0]  # (k + 1, V)
         target_logprobs = None if self.sampling.greedy else log_probs(logits, self.sampling)
-        draft_tokens = draft.tokens if draft is not None else mx.array([], mx.int32)
-        acceptance = None  # trees are accepted on the host in `_finish`
-        if draft is None or draft.tree is None:
+        tokens, num_accepted = inputs, None  # trees are accepted on the host in `_finish`
+        if draft is None:
+            # Nothing to verify: the target's own token, without building a rule's graph.
+            greedy = self.sampling.greedy
+            tokens = mx.argmax(logits, axis=-1) if greedy else sample(target_logprobs)
+        elif draft.tree is None:
             if self.sampling.greedy:
-                acceptance = greedy_accept(draft_tokens, logits)
+                acceptance = greedy_accept(draft.tokens, logits)
             else:
-                draft_logprobs = draft.logprobs if draft is not None else None
+                draft_logprobs = draft.logprobs
                 if draft_logprobs is None:
-                    draft_logprobs = mx.zeros((0, logits.shape[-1]))
-                acceptance = rejection_accept(draft_tokens, draft_logprobs, target_logprobs, None)
+                    raise ValueError("a sampled chain draft needs the draft's logprobs")
+                acceptance = rejection_accept(draft.tokens, draft_logprobs, target_logprobs)
+            tokens, num_accepted = acceptance.tokens, acceptance.num_accepted
         return _Pending(
             offset,
             draft,
-            acceptance.tokens if acceptance else inputs,
-            acceptance.num_accepted if acceptance else mx.array(0),
+            tokens,
+            num_accepted,
             logits,
             target_logprobs,
             out.hidden[0],
             tuple(h[0] for h in out.layer_hidden),
-            started,
         )
 
     def _finish(self, step: _Pending) -> tuple[Step, TargetState]:
         draft = step.draft
         if draft is not None and draft.tree is not None:
             path, tokens = self._accept_tree(step)
+            rows = mx.array(path)
         else:
-            mx.eval(step.tokens, step.num_accepted)
-            n = step.num_accepted.item()
+            if step.num_accepted is None:
+                mx.eval(step.tokens)
+                n = 0
+            else:
+                mx.eval(step.tokens, step.num_accepted)
+                n = step.num_accepted.item()
             tokens = step.tokens[: n + 1].tolist()
-            path = list(range(n + 1))
             if draft is not None and n < draft.size:
                 self.cache.truncate(step.offset + n + 1)
-        index = mx.array(path)
-        state = TargetState(step.hidden[index], tuple(h[index] for h in step.layer_hidden))
-        logprobs = step.logits[index] - mx.logsumexp(step.logits[index], axis=-1, keepdims=True)
+            rows = slice(0, n + 1)  # a chain keeps a prefix of its rows
+        state = TargetState(step.hidden[rows], tuple(h[rows] for h in step.layer_hidden))
+        logits = step.logits[rows]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         self.context.extend(tokens)
         if self.drafter is not None:
             self.drafter.rewind(len(self.context) - 1)
-        seconds = time.perf_counter() - step.started
+        # Wall time since the previous step finished: what the step cost the stream, also
+        # when it overlapped the one before.
+        now = time.perf_counter()
+        seconds, self._clock = now - self._clock, now
         drafted = 0 if draft is None else draft.size
         result = Step(tuple(tokens), drafted, len(tokens) - 1, logprobs, seconds)
         self.policy.observe(drafted, len(tokens) - 1, seconds)
@@ -199,21 +210,22 @@ class Decoder:
 
     def steps(self) -> Iterator[Step]:
         """Yields one Step per target forward until the context is full."""
-        state = None
-        pipelined = self.drafter is None
+        self._clock = time.perf_counter()
         step = self._queue(mx.array(self.context[-1:]), 0, None)
         while True:
-            upcoming = None
-            if pipelined and self.room() > 1:
-                # One token per step: queue the next forward on the lazy token now.
-                upcoming = self._queue(step.tokens[:1], 0, None)
-                mx.async_eval(upcoming.tokens)
+            upcoming = k = None
+            if step.draft is None and self.room() > 1:
+                # Decided one observation early, so that a plain step can be queued on the
+                # lazy token before this one is read.
+                k = self.policy.choose()
+                if k == 0:
+                    upcoming = self._queue(step.tokens[:1], 0, None)
+                    mx.async_eval(upcoming.tokens)
             result, state = self._finish(step)
             yield result
             if self.room() <= 0:
                 return
-            if upcoming is not None:
-                step = upcoming
-            else:
-                k = self.policy.choose()
-                step = self._queue(mx.array(self.context[-1:]), k, state)
+            if upcoming is None:
+                k = self.policy.choose() if k is None else k
+                upcoming = self._queue(mx.array(self.context[-1:]), k, state)
+            step = upcoming

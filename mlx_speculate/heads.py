@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .loading import load_safetensors, quantize_predicate, read_json, resolve_path
+from .loading import apply_quantization, load_safetensors, read_json, resolve_path
 
 MEDUSA_DIR = "medusa"  # heads folder inside a converted model folder
 MLX_WEIGHTS = "weights.safetensors"
@@ -203,15 +203,7 @@ def build_heads(config: dict[str, Any], weights: dict[str, mx.array]) -> MedusaH
                 stacklevel=3,
             )
     heads = MedusaHeads(hidden, vocab, num_heads, num_layers)
-    quantization = config.get("quantization")
-    if quantization is not None:
-        nn.quantize(
-            heads,
-            group_size=quantization.get("group_size", 64),
-            bits=quantization.get("bits", 4),
-            mode=quantization.get("mode", "affine"),
-            class_predicate=quantize_predicate(quantization, weights),
-        )
+    apply_quantization(heads, config.get("quantization"), weights)
     try:
         heads.load_weights(list(weights.items()), strict=True)
     except ValueError as e:

@@ -105,6 +105,21 @@ def quantize_predicate(quantization: dict[str, Any], weights: dict[str, mx.array
     return predicate
 
 
+def apply_quantization(
+    module: nn.Module, quantization: dict[str, Any] | None, weights: dict[str, mx.array]
+) -> None:
+    """Turns the layers that `weights` stores quantized into quantized layers (mlx-lm's rule)."""
+    if quantization is None:
+        return
+    nn.quantize(
+        module,
+        group_size=quantization.get("group_size", 64),
+        bits=quantization.get("bits", 4),
+        mode=quantization.get("mode", "affine"),
+        class_predicate=quantize_predicate(quantization, weights),
+    )
+
+
 def build_model(
     config: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype | None = None
 ) -> CausalLM:
@@ -116,15 +131,7 @@ def build_model(
         raise ValueError(f"{config.get('model_type')} config is incomplete: {e}") from e
     model = module.Model(args)
     weights = model.sanitize(weights)
-    quantization = config.get("quantization")
-    if quantization is not None:
-        nn.quantize(
-            model,
-            group_size=quantization.get("group_size", 64),
-            bits=quantization.get("bits", 4),
-            mode=quantization.get("mode", "affine"),
-            class_predicate=quantize_predicate(quantization, weights),
-        )
+    apply_quantization(model, config.get("quantization"), weights)
     if dtype is not None:
         weights = {
             k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v

@@ -31,6 +31,10 @@ class FixedPolicy:
         pass
 
 
+GAIN_PRIOR = 8
+GAIN_WINDOW = 64
+
+
 class AdaptivePolicy:
     """Chooses the draft length that maximises expected tokens per second, from measurements.
 
@@ -40,7 +44,11 @@ class AdaptivePolicy:
     zero so that extrapolation is optimistic and gets tried. The acceptance rate a is a decayed
     count of accepted tokens against rejections (the maximum-likelihood estimate when every draft
     token is accepted with the same probability), so a step of k drafts yields
-    E(k) = 1 + a + ... + a^k tokens. k = 0 (plain decoding) is a candidate like any other.
+    E(k) = g(k) * (1 + a + ... + a^k) tokens, where the gain g(k) is the mean ratio of measured
+    yield to that chain prediction at k (prior 1 with weight `GAIN_PRIOR` steps, up to
+    `GAIN_WINDOW` measured): 1 for chains, above 1 for trees, whose k nodes over several
+    branches yield more than a chain of k; a change in acceptance still shows at once through a.
+    k = 0 (plain decoding) is a candidate like any other.
 
     After a short warm-up over k in {0, 1}, now and then a step tries each neighbour of the best
     k, so costs stay measured near the choice without paying for far-off lengths: first
@@ -61,6 +69,7 @@ class AdaptivePolicy:
         self.explore_every = explore_every
         self.decay = decay
         self._times: dict[int, deque[float]] = {}
+        self._gains: dict[int, deque[float]] = {}
         self._warm: set[int] = set()
         self._hits = self._misses = 1.0  # a prior of acceptance 1/2, forgotten as steps come
         self._plan = [k for k in (1, 1, 0, 0) if k <= max_k]
@@ -77,7 +86,11 @@ class AdaptivePolicy:
 
     def expected_tokens(self, k: int, acceptance: float | None = None) -> float:
         a = self.acceptance if acceptance is None else acceptance
-        return sum(a**i for i in range(k + 1))
+        chain = sum(a**i for i in range(k + 1))
+        if acceptance is not None:
+            return chain
+        gains = self._gains.get(k, ())
+        return chain * (sum(gains) + GAIN_PRIOR) / (len(gains) + GAIN_PRIOR)
 
     def cost(self, k: int) -> float | None:
         """Estimated seconds of a step drafting k tokens (None before any measurement)."""
@@ -158,5 +171,8 @@ class AdaptivePolicy:
         elif not catch_up:
             self._times.setdefault(drafted, deque(maxlen=self._window)).append(seconds)
         if drafted > 0:
+            chain = self.expected_tokens(drafted, self.acceptance)
+            gains = self._gains.setdefault(drafted, deque(maxlen=GAIN_WINDOW))
+            gains.append((accepted + 1) / chain)
             self._hits = self.decay * self._hits + accepted
             self._misses = self.decay * self._misses + (accepted < drafted)

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import pytest
 from mlx.utils import tree_flatten, tree_map
 
+from mlx_speculate.decode import Decoder
 from mlx_speculate.loading import build_model, model_class
+from mlx_speculate.sampling import SamplingParams
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
+SMOLLM2_GGUF = Path(
+    os.environ.get(
+        "MLX_SPECULATE_SMOLLM2_GGUF",
+        Path.home() / ".cache" / "mlx_speculate" / "SmolLM2-135M-Instruct.Q4_1.gguf",
+    )
+)
+# Batched and one-token forwards may round differently: greedy comparisons assert this top-2 gap.
+MIN_MARGIN = 1e-3
 
 TINY = {
     "hidden_size": 64,
@@ -25,6 +37,17 @@ TINY = {
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,
 }
+
+
+def require(path: Path, how: str) -> Path:
+    """`path` if it exists; otherwise skip with `how` to get it, or fail under CI=true, where a
+    wrong path must never pass silently."""
+    if path.exists():
+        return path
+    reason = f"{path} is absent ({how})"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true but {reason}")
+    pytest.skip(reason)
 
 
 def tiny_config(model_type: str = "llama", **overrides: Any) -> dict[str, Any]:
@@ -95,3 +118,24 @@ def tree_path(parents: list[int], node: int) -> list[int]:
     while parents[path[-1]] >= 0:
         path.append(parents[path[-1]])
     return path[::-1]
+
+
+def decode(model, prompt, n, drafter=None, policy=None, sampling=None, **kwargs):
+    """The first n tokens the decoding loop emits, its steps, and the decoder."""
+    decoder = Decoder(model, sampling or SamplingParams(), drafter, policy, **kwargs)
+    decoder.prefill(prompt)
+    tokens, steps = [], []
+    for step in decoder.steps():
+        tokens.extend(step.tokens)
+        steps.append(step)
+        if len(tokens) >= n:
+            break
+    return tokens[:n], steps, decoder
+
+
+def assert_clear_argmax(model, prompt, tokens):
+    """The reference tokens are the full forward's argmax with a clear top-2 gap."""
+    logits = model(mx.array([prompt + tokens])).logits[0, len(prompt) - 1 : -1]  # (n, V)
+    top2 = mx.sort(logits, axis=-1)[:, -2:]
+    assert mx.argmax(logits, axis=-1).tolist() == tokens
+    assert mx.min(top2[:, 1] - top2[:, 0]).item() > MIN_MARGIN

@@ -19,7 +19,7 @@ import mlx_speculate.convert as convert_module
 from mlx_speculate.convert import convert, main
 from mlx_speculate.loading import build_model, load, load_tokenizer
 
-from .helpers import greedy_reference
+from .helpers import SMOLLM2_GGUF, greedy_reference, require
 
 TOKENS = mx.array([[1, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 500, 7, 7, 9, 255, 4, 2, 100, 11]])
 SMALL = {
@@ -489,7 +489,6 @@ def test_float_gguf_is_quantized_like_a_hf_folder(tmp_path, monkeypatch):
 
 # -- (9) SmolLM2-135M-Instruct from GGUF -------------------------------------------------------
 
-SMOLLM2 = Path.home() / ".cache" / "mlx_speculate" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 QUESTION = "What is the capital of France?"
 
 
@@ -504,13 +503,7 @@ class SmolLM2:
 
 
 def smollm2_path() -> Path:
-    path = Path(os.environ.get("MLX_SPECULATE_SMOLLM2_GGUF", SMOLLM2))
-    if path.is_file():
-        return path
-    reason = f"{path} is absent (fetch it with benchmarks/fetch_smollm2.sh)"
-    if os.environ.get("CI", "").lower() == "true":
-        pytest.fail(f"CI=true but {reason}")
-    pytest.skip(reason)
+    return require(SMOLLM2_GGUF, "fetch it with benchmarks/fetch_smollm2.sh")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from llama.cpp's vocab files in ../shared/tokenizers beside the checkout (skippe
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections import Counter
 from pathlib import Path
@@ -29,11 +28,12 @@ from transformers import AutoTokenizer
 
 from mlx_speculate.gguf import GGUFCheckpoint, read_gguf, write_gguf_tokenizer
 
+from .helpers import SHARED, SMOLLM2_GGUF, require
+
 Q = gguf.GGMLQuantizationType
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB, CONTEXT = 64, 128, 2, 4, 2, 128, 256
 HEAD_DIM = HIDDEN // HEADS
-SHARED_TOKENIZERS = Path(__file__).resolve().parents[2] / "shared" / "tokenizers"
-SMOLLM2_DEFAULT = Path.home() / ".cache/mlx_speculate/SmolLM2-135M-Instruct.Q4_1.gguf"
+SHARED_TOKENIZERS = SHARED / "tokenizers"
 QUANTIZED_PARTS = ("weight", "scales", "biases")
 
 
@@ -343,9 +343,9 @@ def test_tensor_without_hf_counterpart_is_refused(tmp_path: Path) -> None:
 
 
 def test_saved_tokenizer_passes_llama_cpp_test_vectors(tmp_path: Path) -> None:
-    vocab = SHARED_TOKENIZERS / "ggml-vocab-phi-3.gguf"
-    if not vocab.is_file():
-        pytest.skip(f"{vocab} not found: ../shared is not beside the checkout")
+    vocab = require(
+        SHARED_TOKENIZERS / "ggml-vocab-phi-3.gguf", "../shared ships beside the checkout"
+    )
     write_gguf_tokenizer(vocab, tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     # The .inp pieces are separated by marker lines; the last piece has no expected line.
@@ -359,13 +359,7 @@ def test_saved_tokenizer_passes_llama_cpp_test_vectors(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
-    path = Path(os.environ.get("MLX_SPECULATE_SMOLLM2_GGUF", SMOLLM2_DEFAULT))
-    if not path.is_file():
-        reason = f"SmolLM2 GGUF not found at {path}: run benchmarks/fetch_smollm2.sh"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return path
+    return require(SMOLLM2_GGUF, "run benchmarks/fetch_smollm2.sh")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import pytest
 from mlx_speculate.cache import KVCache
 from mlx_speculate.convert import convert
 from mlx_speculate.convert import main as convert_main
-from mlx_speculate.decode import Decoder
 from mlx_speculate.distill import fit_medusa_heads, sampled_prompts
 from mlx_speculate.drafters import TargetState
 from mlx_speculate.drafters.medusa import MedusaDrafter
@@ -32,7 +31,14 @@ from mlx_speculate.policy import FixedPolicy
 from mlx_speculate.sampling import SamplingParams, log_probs
 from mlx_speculate.tree import MEDUSA_TREES, Tree
 
-from .helpers import greedy_reference, random_weights, tiny_config, tiny_model
+from .helpers import (
+    assert_clear_argmax,
+    decode,
+    greedy_reference,
+    random_weights,
+    tiny_config,
+    tiny_model,
+)
 
 GREEDY = SamplingParams()
 FAMILIES = ("llama", "qwen2", "phi3")
@@ -40,7 +46,6 @@ PROMPT = [1, 5, 9, 33, 7, 2, 60]
 # Batched (tree) and one-token float32 forwards differ by well under 1e-5 in the logits; a top-2
 # gap of 1e-3 at every reference step means both must pick the same argmax, so equal outputs are
 # a real comparison and not a coin flip on near-ties.
-MIN_MARGIN = 1e-3
 # Seeds whose greedy continuations of PROMPT keep that margin (asserted, not assumed).
 TARGET_SEED = {"llama": 0, "qwen2": 1, "phi3": 3}
 FULL_TREE = len(MEDUSA_TREES["mc_sim_7b_63"])
@@ -62,26 +67,6 @@ class StubTokenizer:
     def encode(self, text):
         return [int(t) for t in text.split()]
 
-
-def decode(model, prompt, n, drafter=None, policy=None, sampling=GREEDY, **kwargs):
-    """The first n tokens the loop emits, and its steps."""
-    decoder = Decoder(model, sampling, drafter, policy, **kwargs)
-    decoder.prefill(prompt)
-    tokens, steps = [], []
-    for step in decoder.steps():
-        tokens.extend(step.tokens)
-        steps.append(step)
-        if len(tokens) >= n:
-            break
-    return tokens[:n], steps
-
-
-def assert_clear_argmax(model, prompt, tokens):
-    """The reference tokens are the full forward's argmax with a clear top-2 gap."""
-    logits = model(mx.array([prompt + tokens])).logits[0, len(prompt) - 1 : -1]  # (n, V)
-    top2 = mx.sort(logits, axis=-1)[:, -2:]
-    assert mx.argmax(logits, axis=-1).tolist() == tokens
-    assert mx.min(top2[:, 1] - top2[:, 0]).item() > MIN_MARGIN
 
 
 def random_heads(hidden, vocab, num_heads=4, num_layers=1, seed=0):
@@ -158,7 +143,7 @@ def test_greedy_with_random_heads_equals_plain(family, k):
     reference = greedy_reference(target, PROMPT, 40)
     assert_clear_argmax(target, PROMPT, reference)
     drafter = MedusaDrafter(random_heads(64, 97, seed=3))
-    tokens, steps = decode(target, PROMPT, 40, drafter, FixedPolicy(k))
+    tokens, steps, _ = decode(target, PROMPT, 40, drafter, FixedPolicy(k))
     assert tokens == reference
     assert sum(s.drafted for s in steps) > 0
 
@@ -190,7 +175,7 @@ def test_greedy_with_fitted_heads_equals_plain(fitted, family):
     target, heads = fitted[family]
     reference = greedy_reference(target, PROMPT, 60)
     assert_clear_argmax(target, PROMPT, reference)
-    tokens, steps = decode(target, PROMPT, 60, MedusaDrafter(heads), FixedPolicy(FULL_TREE))
+    tokens, steps, _ = decode(target, PROMPT, 60, MedusaDrafter(heads), FixedPolicy(FULL_TREE))
     assert tokens == reference
     # The fitted heads are right often, so multi-token acceptance is really exercised.
     assert tokens_per_forward(steps) > 1.5
@@ -248,7 +233,7 @@ def test_stories_greedy_with_fitted_heads(shared_models):
         prompt = tokenizer.encode(text)
         reference = greedy_reference(model, prompt, 80)
         assert_clear_argmax(model, prompt, reference)
-        tokens, steps = decode(model, prompt, 80, MedusaDrafter(heads), FixedPolicy(FULL_TREE))
+        tokens, steps, _ = decode(model, prompt, 80, MedusaDrafter(heads), FixedPolicy(FULL_TREE))
         assert tokens == reference
         assert tokens_per_forward(steps) > 2
         # The public API, with the adaptive policy choosing the tree size.
@@ -370,7 +355,7 @@ def assert_markov(tokens: list[int], sampling: SamplingParams) -> None:
 def test_tree_rejection_sampling_follows_target(sampling, k):
     target = MarkovLM(TABLE)
     drafter = MedusaDrafter(markov_heads(sampling))
-    tokens, steps = decode(target, [0], SAMPLED, drafter, FixedPolicy(k), sampling)
+    tokens, steps, _ = decode(target, [0], SAMPLED, drafter, FixedPolicy(k), sampling)
     # Both outcomes are exercised: accepted nodes, and rejected siblings / whole levels.
     assert sum(s.accepted for s in steps) > 300
     assert sum(s.accepted < s.drafted for s in steps) > 300
@@ -382,7 +367,7 @@ def test_typical_acceptance_is_lossy():
     sampling = SamplingParams(temperature=1.0, seed=3)
     target = MarkovLM(TABLE)
     drafter = MedusaDrafter(markov_heads(sampling))
-    tokens, steps = decode(
+    tokens, steps, _ = decode(
         target, [0], SAMPLED, drafter, FixedPolicy(FULL_TREE), sampling, typical_acceptance=True
     )
     assert sum(s.accepted for s in steps) > 300

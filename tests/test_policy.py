@@ -169,3 +169,26 @@ def test_warm_up_and_catch_up_steps_are_not_timed():
 def test_zero_max_is_plain_decoding():
     policy = AdaptivePolicy(max_k=0)
     assert set(simulate(policy, lambda k: 0.01, lambda i: 0.9, 50)) == {0}
+
+
+
+def test_expected_tokens_follow_measured_tree_yield():
+    """Tree steps of 4 nodes over branches that accept 3 tokens yield 4, above the 3.05 a chain
+    of 4 at the acceptance those steps imply (3 of 4) predicts; chain-like steps keep gain ~1."""
+    policy = AdaptivePolicy(max_k=16)
+    for _ in range(64):
+        policy.observe(4, 3, 0.01)
+    assert policy.acceptance == pytest.approx(0.75, abs=0.02)
+    assert policy.expected_tokens(4, policy.acceptance) < 3.1
+    assert policy.expected_tokens(4) == pytest.approx(4.0, rel=0.05)
+
+    rng = np.random.default_rng(0)
+    policy = AdaptivePolicy(max_k=16)
+    for _ in range(400):
+        accepted = 0
+        while accepted < 4 and rng.random() < 0.7:
+            accepted += 1
+        policy.observe(4, accepted, 0.01)
+    assert policy.expected_tokens(4) == pytest.approx(
+        policy.expected_tokens(4, policy.acceptance), rel=0.1
+    )

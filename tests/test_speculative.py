@@ -16,7 +16,7 @@ from mlx_speculate.models.base import ModelOutput
 from mlx_speculate.policy import FixedPolicy
 from mlx_speculate.sampling import SamplingParams, log_probs
 
-from .helpers import greedy_reference, tiny_model
+from .helpers import assert_clear_argmax, decode, greedy_reference, tiny_model
 
 GREEDY = SamplingParams()
 PROMPT = [1, 5, 9, 33, 7, 2, 60]
@@ -24,33 +24,12 @@ FAMILIES = ("llama", "qwen2", "phi3")
 # Batched (verify) and one-token float32 forwards differ by well under 1e-5 in the logits; a
 # top-2 gap of 1e-3 at every reference step means both paths must pick the same argmax, so
 # equal outputs are a real comparison and not a coin flip on near-ties.
-MIN_MARGIN = 1e-3
 # Seeds whose greedy continuations of PROMPT keep that margin (asserted, not assumed).
 TARGET_SEED = {"llama": 0, "qwen2": 1, "phi3": 1}
 
 
 load_cached = functools.lru_cache(load)
 
-
-def decode(model, prompt, n, drafter=None, policy=None, sampling=GREEDY):
-    """The first n tokens the loop emits, and its steps."""
-    decoder = Decoder(model, sampling, drafter, policy)
-    decoder.prefill(prompt)
-    tokens, steps = [], []
-    for step in decoder.steps():
-        tokens.extend(step.tokens)
-        steps.append(step)
-        if len(tokens) >= n:
-            return tokens[:n], steps, decoder
-    return tokens, steps, decoder
-
-
-def assert_clear_argmax(model, prompt, tokens):
-    """The reference tokens are the full forward's argmax with a clear top-2 gap."""
-    logits = model(mx.array([prompt + tokens])).logits[0, len(prompt) - 1 : -1]  # (n, V)
-    top2 = mx.sort(logits, axis=-1)[:, -2:]
-    assert mx.argmax(logits, axis=-1).tolist() == tokens
-    assert mx.min(top2[:, 1] - top2[:, 0]).item() > MIN_MARGIN
 
 
 def draft_for(kind, family, target):
