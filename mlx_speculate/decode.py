@@ -143,6 +143,9 @@ class Decoder:
                     raise ValueError("a sampled chain draft needs the draft's logprobs")
                 acceptance = rejection_accept(draft.tokens, draft_logprobs, target_logprobs)
             tokens, num_accepted = acceptance.tokens, acceptance.num_accepted
+        # Scheduled on its own as soon as it is built: a later step queued on top of it must
+        # not make reading this one wait for both.
+        mx.async_eval(tokens, *([] if num_accepted is None else [num_accepted]))
         return _Pending(
             offset,
             draft,
@@ -220,7 +223,6 @@ class Decoder:
                 k = self.policy.choose()
                 if k == 0:
                     upcoming = self._queue(step.tokens[:1], 0, None)
-                    mx.async_eval(upcoming.tokens)
             result, state = self._finish(step)
             yield result
             if self.room() <= 0:

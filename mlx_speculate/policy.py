@@ -35,11 +35,20 @@ GAIN_PRIOR = 8
 GAIN_WINDOW = 64
 
 
+def _typical(seconds: deque[float]) -> float:
+    """Mean step time without outliers (> 3x the median). A mean, not the median: plain steps
+    queued on top of each other can finish in pairs, the first seemingly costing two forwards
+    and the second none, which only an average charges correctly."""
+    cap = 3 * median(seconds)
+    kept = [t for t in seconds if t <= cap]
+    return sum(kept) / len(kept)
+
+
 class AdaptivePolicy:
     """Chooses the draft length that maximises expected tokens per second, from measurements.
 
-    Per drafted count d it keeps the median of the last `window` step times t(d) (draft and
-    verify together; the first step at each d is dropped as warm-up); unmeasured d are
+    Per drafted count d it keeps the outlier-trimmed mean of the last `window` step times t(d)
+    (draft and verify together; the first step at each d is dropped as warm-up); unmeasured d are
     interpolated between measured neighbours or extrapolated with the fitted slope, clamped at
     zero so that extrapolation is optimistic and gets tried. The acceptance rate a is a decayed
     count of accepted tokens against rejections (the maximum-likelihood estimate when every draft
@@ -98,7 +107,7 @@ class AdaptivePolicy:
 
     def _costs(self, max_k: int) -> list[float | None]:
         """Estimated seconds for k = 0 .. max_k, from the measured medians."""
-        known = sorted((d, median(t)) for d, t in self._times.items() if t)
+        known = sorted((d, _typical(t)) for d, t in self._times.items() if t)
         if not known:
             return [None] * (max_k + 1)
         lengths = [d for d, _ in known]
