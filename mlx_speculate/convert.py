@@ -29,7 +29,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 from tqdm import tqdm
 
-from .loading import build_model, load_config, load_weights, resolve_path
+from .loading import build_model, load_config, load_weights, quantize_model, resolve_path
 from .models.rope import rope_parameters
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -136,8 +136,7 @@ def convert(
     if kept is not None:
         config["quantization_config"] = dict(kept)
     elif quantize:
-        quantize_model(model, q_bits, q_group_size)
-        settings = {"group_size": q_group_size, "bits": q_bits, "mode": "affine"}
+        settings = quantize_model(model, q_bits, q_group_size)
         config["quantization"] = dict(settings)
         config["quantization_config"] = dict(settings)
 
@@ -192,26 +191,6 @@ def describe_quantization(quantization: dict[str, Any]) -> str:
             ", ".join(modules) if len(modules) <= 2 else f"{len(modules)} modules"
         )
     return text
-
-
-def quantizable(group_size: int):
-    """mlx-lm's rule: Linear/Embedding layers whose input dimension divides into groups."""
-
-    def predicate(path: str, module: nn.Module) -> bool:
-        return hasattr(module, "to_quantized") and module.weight.shape[-1] % group_size == 0
-
-    return predicate
-
-
-def quantize_model(model: nn.Module, bits: int, group_size: int) -> None:
-    """Affine quantization in place; other layers (norms, odd widths) stay float."""
-    nn.quantize(
-        model,
-        group_size=group_size,
-        bits=bits,
-        mode="affine",
-        class_predicate=quantizable(group_size),
-    )
 
 
 def make_shards(weights: dict[str, mx.array], max_bytes: int) -> list[dict[str, mx.array]]:

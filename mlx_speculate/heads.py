@@ -21,7 +21,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .loading import apply_quantization, load_safetensors, read_json, resolve_path
+from .loading import (
+    apply_quantization,
+    load_safetensors,
+    quantize_model,
+    read_json,
+    resolve_path,
+)
 
 MEDUSA_DIR = "medusa"  # heads folder inside a converted model folder
 MLX_WEIGHTS = "weights.safetensors"
@@ -236,21 +242,6 @@ def save_medusa_heads(
     return folder
 
 
-def quantize_heads(heads: MedusaHeads, bits: int = 4, group_size: int = 64) -> dict[str, Any]:
-    """Affine quantization in place (mlx-lm's rule: Linear layers whose input width divides into
-    groups); returns the `quantization` config entry."""
-    nn.quantize(
-        heads,
-        group_size=group_size,
-        bits=bits,
-        mode="affine",
-        class_predicate=lambda _, m: (
-            isinstance(m, nn.Linear) and m.weight.shape[-1] % group_size == 0
-        ),
-    )
-    return {"group_size": group_size, "bits": bits, "mode": "affine"}
-
-
 def convert_medusa_heads(
     medusa_path: str | Path,
     out: str | Path,
@@ -276,7 +267,7 @@ def convert_medusa_heads(
         heads.set_dtype(dtype)
     extra = {k: config[k] for k in ("base_model_name_or_path",) if k in config}
     if quantize:
-        settings = quantize_heads(heads, q_bits, q_group_size)
+        settings = quantize_model(heads, q_bits, q_group_size)
         extra["quantization"] = dict(settings)
         extra["quantization_config"] = dict(settings)
     return save_medusa_heads(heads, out, extra)

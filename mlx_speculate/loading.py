@@ -120,6 +120,22 @@ def apply_quantization(
     )
 
 
+def quantize_model(module: nn.Module, bits: int, group_size: int) -> dict[str, Any]:
+    """Affine quantization in place by mlx-lm's rule: Linear/Embedding layers whose input
+    dimension divides into groups (others, such as norms and odd widths, stay float). Returns
+    the config's `quantization` entry."""
+    nn.quantize(
+        module,
+        group_size=group_size,
+        bits=bits,
+        mode="affine",
+        class_predicate=lambda _, m: (
+            hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0
+        ),
+    )
+    return {"group_size": group_size, "bits": bits, "mode": "affine"}
+
+
 def build_model(
     config: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype | None = None
 ) -> CausalLM:
