@@ -116,12 +116,12 @@ def stream_generate(
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
     speculative = draft_model is not None or prompt_lookup
-    if medusa is not None and medusa is not False:
+    use_medusa = medusa is not None and medusa is not False
+    built_in = speculative or use_medusa
+    if use_medusa:
         if drafter is not None or speculative:
             raise ValueError("give only one of drafter, draft_model, prompt_lookup and medusa")
         drafter = _medusa_drafter(model, medusa, tree)
-        if policy is None and num_draft_tokens is None:
-            policy = AdaptivePolicy(drafter.max_draft)
     elif tree is not None or typical_acceptance:
         raise ValueError("tree and typical_acceptance apply to Medusa: pass medusa=...")
     if speculative:
@@ -134,8 +134,10 @@ def stream_generate(
     if drafter is not None and policy is None:
         if num_draft_tokens is not None:
             policy = FixedPolicy(num_draft_tokens)
+        elif built_in:
+            policy = AdaptivePolicy(getattr(drafter, "max_draft", MAX_DRAFT_TOKENS))
         else:
-            policy = AdaptivePolicy(MAX_DRAFT_TOKENS) if speculative else FixedPolicy(3)
+            policy = FixedPolicy(3)
     tokens = _encode(tokenizer, prompt)
     decoder = Decoder(model, sampling, drafter, policy, typical_acceptance=typical_acceptance)
     mx.reset_peak_memory()
