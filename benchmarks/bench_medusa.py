@@ -51,8 +51,9 @@ def main(argv=None) -> None:
     header("Medusa vs draft model vs plain: stories260K target, greedy", blas)
 
     from mlx_speculate import load, stream_generate
-    from mlx_speculate.distill import fit_medusa_heads, sampled_prompts
-    from mlx_speculate.tree import MEDUSA_TREES
+    from mlx_speculate.heads.medusa import MEDUSA_TREES
+    from mlx_speculate.train.medusa import fit_medusa_heads
+    from mlx_speculate.train.rollout import sampled_prompts
 
     models = SHARED / "models"
     if not (models / "stories260K-llama").exists():

@@ -129,8 +129,8 @@ def bench_pair(pair: str, k: int, runs: int, max_tokens: int) -> None:
 
 def bench_lookup(runs: int, max_tokens: int) -> None:
     from mlx_speculate import load, stream_generate
+    from mlx_speculate.chat import apply_chat_template
     from mlx_speculate.convert import convert
-    from mlx_speculate.generate import apply_chat_template
 
     folder = CACHE / "smollm2-f32-mlx"
     if not folder.exists():

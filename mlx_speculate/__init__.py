@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING
 
-# Imported on first use, so that `python -m mlx_speculate.generate` (or .convert) does not find
-# its own module already imported by the package.
+# Imported on first use, so that `python -m mlx_speculate.convert` does not pay for them.
 _EXPORTS = {
-    "GenerationResponse": "generate",
-    "SpeculativeStats": "generate",
-    "generate": "generate",
-    "stream_generate": "generate",
+    "GenerationResponse": "generation",
+    "SpeculativeStats": "generation",
+    "generate": "generation",
+    "stream_generate": "generation",
     "load": "loading",
     "SamplingParams": "sampling",
 }
 
 if TYPE_CHECKING:
-    from .generate import GenerationResponse, SpeculativeStats, generate, stream_generate
+    from .generation import GenerationResponse, SpeculativeStats, generate, stream_generate
     from .loading import load
     from .sampling import SamplingParams
 
@@ -34,4 +35,18 @@ __all__ = [
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'mlx_speculate' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name: str, value) -> None:
+        # Importing the CLI module `mlx_speculate.generate` would bind it over the function of
+        # that name: the exported names always stay the documented objects.
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -29,7 +29,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 from tqdm import tqdm
 
-from .loading import build_model, load_config, load_weights, quantize_model, resolve_path
+from .checkpoint import quantize_model
+from .loading import build_model, load_config, load_weights, resolve_path
 from .models.rope import rope_parameters
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -153,7 +154,7 @@ def convert(
         else:
             _copy_tokenizer(src, tmp)
         if medusa_path is not None:
-            from .heads import convert_medusa_heads
+            from .heads.medusa import convert_medusa_heads
 
             convert_medusa_heads(
                 medusa_path,

@@ -1,18 +1,22 @@
 """The one decoding loop: propose -> verify in one target forward -> accept -> commit.
 
-Plain decoding is this loop with no drafter (or a step where the drafter proposes nothing):
-the target then verifies just the pending token and the rule emits one token.
+Every step verifies a draft tree rooted at the pending token (the last one emitted, not yet in
+the target cache): a chain for draft-model and lookup drafts, a static or dynamic tree for head
+drafters, the root alone for a plain step. One rule (`verify.py`) picks the accepted path and
+the target's own next token; the commit moves that path's keys/values into consecutive cache
+slots (`KVCache.compact`, O(1) when they already are) and hands its target features to the
+drafter (`Drafter.extend`). The prompt's features reach the drafter the same way at prefill, so
+a head drafter drafts from the first step on.
 
 Host synchronisation, per step:
-  1. `mx.eval` of the acceptance result, then `.item()`/`.tolist()` on the already-evaluated
-     arrays. Draft-model proposals, the target forward and the chain acceptance rules are all
-     lazy and run as one graph; the cache writes are evaluated as inputs of the attention.
-  2. Tree acceptance reads the per-node target distributions on the host after that same eval.
-  3. Only when the rope type depends on the largest position (dynamic NTK, longrope) does a tree
+  1. `mx.eval` of the acceptance (path, tokens, count), then `.item()`/`.tolist()` on the
+     already-evaluated arrays. Drafting, the target forward and the acceptance rule are one
+     lazy graph, scheduled with `mx.async_eval` as soon as it is built.
+  2. Only when the rope type depends on the largest position (dynamic NTK, longrope) does a tree
      forward read that position back (models/base.py).
 When a plain step follows a plain one (always without a drafter; with one, when the policy
-chooses 0), step t+1 is queued with `mx.async_eval` before step t's token is read, as mlx-lm
-does, so host work overlaps the next forward.
+chooses 0), step t+1 is queued on step t's lazy token before step t is read, as mlx-lm does, so
+host work overlaps the next forward.
 """
 
 from __future__ import annotations
@@ -22,20 +26,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
-import numpy as np
 
 from .cache import KVCache
-from .drafters import Draft, Drafter, TargetState
+from .drafters.base import Draft, Drafter, TargetFeatures
 from .models.base import CausalLM
 from .policy import FixedPolicy, Policy
-from .sampling import SamplingParams, log_probs, sample
-from .verify import (
-    greedy_accept,
-    greedy_tree_accept,
-    rejection_accept,
-    tree_rejection_accept,
-    typical_tree_accept,
-)
+from .sampling import SamplingParams, log_probs
+from .tree import ROOT, Tree
+from .verify import Acceptance, greedy_accept, rejection_accept, typical_accept
 
 PREFILL_STEP = 512
 
@@ -46,54 +44,45 @@ class Step:
 
     tokens: tuple[int, ...]  # accepted draft tokens, then the target's own token
     drafted: int  # tokens the drafter proposed (tree: nodes below the root)
-    accepted: int  # how many of `tokens` came from the draft
     logprobs: mx.array  # (len(tokens), V) target log-probabilities that chose each token
     seconds: float
+
+    @property
+    def accepted(self) -> int:
+        """How many of `tokens` came from the draft."""
+        return len(self.tokens) - 1
 
 
 @dataclass(frozen=True)
 class _Pending:
     """A queued step: lazy until `_finish` evaluates it."""
 
-    offset: int
-    draft: Draft | None
-    tokens: mx.array  # (k + 1,) chain: emitted candidates; tree: the verified inputs
-    num_accepted: mx.array | None  # () drafted chains only
-    logits: mx.array  # (k + 1, V)
-    target_logprobs: mx.array | None  # processed, sampling only
-    hidden: mx.array  # (k + 1, hidden)
-    layer_hidden: tuple[mx.array, ...]
+    offset: int  # cache slot of the root
+    tree: Tree
+    acceptance: Acceptance
+    logits: mx.array  # (N, V) one row per tree node
+    features: TargetFeatures  # (N, ...) rows
 
 
 class Decoder:
-    """Runs the loop for one prompt. `context` is prompt + emitted tokens; its last token is
-    pending: emitted but not yet in the target cache."""
+    """Runs the loop for a stream of prompts. `context` is prompt + emitted tokens; its last
+    token is pending. A new prompt reuses the cached prefix it shares with the last context."""
 
     def __init__(
-        self,
-        model: CausalLM,
-        sampling: SamplingParams,
-        drafter: Drafter | None = None,
-        policy: Policy | None = None,
-        max_context: int | None = None,
-        typical_acceptance: bool = False,
+        self, model: CausalLM, drafter: Drafter | None = None, max_context: int | None = None
     ):
         self.model = model
-        self.sampling = sampling
         self.drafter = drafter
-        self.policy = policy or FixedPolicy(0)
         self.max_context = max_context or model.args.max_position_embeddings
         self.cache: KVCache = model.make_cache()
-        self.hidden_layers = drafter.hidden_layers if drafter is not None else ()
-        # Medusa's typical acceptance for trees when sampling: LOSSY, opt-in only.
-        self.typical_acceptance = typical_acceptance
+        self.taps = drafter.taps if drafter is not None else ()
         self.context: list[int] = []
-        # Tree acceptance samples on the host after the step's one sync.
-        self.rng = np.random.default_rng(sampling.seed)
         self._clock = 0.0  # when the last step finished
+        self._limit = 0  # last context length the current generation may reach
 
-    def prefill(self, prompt: Sequence[int]) -> None:
-        """Puts all but the last prompt token in the cache."""
+    def prefill(self, prompt: Sequence[int]) -> int:
+        """Puts all but the last prompt token in the cache (and their features in the drafter);
+        returns how many were already there from the previous context."""
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
         if len(prompt) > self.max_context:
@@ -101,133 +90,129 @@ class Decoder:
                 f"the prompt has {len(prompt)} tokens, more than the model's context of "
                 f"{self.max_context}"
             )
-        self.context = list(prompt)
-        for start in range(0, len(prompt) - 1, PREFILL_STEP):
+        prompt = list(prompt)
+        cached = self.context[: self.cache.offset]
+        kept, most = 0, min(len(cached), len(prompt) - 1)
+        while kept < most and cached[kept] == prompt[kept]:
+            kept += 1
+        self.cache.truncate(kept)
+        if self.drafter is not None:
+            self.drafter.rewind(kept)
+        for start in range(kept, len(prompt) - 1, PREFILL_STEP):
             chunk = prompt[start : min(start + PREFILL_STEP, len(prompt) - 1)]
-            self.model(mx.array([chunk]), self.cache)
+            out = self.model(mx.array([chunk]), self.cache, taps=self.taps)
+            if self.drafter is not None:
+                self.drafter.extend(TargetFeatures(out.hidden[0], tuple(t[0] for t in out.taps)))
             mx.eval(self.cache.state)
+        self.context = prompt
+        return kept
 
     def room(self) -> int:
-        """How many draft tokens fit before the context limit."""
-        return self.max_context - len(self.context)
+        """How many draft tokens the next step may verify; -1 when no step is left. A step
+        writes its root and drafts from cache slot len(context) - 1 on (the context limit
+        bounds them) and emits its accepted drafts and one more (the tokens wanted bound them)."""
+        return min(self.max_context, self._limit) - len(self.context)
 
-    def _queue(self, pending: mx.array, k: int, state: TargetState | None) -> _Pending:
-        draft = None
-        if self.drafter is not None and k > 0:
-            draft = self.drafter.propose(self.context, min(k, self.room()), state)
-            if draft is not None and draft.size == 0:
-                draft = None
-        offset = self.cache.offset
-        inputs = pending if draft is None else mx.concatenate([pending, draft.tokens])
-        positions = mask = None
-        if draft is not None and draft.tree is not None:
-            positions = draft.tree.positions(offset)
-            mask = draft.tree.attention_mask(offset)
-        out = self.model(
-            inputs[None], self.cache, positions=positions, mask=mask,
-            hidden_layers=self.hidden_layers,
-        )
-        logits = out.logits[0]  # (k + 1, V)
-        target_logprobs = None if self.sampling.greedy else log_probs(logits, self.sampling)
-        tokens, num_accepted = inputs, None  # trees are accepted on the host in `_finish`
-        if draft is None:
-            # Nothing to verify: the target's own token, without building a rule's graph.
-            greedy = self.sampling.greedy
-            tokens = mx.argmax(logits, axis=-1) if greedy else sample(target_logprobs)
-        elif draft.tree is None:
-            if self.sampling.greedy:
-                acceptance = greedy_accept(draft.tokens, logits)
-            else:
-                draft_logprobs = draft.logprobs
-                if draft_logprobs is None:
-                    raise ValueError("a sampled chain draft needs the draft's logprobs")
-                acceptance = rejection_accept(draft.tokens, draft_logprobs, target_logprobs)
-            tokens, num_accepted = acceptance.tokens, acceptance.num_accepted
-        # Scheduled on its own as soon as it is built: a later step queued on top of it must
-        # not make reading this one wait for both.
-        mx.async_eval(tokens, *([] if num_accepted is None else [num_accepted]))
-        return _Pending(
-            offset,
-            draft,
-            tokens,
-            num_accepted,
-            logits,
-            target_logprobs,
-            out.hidden[0],
-            tuple(h[0] for h in out.layer_hidden),
-        )
+    @property
+    def context_full(self) -> bool:
+        """Whether the context limit, rather than the tokens wanted, ended the steps."""
+        return self.max_context - len(self.context) < 0
 
-    def _finish(self, step: _Pending) -> tuple[Step, TargetState]:
-        draft = step.draft
-        if draft is not None and draft.tree is not None:
-            path, tokens = self._accept_tree(step)
-            rows = mx.array(path)
-        else:
-            if step.num_accepted is None:
-                mx.eval(step.tokens)
-                n = 0
-            else:
-                mx.eval(step.tokens, step.num_accepted)
-                n = step.num_accepted.item()
-            tokens = step.tokens[: n + 1].tolist()
-            if draft is not None and n < draft.size:
-                self.cache.truncate(step.offset + n + 1)
-            rows = slice(0, n + 1)  # a chain keeps a prefix of its rows
-        state = TargetState(step.hidden[rows], tuple(h[rows] for h in step.layer_hidden))
+    def steps(
+        self,
+        sampling: SamplingParams,
+        policy: Policy | None = None,
+        *,
+        max_tokens: int | None = None,
+        typical_acceptance: bool = False,
+    ) -> Iterator[Step]:
+        """Yields one Step per target forward until the context is full or `max_tokens`
+        tokens were committed (the last step may commit a few more)."""
+        policy = policy or FixedPolicy(0)
+        if sampling.seed is not None:
+            mx.random.seed(sampling.seed)  # the one generator every draw comes from
+        self._limit = len(self.context) - 1 + (max_tokens or self.max_context + 1)
+        self._clock = time.perf_counter()
+        queue = _Queue(self, sampling, typical_acceptance)
+        step = queue(mx.array(self.context[-1:]), policy.choose())
+        while True:
+            upcoming = k = None
+            if step.tree.num_nodes == 1 and self.room() >= 1:
+                # Decided one observation early, so that a plain step can be queued on the
+                # lazy token before this one is read.
+                k = policy.choose()
+                if k == 0:
+                    upcoming = queue(step.acceptance.tokens[:1], 0)
+            result = self._finish(step)
+            policy.observe(result.drafted, result.accepted, result.seconds)
+            yield result
+            if self.room() < 0:
+                return
+            if upcoming is None:
+                k = policy.choose() if k is None else k
+                upcoming = queue(mx.array(self.context[-1:]), k)
+            step = upcoming
+
+    def _finish(self, step: _Pending) -> Step:
+        """Reads the step's acceptance (the one sync) and commits the accepted path."""
+        acceptance = step.acceptance
+        mx.eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
+        n = acceptance.num_accepted.item()
+        tokens = acceptance.tokens[: n + 1].tolist()
+        path = acceptance.path[: n + 1].tolist()
+        if step.tree.num_nodes > 1:  # a plain step's one slot is already in place
+            self.cache.compact(step.offset, [step.offset + i for i in path])
+        rows = slice(0, n + 1) if path == list(range(n + 1)) else mx.array(path)
         logits = step.logits[rows]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         self.context.extend(tokens)
         if self.drafter is not None:
             self.drafter.rewind(len(self.context) - 1)
+            self.drafter.extend(step.features.rows(rows))
         # Wall time since the previous step finished: what the step cost the stream, also
         # when it overlapped the one before.
         now = time.perf_counter()
         seconds, self._clock = now - self._clock, now
-        drafted = 0 if draft is None else draft.size
-        result = Step(tuple(tokens), drafted, len(tokens) - 1, logprobs, seconds)
-        self.policy.observe(drafted, len(tokens) - 1, seconds)
-        return result, state
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return Step(tuple(tokens), step.tree.num_nodes - 1, logprobs, seconds)
 
-    def _accept_tree(self, step: _Pending) -> tuple[list[int], list[int]]:
-        tree = step.draft.tree
-        draft_logprobs = step.draft.logprobs
-        scores = step.logits if self.sampling.greedy else step.target_logprobs
-        extra = [] if draft_logprobs is None else [draft_logprobs]
-        mx.eval(scores, step.tokens, *extra)
-        node_tokens = np.array(step.tokens)  # the verified inputs: root, then the draft nodes
+
+class _Queue:
+    """Builds and schedules one step: draft, verify forward and acceptance rule, all lazy."""
+
+    def __init__(self, decoder: Decoder, sampling: SamplingParams, typical: bool):
+        self.decoder = decoder
+        self.sampling = sampling
+        self.typical = typical  # Medusa's typical acceptance when sampling: LOSSY, opt-in
+
+    def __call__(self, pending: mx.array, k: int) -> _Pending:
+        decoder = self.decoder
+        draft: Draft | None = None
+        room = decoder.room()
+        if decoder.drafter is not None and k > 0 and room > 0:
+            draft = decoder.drafter.propose(decoder.context, min(k, room), self.sampling)
+        tree = ROOT if draft is None else draft.tree
+        inputs = pending if draft is None else mx.concatenate([pending, draft.tokens])
+        offset = decoder.cache.offset
+        positions = mask = None
+        if not tree.is_chain:  # a chain needs no more than the causal default
+            positions, mask = tree.positions(offset), tree.attention_mask(offset)
+        out = decoder.model(
+            inputs[None], decoder.cache, positions=positions, mask=mask, taps=decoder.taps
+        )
+        logits = out.logits[0]  # (N, V)
+        acceptance = self._accept(tree, inputs[1:], logits, draft)
+        # Scheduled on its own as soon as it is built: a later step queued on top of it must
+        # not make reading this one wait for both.
+        mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
+        features = TargetFeatures(out.hidden[0], tuple(t[0] for t in out.taps))
+        return _Pending(offset, tree, acceptance, logits, features)
+
+    def _accept(
+        self, tree: Tree, tokens: mx.array, logits: mx.array, draft: Draft | None
+    ) -> Acceptance:
         if self.sampling.greedy:
-            result = greedy_tree_accept(tree.parents, node_tokens, np.array(scores))
-        elif self.typical_acceptance:
-            result = typical_tree_accept(tree.parents, node_tokens, np.array(scores))
-        else:
-            result = tree_rejection_accept(
-                tree.parents,
-                node_tokens,
-                np.array(scores),
-                None if draft_logprobs is None else np.array(draft_logprobs),
-                self.rng,
-            )
-        path = list(result.path)
-        self.cache.compact(step.offset, [step.offset + i for i in path])
-        return path, [int(node_tokens[i]) for i in path[1:]] + [int(result.next_token)]
-
-    def steps(self) -> Iterator[Step]:
-        """Yields one Step per target forward until the context is full."""
-        self._clock = time.perf_counter()
-        step = self._queue(mx.array(self.context[-1:]), 0, None)
-        while True:
-            upcoming = k = None
-            if step.draft is None and self.room() > 1:
-                # Decided one observation early, so that a plain step can be queued on the
-                # lazy token before this one is read.
-                k = self.policy.choose()
-                if k == 0:
-                    upcoming = self._queue(step.tokens[:1], 0, None)
-            result, state = self._finish(step)
-            yield result
-            if self.room() <= 0:
-                return
-            if upcoming is None:
-                k = self.policy.choose() if k is None else k
-                upcoming = self._queue(mx.array(self.context[-1:]), k, state)
-            step = upcoming
+            return greedy_accept(tree, tokens, logits)
+        target = log_probs(logits, self.sampling)
+        if self.typical:
+            return typical_accept(tree, tokens, target)
+        return rejection_accept(tree, tokens, target, None if draft is None else draft.logprobs)

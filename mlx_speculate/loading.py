@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.tokenizer_utils import (
     BPEStreamingDetokenizer,
     NaiveStreamingDetokenizer,
@@ -21,6 +20,7 @@ from mlx_lm.tokenizer_utils import (
     TokenizerWrapper,
 )
 
+from .checkpoint import load_into, read_weights
 from .models import MODEL_TYPES
 from .models.base import CausalLM
 
@@ -74,66 +74,11 @@ def model_class(config: dict[str, Any]):
     return MODEL_TYPES[model_type]
 
 
-def load_safetensors(files: list[Path]) -> dict[str, mx.array]:
-    weights: dict[str, mx.array] = {}
-    for file in files:
-        try:
-            weights.update(mx.load(str(file)))
-        except Exception as e:  # mlx raises RuntimeError/ValueError for unreadable files
-            raise ValueError(f"cannot read {file} (corrupt or not safetensors): {e}") from e
-    return weights
-
-
 def load_weights(path: Path) -> dict[str, mx.array]:
     files = sorted(Path(f) for f in glob.glob(str(path / "model*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no model*.safetensors weights in {path}")
-    return load_safetensors(files)
-
-
-def quantize_predicate(quantization: dict[str, Any], weights: dict[str, mx.array]):
-    """mlx-lm's rule: a module is quantized when its `.scales` are stored; overrides by path."""
-
-    def predicate(module_path: str, module: nn.Module):
-        override = quantization.get(module_path)
-        if isinstance(override, dict):
-            return override
-        if override is False:
-            return False
-        return f"{module_path}.scales" in weights
-
-    return predicate
-
-
-def apply_quantization(
-    module: nn.Module, quantization: dict[str, Any] | None, weights: dict[str, mx.array]
-) -> None:
-    """Turns the layers that `weights` stores quantized into quantized layers (mlx-lm's rule)."""
-    if quantization is None:
-        return
-    nn.quantize(
-        module,
-        group_size=quantization.get("group_size", 64),
-        bits=quantization.get("bits", 4),
-        mode=quantization.get("mode", "affine"),
-        class_predicate=quantize_predicate(quantization, weights),
-    )
-
-
-def quantize_model(module: nn.Module, bits: int, group_size: int) -> dict[str, Any]:
-    """Affine quantization in place by mlx-lm's rule: Linear/Embedding layers whose input
-    dimension divides into groups (others, such as norms and odd widths, stay float). Returns
-    the config's `quantization` entry."""
-    nn.quantize(
-        module,
-        group_size=group_size,
-        bits=bits,
-        mode="affine",
-        class_predicate=lambda _, m: (
-            hasattr(m, "to_quantized") and m.weight.shape[-1] % group_size == 0
-        ),
-    )
-    return {"group_size": group_size, "bits": bits, "mode": "affine"}
+    return read_weights(files)
 
 
 def build_model(
@@ -146,23 +91,13 @@ def build_model(
     except TypeError as e:  # a required size is absent
         raise ValueError(f"{config.get('model_type')} config is incomplete: {e}") from e
     model = module.Model(args)
-    weights = model.sanitize(weights)
-    apply_quantization(model, config.get("quantization"), weights)
-    if dtype is not None:
-        weights = {
-            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
-            for k, v in weights.items()
-        }
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        detail = " ".join(str(e).split())  # mlx lists missing/extra names on new lines
-        raise ValueError(
-            f"weights do not fit the {config.get('model_type')} config: {detail}"
-        ) from e
-    mx.eval(model.parameters())
-    model.eval()
-    return model
+    return load_into(
+        model,
+        model.sanitize(weights),
+        quantization=config.get("quantization"),
+        dtype=dtype,
+        what=f"the {config.get('model_type')} config",
+    )
 
 
 def load_model(path: Path, dtype: mx.Dtype | None = None) -> tuple[CausalLM, dict[str, Any]]:
@@ -224,4 +159,5 @@ def load(
     """Loads a model and its tokenizer from a local folder or a Hugging Face hub id."""
     path = resolve_path(path_or_hub_id)
     model, config = load_model(path, dtype)
-    return model, load_tokenizer(path, eos_token_ids(path, config))
+    model.tokenizer = load_tokenizer(path, eos_token_ids(path, config))
+    return model, model.tokenizer

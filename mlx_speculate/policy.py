@@ -185,3 +185,11 @@ class AdaptivePolicy:
             gains.append((accepted + 1) / chain)
             self._hits = self.decay * self._hits + accepted
             self._misses = self.decay * self._misses + (accepted < drafted)
+
+
+def default_policy(drafter, num_draft_tokens: int | None = None) -> Policy:
+    """A fixed draft length when one is asked for, else the adaptive policy up to the
+    drafter's own cap (`Drafter.max_draft`)."""
+    if num_draft_tokens is not None:
+        return FixedPolicy(num_draft_tokens)
+    return AdaptivePolicy(drafter.max_draft)

@@ -57,6 +57,18 @@ def sample(logprobs: mx.array, key: mx.array | None = None) -> mx.array:
     return mx.random.categorical(logprobs, axis=-1, key=key).astype(mx.int32)
 
 
+def pick(
+    logits: mx.array, params: SamplingParams, key: mx.array | None = None
+) -> tuple[mx.array, mx.array | None]:
+    """The next token from (..., V) logits, lazily: the argmax when greedy, else a draw (from
+    `key`, or the global generator) from the processed distribution, which comes back too
+    ((..., V); None when greedy)."""
+    if params.greedy:
+        return mx.argmax(logits, axis=-1).astype(mx.int32), None
+    logprobs = log_probs(logits, params)
+    return sample(logprobs, key), logprobs
+
+
 def _point_mass(logits: mx.array) -> mx.array:
     best = mx.argmax(logits, axis=-1, keepdims=True)  # (..., 1)
     return mx.where(mx.arange(logits.shape[-1]) == best, 0.0, -mx.inf)

@@ -1,15 +1,20 @@
-"""Draft trees: static Medusa trees, EAGLE-2 dynamic trees and plain chains, as one type.
+"""Draft trees: chains, static trees (Medusa's) and EAGLE-2 dynamic trees, as one type.
 
-Node 0 is the root (the last committed token). Nodes are ordered so that every parent precedes
-its children (the constructors here produce breadth-first order); a verify forward feeds them in
-this order, with `attention_mask` and `positions` telling each node which tokens it sees.
+Node 0 is the root: the pending token, the last one emitted and not yet in the target cache.
+Every parent precedes its children (the constructors here produce breadth-first order), so a
+verify forward feeds the nodes in this order, with `attention_mask` and `positions` telling each
+node which tokens it sees. A chain is the tree whose node i has parent i - 1; a root-only tree is
+a plain decoding step.
+
+The tree's shape lives on the host; the acceptance rules read it as the constant MLX arrays
+below (`parent_index`, `depth_index`, `ancestors`, `child_table`), built once per tree.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 import mlx.core as mx
 import numpy as np
@@ -18,8 +23,6 @@ import numpy as np
 @dataclass(frozen=True)
 class Tree:
     parents: tuple[int, ...]  # parents[0] == -1, parents[i] < i
-    # Medusa trees: the top-k rank each node was picked at (root -1); its depth names the head.
-    choice_index: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "parents", tuple(int(p) for p in self.parents))
@@ -28,10 +31,6 @@ class Tree:
         for i, parent in enumerate(self.parents[1:], start=1):
             if not 0 <= parent < i:
                 raise ValueError(f"node {i} has parent {parent}; parents must come before children")
-        if self.choice_index is not None and len(self.choice_index) != len(self.parents):
-            raise ValueError(
-                f"choice_index has {len(self.choice_index)} entries for {len(self.parents)} nodes"
-            )
 
     @property
     def num_nodes(self) -> int:
@@ -45,16 +44,28 @@ class Tree:
         return tuple(depths)
 
     @property
-    def head_depth(self) -> int:
-        """Deepest level, i.e. how many Medusa heads (or draft steps) it takes to fill the tree."""
+    def depth(self) -> int:
+        """The deepest level: at most `depth` drafts can be accepted in one step."""
         return max(self.depths)
+
+    @cached_property
+    def is_chain(self) -> bool:
+        """Node i's parent is i - 1: the verify forward can use the plain causal mask."""
+        return all(p == i - 1 for i, p in enumerate(self.parents))
 
     def children(self, i: int) -> tuple[int, ...]:
         return self._children[i]
 
+    def path(self, node: int) -> tuple[int, ...]:
+        """Node indices from the root to `node`."""
+        path = [node]
+        while self.parents[path[-1]] != -1:
+            path.append(self.parents[path[-1]])
+        return tuple(reversed(path))
+
     def paths(self) -> list[tuple[int, ...]]:
         """Root-to-leaf node-index paths, leaves in node order."""
-        return [self._path_to(i) for i in range(self.num_nodes) if not self._children[i]]
+        return [self.path(i) for i in range(self.num_nodes) if not self._children[i]]
 
     @cached_property
     def visibility(self) -> np.ndarray:
@@ -72,49 +83,75 @@ class Tree:
         turn into NaN inside fused attention kernels.
         """
         hidden = mx.finfo(dtype).min
-        tree = mx.where(mx.array(self.visibility), 0.0, hidden).astype(dtype)  # (N, N)
+        tree = mx.where(self.ancestors, 0.0, hidden).astype(dtype)  # (N, N)
         prefix = mx.zeros((self.num_nodes, prefix_len), dtype=dtype)  # (N, prefix_len)
         return mx.concatenate([prefix, tree], axis=1)
 
     def positions(self, prefix_len: int) -> mx.array:
         """(N,) int32 rotary positions: the node's depth after the committed prefix."""
-        return mx.array(self.depths, dtype=mx.int32) + prefix_len
+        return self.depth_index + prefix_len
 
     def prefix(self, n: int) -> Tree:
         """The first n nodes; parents precede children, so this is again a tree."""
         if not 1 <= n <= self.num_nodes:
             raise ValueError(f"prefix length must be in [1, {self.num_nodes}], got {n}")
-        choice = None if self.choice_index is None else self.choice_index[:n]
-        return Tree(self.parents[:n], choice)
+        return Tree(self.parents[:n])
+
+    # -- constant arrays for the acceptance rules ------------------------------------------------
+
+    @cached_property
+    def parent_index(self) -> mx.array:
+        """(N,) int32 parents, the root pointing at itself (a safe gather index)."""
+        return mx.array((0, *self.parents[1:]), dtype=mx.int32)
+
+    @cached_property
+    def depth_index(self) -> mx.array:
+        """(N,) int32 depths."""
+        return mx.array(self.depths, dtype=mx.int32)
+
+    @cached_property
+    def ancestors(self) -> mx.array:
+        """(N, N) bool `visibility`."""
+        return mx.array(self.visibility)
+
+    @cached_property
+    def child_table(self) -> mx.array:
+        """(N, S) int32: row i lists node i's children in order, padded with -1."""
+        width = max(1, max(len(c) for c in self._children))
+        table = np.full((self.num_nodes, width), -1, dtype=np.int32)
+        for i, kids in enumerate(self._children):
+            table[i, : len(kids)] = kids
+        return mx.array(table)
+
+    # -- constructors ----------------------------------------------------------------------------
 
     @classmethod
     def chain(cls, k: int) -> Tree:
-        """The root followed by k nodes in a line (plain draft-model speculation)."""
+        """The root followed by k nodes in a line (draft-model and lookup speculation)."""
         if k < 0:
             raise ValueError(f"chain length must be >= 0, got {k}")
-        return cls(tuple(range(-1, k)))
+        return _chain(k)
 
     @classmethod
-    def from_choices(cls, choices: Sequence[Sequence[int]]) -> Tree:
-        """Medusa tree from paths of top-k ranks, e.g. [(0,), (1,), (0, 0)].
+    def from_paths(cls, paths: Sequence[Sequence[int]]) -> Tree:
+        """A tree from the paths that name its nodes, e.g. [(0,), (1,), (0, 0)] (Medusa's
+        "choices": a node is the path of child ranks leading to it from the root).
 
         Node i + 1 is the i-th path in (length, lexicographic) order, which is breadth-first.
         """
-        paths = sorted((tuple(int(c) for c in path) for path in choices), key=lambda p: (len(p), p))
+        ordered = sorted((tuple(int(c) for c in path) for path in paths), key=lambda p: (len(p), p))
         index = {(): 0}
         parents = [-1]
-        choice_index = [-1]
-        for path in paths:
+        for path in ordered:
             if not path or min(path) < 0:
-                raise ValueError(f"choice {list(path)} must be a non-empty path of ranks >= 0")
+                raise ValueError(f"path {list(path)} must be non-empty with entries >= 0")
             if path in index:
-                raise ValueError(f"choice {list(path)} appears twice")
+                raise ValueError(f"path {list(path)} appears twice")
             if path[:-1] not in index:
-                raise ValueError(f"choice {list(path)} has no parent {list(path[:-1])} in the list")
+                raise ValueError(f"path {list(path)} has no parent {list(path[:-1])} in the list")
             index[path] = len(parents)
             parents.append(index[path[:-1]])
-            choice_index.append(path[-1])
-        return cls(tuple(parents), tuple(choice_index))
+        return cls(tuple(parents))
 
     @classmethod
     def from_scores(
@@ -148,29 +185,11 @@ class Tree:
             children[self.parents[i]].append(i)
         return tuple(tuple(c) for c in children)
 
-    def _path_to(self, node: int) -> tuple[int, ...]:
-        path = [node]
-        while self.parents[path[-1]] != -1:
-            path.append(self.parents[path[-1]])
-        return tuple(reversed(path))
+
+@cache
+def _chain(k: int) -> Tree:
+    # Shared instances, so that their constant arrays are built once.
+    return Tree(tuple(range(-1, k)))
 
 
-# Medusa's published tree for Vicuna-7B (FasterDecoding/Medusa, medusa/model/medusa_choices.py),
-# in its published order: 63 choices, 64 nodes with the root, depth 4.
-MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
-    (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4),
-    (2, 0), (0, 5), (0, 0, 1), (5,), (0, 6), (6,), (0, 7), (0, 1, 0), (1, 1), (7,), (0, 8),
-    (0, 0, 2), (3, 0), (0, 9), (8,), (9,), (1, 0, 0), (0, 2, 0), (1, 2), (0, 0, 3), (4, 0),
-    (2, 1), (0, 0, 4), (0, 0, 5), (0, 0, 0, 0), (0, 1, 1), (0, 0, 6), (0, 3, 0), (5, 0), (1, 3),
-    (0, 0, 7), (0, 0, 8), (0, 0, 9), (6, 0), (0, 4, 0), (1, 4), (7, 0), (0, 1, 2), (2, 0, 0),
-    (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5), (1, 0, 1), (0, 2, 1), (9, 0), (0, 6, 0),
-    (0, 0, 0, 1), (1, 6), (0, 7, 0),
-)  # fmt: skip
-
-# The published order lists every path after its parent (checked in tests), so each prefix of it
-# is again a valid tree; the smaller trees below are such prefixes.
-MEDUSA_TREES: dict[str, tuple[tuple[int, ...], ...]] = {
-    "mc_sim_7b_63": MC_SIM_7B_63,
-    "mc_sim_7b_63_prefix19": MC_SIM_7B_63[:19],  # 20 nodes
-    "mc_sim_7b_63_prefix6": MC_SIM_7B_63[:6],  # 7 nodes
-}
+ROOT = Tree.chain(0)  # a plain decoding step: the pending token alone

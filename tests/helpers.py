@@ -122,10 +122,10 @@ def tree_path(parents: list[int], node: int) -> list[int]:
 
 def decode(model, prompt, n, drafter=None, policy=None, sampling=None, **kwargs):
     """The first n tokens the decoding loop emits, its steps, and the decoder."""
-    decoder = Decoder(model, sampling or SamplingParams(), drafter, policy, **kwargs)
+    decoder = Decoder(model, drafter)
     decoder.prefill(prompt)
     tokens, steps = [], []
-    for step in decoder.steps():
+    for step in decoder.steps(sampling or SamplingParams(), policy, **kwargs):
         tokens.extend(step.tokens)
         steps.append(step)
         if len(tokens) >= n:

@@ -2,7 +2,6 @@
 
 import functools
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -11,15 +10,17 @@ from mlx_speculate.drafters.lookup import LookupDrafter
 from mlx_speculate.loading import load
 from mlx_speculate.policy import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
+from mlx_speculate.tree import Tree
 
 from .helpers import greedy_reference, tiny_model
 from .test_speculative import PROMPT, TARGET_SEED, assert_clear_argmax
 
 load_cached = functools.lru_cache(load)
+GREEDY = SamplingParams()
 
 
 def proposal(context, k=3, max_ngram=3):
-    draft = LookupDrafter(100, max_ngram=max_ngram).propose(context, k, None)
+    draft = LookupDrafter(max_ngram=max_ngram).propose(context, k, GREEDY)
     return None if draft is None else draft.tokens.tolist()
 
 
@@ -56,25 +57,24 @@ def test_proposals(context, max_ngram, want):
     assert proposal(context, max_ngram=max_ngram) == want
 
 
-def test_draft_rows_are_one_hot_and_k_is_capped():
-    drafter = LookupDrafter(10, max_ngram=2, max_k=2)
-    draft = drafter.propose([1, 2, 3, 1, 2], 5, None)
+def test_drafts_are_deterministic_chains_and_k_is_capped():
+    drafter = LookupDrafter(max_ngram=2, max_draft=2)
+    draft = drafter.propose([1, 2, 3, 1, 2], 5, SamplingParams(temperature=1.0))
     assert draft.tokens.tolist() == [3, 1]
-    assert draft.logprobs.shape == (2, 10)
-    assert mx.argmax(draft.logprobs, axis=-1).tolist() == [3, 1]
-    assert mx.sum(mx.exp(draft.logprobs), axis=-1).tolist() == [1.0, 1.0]
-    assert drafter.propose([1, 2, 3, 1, 2], 0, None) is None
+    assert draft.tree == Tree.chain(2)
+    assert draft.logprobs is None  # deterministic picks: the rule accepts x with p(x)
+    assert drafter.propose([1, 2, 3, 1, 2], 0, GREEDY) is None
 
 
 def test_incremental_index_matches_brute_force():
     # Grow random low-entropy contexts the way the loop does, with rewinds and a fresh context.
     rng = np.random.default_rng(0)
-    drafter = LookupDrafter(100, max_ngram=3)
+    drafter = LookupDrafter(max_ngram=3)
     for _ in range(3):
         context = rng.integers(0, 4, size=3).tolist()
         for _ in range(150):
             k = int(rng.integers(1, 6))
-            draft = drafter.propose(context, k, None)
+            draft = drafter.propose(context, k, GREEDY)
             assert (None if draft is None else draft.tokens.tolist()) == brute_force(context, k, 3)
             context = context + rng.integers(0, 4, size=int(rng.integers(1, 4))).tolist()
             drafter.rewind(len(context) - 1)
@@ -88,10 +88,10 @@ def test_greedy_equals_plain(family, k):
     prompt = PROMPT
     reference = greedy_reference(model, prompt, 48)
     assert_clear_argmax(model, prompt, reference)
-    decoder = Decoder(model, SamplingParams(), LookupDrafter(97), FixedPolicy(k))
+    decoder = Decoder(model, LookupDrafter())
     decoder.prefill(prompt)
     tokens, accepted = [], 0
-    for step in decoder.steps():
+    for step in decoder.steps(GREEDY, FixedPolicy(k)):
         tokens.extend(step.tokens)
         accepted += step.accepted
         if len(tokens) >= 48:
@@ -106,10 +106,10 @@ def test_repetitive_prompt_speeds_up_real_model(shared_models):
     prompt = tokenizer.encode(text)
     reference = greedy_reference(model, prompt, 64)
     assert_clear_argmax(model, prompt, reference)
-    decoder = Decoder(model, SamplingParams(), LookupDrafter(512), FixedPolicy(4))
+    decoder = Decoder(model, LookupDrafter())
     decoder.prefill(prompt)
     tokens, forwards, accepted, drafted = [], 0, 0, 0
-    for step in decoder.steps():
+    for step in decoder.steps(GREEDY, FixedPolicy(4)):
         tokens.extend(step.tokens)
         forwards += 1
         accepted += step.accepted

@@ -14,22 +14,25 @@ import pytest
 from mlx_speculate.cache import KVCache
 from mlx_speculate.convert import convert
 from mlx_speculate.convert import main as convert_main
-from mlx_speculate.distill import fit_medusa_heads, sampled_prompts
-from mlx_speculate.drafters import TargetState
+from mlx_speculate.drafters import TargetFeatures
 from mlx_speculate.drafters.medusa import MedusaDrafter
 from mlx_speculate.generate import main as generate_main
-from mlx_speculate.generate import stream_generate
-from mlx_speculate.heads import (
+from mlx_speculate.generation import stream_generate
+from mlx_speculate.heads.medusa import (
+    MEDUSA_TREES,
     MedusaHeads,
     convert_medusa_heads,
     load_medusa_heads,
+    medusa_tree,
     save_medusa_heads,
 )
 from mlx_speculate.loading import load, load_model
 from mlx_speculate.models.base import ModelOutput
 from mlx_speculate.policy import FixedPolicy
 from mlx_speculate.sampling import SamplingParams, log_probs
-from mlx_speculate.tree import MEDUSA_TREES, Tree
+from mlx_speculate.train.medusa import fit_medusa_heads
+from mlx_speculate.train.rollout import sampled_prompts
+from mlx_speculate.tree import Tree
 
 from .helpers import (
     assert_clear_argmax,
@@ -97,12 +100,14 @@ def test_candidates_are_top_k_along_the_tree():
     heads = random_heads(16, 40, num_heads=4, seed=1)
     drafter = MedusaDrafter(heads, "mc_sim_7b_63")
     hidden = mx.random.normal((3, 16), key=mx.random.key(2))
-    draft = drafter.propose([1, 2, 3], FULL_TREE, TargetState(hidden))
+    drafter.extend(TargetFeatures(hidden))
+    draft = drafter.propose([1, 2, 3, 4], FULL_TREE, GREEDY)
     tree = draft.tree
     assert tree.num_nodes == FULL_TREE + 1 and draft.logprobs is None
+    _, ranks = medusa_tree(MEDUSA_TREES["mc_sim_7b_63"])
     ranked = np.argsort(-np.array(heads(hidden[-1])), axis=-1)  # (K, V)
     for node in range(1, tree.num_nodes):
-        depth, rank = tree.depths[node], tree.choice_index[node]
+        depth, rank = tree.depths[node], ranks[node]
         assert draft.tokens[node - 1].item() == ranked[depth - 1, rank]
 
 
@@ -110,27 +115,25 @@ def test_tree_size_follows_the_published_order():
     drafter = MedusaDrafter(random_heads(16, 40), "mc_sim_7b_63")
     choices = MEDUSA_TREES["mc_sim_7b_63"]
     for k in (1, 3, 10, 63, 100):
-        assert drafter.tree(k) == Tree.from_choices(choices[: min(k, 63)])
-    # Prefixes of a Tree given as such are taken in node order.
-    tree = Tree.from_choices(choices)
-    assert MedusaDrafter(random_heads(16, 40), tree).tree(5) == tree.prefix(6)
+        assert drafter.tree(k) == Tree.from_paths(choices[: min(k, 63)])
 
 
 def test_tree_is_cut_to_the_heads_and_the_vocabulary():
     drafter = MedusaDrafter(random_heads(16, 6, num_heads=2), "mc_sim_7b_63")
-    tree = drafter.tree(100)
-    assert tree.head_depth == 2 and max(tree.choice_index) < 6
-    with pytest.raises(ValueError, match="3 deep but there are 2 heads"):
-        MedusaDrafter(
-            random_heads(16, 6, num_heads=2), Tree.from_choices([(0,), (0, 0), (0, 0, 0)])
-        )
+    choices = MEDUSA_TREES["mc_sim_7b_63"]
+    assert drafter.tree(100).depth == 2
+    assert drafter.max_draft == sum(len(c) <= 2 and max(c) < 6 for c in choices)
     with pytest.raises(ValueError, match="unknown"):
         MedusaDrafter(random_heads(16, 6), "no-such-tree")
 
 
 def test_no_proposal_without_hidden_state():
     drafter = MedusaDrafter(random_heads(16, 40))
-    assert drafter.propose([1], 5, None) is None
+    assert drafter.propose([1], 5, GREEDY) is None
+    drafter.extend(TargetFeatures(mx.ones((2, 16))))
+    assert drafter.propose([1, 2, 3], 5, GREEDY) is not None
+    drafter.rewind(1)  # the last committed state is gone
+    assert drafter.propose([1, 2], 5, GREEDY) is None
 
 
 # Greedy Medusa == plain greedy.
@@ -199,11 +202,13 @@ def test_stream_generate_with_medusa_heads(fitted):
 def test_stream_generate_rejects_bad_combinations(fitted):
     target, heads = fitted["llama"]
     tokenizer = StubTokenizer()
-    with pytest.raises(ValueError, match="only one of"):
+    with pytest.raises(ValueError, match="one speculative method"):
         next(stream_generate(target, tokenizer, "1 2", medusa=heads, prompt_lookup=True))
-    with pytest.raises(ValueError, match="apply to Medusa"):
+    with pytest.raises(ValueError, match="need a speculative method"):
         next(stream_generate(target, tokenizer, "1 2", typical_acceptance=True))
-    with pytest.raises(ValueError, match="beside a model loaded"):
+    with pytest.raises(ValueError, match="tree applies to medusa"):
+        next(stream_generate(target, tokenizer, "1 2", tree="mc_sim_7b_63"))
+    with pytest.raises(ValueError, match="need a model loaded from a folder"):
         next(stream_generate(target, tokenizer, "1 2", medusa=True))
     with pytest.raises(ValueError, match="hidden size 32, the target's is 64"):
         next(stream_generate(target, tokenizer, "1 2", medusa=MedusaHeads(32, 97)))
@@ -295,7 +300,7 @@ class MarkovLM:
     def make_cache(self):
         return KVCache(1)
 
-    def __call__(self, tokens, cache=None, *, positions=None, mask=None, hidden_layers=()):
+    def __call__(self, tokens, cache=None, *, positions=None, mask=None, taps=()):
         if cache is not None:
             cache.advance(tokens.shape[1])
         return ModelOutput(self.table[tokens], mx.eye(V)[tokens])

@@ -147,23 +147,22 @@ def prompt(length: int, seed: int = 0, vocab: int = TINY["vocab_size"]) -> np.nd
 @pytest.mark.parametrize("form", ["rope_parameters", "legacy"])
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_prompt_matches_transformers(name, form):
-    """A full-prompt forward gives transformers' logits, final hidden and per-layer hidden."""
+    """A full-prompt forward gives transformers' logits, final hidden and the hidden states
+    entering the tapped layers (transformers' hidden_states[i])."""
     variant = VARIANTS[name]
     config = variant_config(variant, form)
     weights = random_weights(config)
     ref = hf_model(config, weights)
     tokens = prompt(variant.length)
     last = len(ref.model.layers) - 1
-    captured = []  # HF's hidden_states[-1] is post-norm: the last layer's raw output via a hook
-    hook = ref.model.layers[last].register_forward_hook(lambda m, i, out: captured.append(out))
     expected = hf_forward(ref, tokens, hidden=True)
-    hook.remove()
 
-    out = build_model(config, weights)(mx.array(tokens), hidden_layers=(last, 0))
+    out = build_model(config, weights)(mx.array(tokens), taps=(last, 1, 0))
     assert_close(out.logits, expected.logits)
-    assert_close(out.hidden, expected.hidden_states[-1])
-    assert_close(out.layer_hidden[0], captured[0])
-    assert_close(out.layer_hidden[1], expected.hidden_states[1])
+    assert_close(out.hidden, expected.hidden_states[-1])  # HF's last entry is post-norm
+    assert_close(out.taps[0], expected.hidden_states[last])
+    assert_close(out.taps[1], expected.hidden_states[1])
+    assert_close(out.taps[2], expected.hidden_states[0])  # the embeddings
 
 
 @pytest.mark.parametrize("form", ["rope_parameters", "legacy"])

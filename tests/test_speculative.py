@@ -47,7 +47,7 @@ def test_greedy_equals_plain(family, kind, k):
     target = tiny_model(family, seed=TARGET_SEED[family])
     reference = greedy_reference(target, PROMPT, 40)
     assert_clear_argmax(target, PROMPT, reference)
-    drafter = DraftModelDrafter(draft_for(kind, family, target), 97, GREEDY)
+    drafter = DraftModelDrafter(draft_for(kind, family, target), 97)
     tokens, steps, _ = decode(target, PROMPT, 40, drafter, FixedPolicy(k))
     assert tokens == reference
     drafted = sum(s.drafted for s in steps)
@@ -55,8 +55,8 @@ def test_greedy_equals_plain(family, kind, k):
     assert drafted > 0
     if kind == "self":
         assert accepted == drafted  # the target as its own draft agrees everywhere
-        # The first step after prefill decodes plainly; each later one emits k + 1 tokens.
-        assert len(steps) == 1 + math.ceil(39 / (k + 1))
+        # Every step emits k + 1 tokens, the first one too: it drafts from the prompt.
+        assert len(steps) == math.ceil(40 / (k + 1))
 
 
 def test_draft_with_smaller_vocabulary_is_lossless():
@@ -65,7 +65,7 @@ def test_draft_with_smaller_vocabulary_is_lossless():
     draft = tiny_model("llama", seed=0, vocab_size=40)
     reference = greedy_reference(target, PROMPT, 40)
     assert any(t >= 40 for t in reference)
-    tokens, _, _ = decode(target, PROMPT, 40, DraftModelDrafter(draft, 97, GREEDY), FixedPolicy(3))
+    tokens, _, _ = decode(target, PROMPT, 40, DraftModelDrafter(draft, 97), FixedPolicy(3))
     assert tokens == reference
 
 
@@ -77,7 +77,7 @@ def test_real_pair_greedy_equals_plain(shared_models, family, k):
     prompt = tokenizer.encode("Lily and Tom went to the park.")
     reference = greedy_reference(target, prompt, 100)
     assert_clear_argmax(target, prompt, reference)
-    drafter = DraftModelDrafter(draft, 512, GREEDY)
+    drafter = DraftModelDrafter(draft, 512)
     tokens, steps, _ = decode(target, prompt, 100, drafter, FixedPolicy(k))
     assert tokens == reference
     # A real draft: most of its proposals are right, so steps emit several tokens.
@@ -99,7 +99,7 @@ def test_draft_never_reruns_cached_tokens():
             fed.append(tokens.shape[1])
             return draft(tokens, cache, **kwargs)
 
-    drafter = DraftModelDrafter(Counting(), 97, GREEDY)
+    drafter = DraftModelDrafter(Counting(), 97)
     tokens, steps, decoder = decode(target, PROMPT, 60, drafter, FixedPolicy(3))
     # Every draft input token is a context token or a proposal, each fed at most once: the
     # inputs add up to the context minus the pending token, plus the proposals still cached.
@@ -144,13 +144,13 @@ def test_draft_restarts_after_plain_stretches(draft_context):
     )
     reference = greedy_reference(target, PROMPT, 150)
     assert_clear_argmax(target, PROMPT, reference)
-    drafter = DraftModelDrafter(draft, 97, GREEDY, max_catch_up=16)
+    drafter = DraftModelDrafter(draft, 97, max_catch_up=16)
     policy = ScriptedPolicy([2] * 10 + [0] * 40)
     windowed = 0
-    decoder = Decoder(target, GREEDY, drafter, policy)
+    decoder = Decoder(target, drafter)
     decoder.prefill(PROMPT)
     tokens = []
-    for step in decoder.steps():
+    for step in decoder.steps(GREEDY, policy):
         tokens.extend(step.tokens)
         windowed += step.drafted > 0 and drafter.skipped > 0
         if drafter.cache.offset > 0:
@@ -165,7 +165,7 @@ def test_draft_restarts_after_plain_stretches(draft_context):
 def test_cache_consistent_after_many_rejections():
     target = tiny_model("qwen2", seed=1)
     draft = tiny_model("qwen2", seed=9, num_hidden_layers=1)
-    drafter = DraftModelDrafter(draft, 97, SamplingParams(temperature=1.0))
+    drafter = DraftModelDrafter(draft, 97)
     mx.random.seed(3)
     sampling = SamplingParams(temperature=1.0)
     _, steps, decoder = decode(target, PROMPT, 150, drafter, FixedPolicy(4), sampling)
@@ -199,7 +199,7 @@ class MarkovLM:
     def make_cache(self):
         return KVCache(1)
 
-    def __call__(self, tokens, cache=None, *, positions=None, mask=None, hidden_layers=()):
+    def __call__(self, tokens, cache=None, *, positions=None, mask=None, taps=()):
         if cache is not None:
             cache.advance(tokens.shape[1])
         logits = self.table[tokens]  # (B, L, V)
@@ -249,9 +249,9 @@ def test_sampling_follows_target(sampling, drafter_kind):
     if sampling.top_k or sampling.top_p < 1:
         assert ((p == 0) & (q > 0.1)).any()  # the draft proposes what the target never emits
     if drafter_kind == "draft_model":
-        drafter = DraftModelDrafter(MarkovLM(DRAFT_TABLE), V, sampling)
+        drafter = DraftModelDrafter(MarkovLM(DRAFT_TABLE), V)
     else:
-        drafter = LookupDrafter(V, max_ngram=2)
+        drafter = LookupDrafter(max_ngram=2)
     tokens, steps, _ = decode(target, [0], SAMPLED, drafter, FixedPolicy(3), sampling)
     # Both branches of the rule are exercised: many acceptances and many rejections.
     assert sum(s.accepted for s in steps) > 200

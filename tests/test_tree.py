@@ -2,7 +2,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_speculate.tree import MC_SIM_7B_63, MEDUSA_TREES, Tree
+from mlx_speculate.heads.medusa import MC_SIM_7B_63, MEDUSA_TREES, medusa_tree
+from mlx_speculate.tree import Tree
 
 #      0
 #    / | \
@@ -22,7 +23,7 @@ def ancestors_or_self(tree: Tree, node: int) -> set[int]:
 
 def test_chain_mask_and_positions():
     tree = Tree.chain(3)
-    assert tree.parents == (-1, 0, 1, 2) and tree.num_nodes == 4 and tree.head_depth == 3
+    assert tree.parents == (-1, 0, 1, 2) and tree.num_nodes == 4 and tree.depth == 3
     mask = np.asarray(tree.attention_mask(prefix_len=2))  # (4, 6)
     assert mask.shape == (4, 6)
     visible = mask == 0
@@ -35,7 +36,7 @@ def test_chain_mask_and_positions():
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_mask_visibility_is_the_ancestor_relation(dtype):
-    tree = Tree.from_choices(MC_SIM_7B_63)
+    tree = Tree.from_paths(MC_SIM_7B_63)
     mask = tree.attention_mask(prefix_len=5, dtype=dtype)
     assert mask.dtype == dtype and mask.shape == (64, 69)
     mask = np.asarray(mask.astype(mx.float32))
@@ -51,7 +52,7 @@ def test_mask_visibility_is_the_ancestor_relation(dtype):
 def test_paths_children_depths():
     assert HAND.paths() == [(0, 3), (0, 1, 4), (0, 1, 5), (0, 2, 6)]  # leaves in node order
     assert HAND.children(0) == (1, 2, 3) and HAND.children(1) == (4, 5) and HAND.children(6) == ()
-    assert HAND.depths == (0, 1, 1, 1, 2, 2, 2) and HAND.head_depth == 2
+    assert HAND.depths == (0, 1, 1, 1, 2, 2, 2) and HAND.depth == 2
     assert HAND.positions(10).tolist() == [10, 11, 11, 11, 12, 12, 12]
     assert HAND.prefix(4) == Tree((-1, 0, 0, 0))
     assert HAND.prefix(4).paths() == [(0, 1), (0, 2), (0, 3)]
@@ -63,28 +64,28 @@ def test_invalid_parents_raise(parents):
         Tree(parents)
 
 
-def test_from_choices_small():
-    tree = Tree.from_choices([(1,), (0,), (0, 0), (1, 0), (0, 1)])
+def test_from_paths_small():
+    tree, ranks = medusa_tree([(1,), (0,), (0, 0), (1, 0), (0, 1)])
     # Sorted by (length, path): (0,) (1,) (0, 0) (0, 1) (1, 0).
     assert tree.parents == (-1, 0, 0, 1, 1, 2)
-    assert tree.choice_index == (-1, 0, 1, 0, 1, 0)
-    assert tree.head_depth == 2
-    assert tree.prefix(3).choice_index == (-1, 0, 1)
+    assert ranks == (-1, 0, 1, 0, 1, 0)
+    assert tree.depth == 2
+    assert tree.prefix(3) == Tree((-1, 0, 0))
 
 
 @pytest.mark.parametrize(
     ("choices", "message"),
     [([(0,), (0, 0), (0,)], "twice"), ([(0,), (1, 0)], "no parent"), ([(0,), ()], "non-empty")],
 )
-def test_from_choices_rejects_bad_lists(choices, message):
+def test_from_paths_rejects_bad_lists(choices, message):
     with pytest.raises(ValueError, match=message):
-        Tree.from_choices(choices)
+        Tree.from_paths(choices)
 
 
 def test_mc_sim_7b_63():
     assert len(MC_SIM_7B_63) == 63 and len(set(MC_SIM_7B_63)) == 63
-    tree = Tree.from_choices(MC_SIM_7B_63)
-    assert tree.num_nodes == 64 and tree.head_depth == 4
+    tree = Tree.from_paths(MC_SIM_7B_63)
+    assert tree.num_nodes == 64 and tree.depth == 4
     assert max(max(path) for path in MC_SIM_7B_63) == 9  # top-10 per head
     # Breadth-first with siblings in rank order: depth and parent never decrease.
     assert list(tree.depths) == sorted(tree.depths)
@@ -92,7 +93,7 @@ def test_mc_sim_7b_63():
     # Every prefix of the published order lists each path's parent first, so it is a tree.
     for n in range(1, 64):
         assert MC_SIM_7B_63[n - 1][:-1] in {(), *MC_SIM_7B_63[: n - 1]}
-    sizes = {name: Tree.from_choices(choices).num_nodes for name, choices in MEDUSA_TREES.items()}
+    sizes = {name: Tree.from_paths(choices).num_nodes for name, choices in MEDUSA_TREES.items()}
     assert sizes == {"mc_sim_7b_63": 64, "mc_sim_7b_63_prefix19": 20, "mc_sim_7b_63_prefix6": 7}
 
 

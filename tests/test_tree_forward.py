@@ -6,8 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_speculate.heads.medusa import MEDUSA_TREES
 from mlx_speculate.loading import load_model
-from mlx_speculate.tree import MEDUSA_TREES, Tree
+from mlx_speculate.tree import Tree
 
 from .helpers import tiny_model
 
@@ -58,8 +59,8 @@ def check_tree_against_paths(model, tree: Tree, prefix: list[int], tokens: list[
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_tree_forward_equals_path_forwards(model_type):
-    tree = Tree.from_choices(CHOICES)
-    assert tree.head_depth >= 3 and max(len(tree.children(i)) for i in range(16)) >= 2
+    tree = Tree.from_paths(CHOICES)
+    assert tree.depth >= 3 and max(len(tree.children(i)) for i in range(16)) >= 2
     model = tiny_model(model_type, seed=3)
     vocab = model.args.vocab_size
     check_tree_against_paths(
@@ -69,7 +70,7 @@ def test_tree_forward_equals_path_forwards(model_type):
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_compaction_equals_fresh_forward_over_the_path(model_type):
-    tree = Tree.from_choices(CHOICES)
+    tree = Tree.from_paths(CHOICES)
     model = tiny_model(model_type, seed=4)
     vocab = model.args.vocab_size
     prefix = random_tokens(7, vocab, 2)
@@ -92,6 +93,6 @@ def test_compaction_equals_fresh_forward_over_the_path(model_type):
 def test_published_tree_on_real_checkpoints(shared_models, folder):
     """mc_sim_7b_63 (64 nodes, depth 4) on the real stories260K target, all three layouts."""
     model, _ = load_model(shared_models / folder)
-    tree = Tree.from_choices(MEDUSA_TREES["mc_sim_7b_63"])
+    tree = Tree.from_paths(MEDUSA_TREES["mc_sim_7b_63"])
     prefix = [1, 403, 407, 261, 54, 29]
     check_tree_against_paths(model, tree, prefix, random_tokens(tree.num_nodes, 512, 5))

@@ -4,15 +4,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_speculate.heads.medusa import MC_SIM_7B_63, medusa_tree
 from mlx_speculate.sampling import SamplingParams, log_probs, sample
-from mlx_speculate.tree import MC_SIM_7B_63, Tree
-from mlx_speculate.verify import (
-    greedy_accept,
-    greedy_tree_accept,
-    rejection_accept,
-    tree_rejection_accept,
-    typical_tree_accept,
-)
+from mlx_speculate.tree import Tree
+from mlx_speculate.verify import Acceptance, greedy_accept, rejection_accept, typical_accept
 
 V = 6
 FILTERED = SamplingParams(temperature=1.0, top_k=4, top_p=0.9)
@@ -70,7 +65,8 @@ def logits_with_argmax(best: list[int], seed: int) -> mx.array:
 )
 def test_greedy_accept(draft, want_accepted):
     target = [3, 1, 4, 5][: len(draft) + 1]
-    result = greedy_accept(mx.array(draft, dtype=mx.int32), logits_with_argmax(target, seed=0))
+    chain = Tree.chain(len(draft))
+    result = greedy_accept(chain, mx.array(draft, dtype=mx.int32), logits_with_argmax(target, 0))
     mx.eval(result.tokens, result.num_accepted)
     assert result.num_accepted.dtype == mx.int32 and result.num_accepted.ndim == 0
     n = result.num_accepted.item()
@@ -82,7 +78,7 @@ def test_greedy_accept(draft, want_accepted):
 def test_greedy_accept_batched():
     draft = mx.array([[3, 1, 4], [3, 2, 4]])
     logits = mx.stack([logits_with_argmax([3, 1, 4, 5], seed=1)] * 2)  # (2, 4, V)
-    result = greedy_accept(draft, logits)
+    result = greedy_accept(Tree.chain(3), draft, logits)
     assert result.num_accepted.tolist() == [3, 1]
     assert result.tokens.tolist() == [[3, 1, 4, 5]] * 2
 
@@ -92,10 +88,11 @@ def test_greedy_accept_batched():
 
 def run_chain(p: mx.array, q: mx.array, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """n independent speculative steps: drafts drawn from q (k, V), verified against p (k+1, V)."""
-    draft_key, verify_key = mx.random.split(mx.random.key(seed))
+    mx.random.seed(seed)
     q_batch = mx.broadcast_to(q, (n, *q.shape))  # (n, k, V)
-    draft = sample(q_batch, draft_key) if q.shape[0] else mx.zeros((n, 0), mx.int32)  # (n, k)
-    result = rejection_accept(draft, q_batch, mx.broadcast_to(p, (n, *p.shape)), verify_key)
+    draft = sample(q_batch) if q.shape[0] else mx.zeros((n, 0), mx.int32)  # (n, k)
+    chain = Tree.chain(q.shape[0])
+    result = rejection_accept(chain, draft, mx.broadcast_to(p, (n, *p.shape)), q_batch)
     mx.eval(result.tokens, result.num_accepted)
     return np.asarray(result.tokens), np.asarray(result.num_accepted)
 
@@ -127,8 +124,9 @@ def test_rejection_accept_with_greedy_target_is_greedy_accept():
     q = log_probs(Q_LOGITS, PLAIN)
     draft = sample(mx.broadcast_to(q, (200, 2, V)), mx.random.key(3))  # (200, 2)
     p = log_probs(mx.broadcast_to(P_LOGITS, (200, 3, V)), SamplingParams())
-    sampled = rejection_accept(draft, mx.broadcast_to(q, (200, 2, V)), p, mx.random.key(4))
-    greedy = greedy_accept(draft, mx.broadcast_to(P_LOGITS, (200, 3, V)))
+    chain = Tree.chain(2)
+    sampled = rejection_accept(chain, draft, p, mx.broadcast_to(q, (200, 2, V)))
+    greedy = greedy_accept(chain, draft, mx.broadcast_to(P_LOGITS, (200, 3, V)))
     assert sampled.num_accepted.tolist() == greedy.num_accepted.tolist()
     for row, n in enumerate(greedy.num_accepted.tolist()):
         assert sampled.tokens[row, : n + 1].tolist() == greedy.tokens[row, : n + 1].tolist()
@@ -138,8 +136,11 @@ def test_rejection_accept_single_step_shapes_and_laziness():
     p = log_probs(P_LOGITS, FILTERED)
     q = log_probs(Q_LOGITS, PLAIN)
     # A host sync inside would fail under mx.compile.
-    step = mx.compile(lambda d, key: rejection_accept(d, q, p, key).tokens)
-    tokens = step(mx.array([0, 1]), mx.random.key(5))
+    state = [mx.random.state]
+    step = mx.compile(
+        lambda d: rejection_accept(Tree.chain(2), d, p, q).tokens, inputs=state, outputs=state
+    )
+    tokens = step(mx.array([0, 1]))
     assert tokens.shape == (3,) and tokens.dtype == mx.int32
 
 
@@ -151,27 +152,37 @@ def test_rejection_accept_single_step_shapes_and_laziness():
 #  / \  \
 # 4   5  6
 PARENTS = (-1, 0, 0, 0, 1, 1, 2)
+TREE = Tree(PARENTS)
+
+
+def walked(result: Acceptance) -> tuple[tuple[int, ...], int]:
+    """(accepted path, the target's token after it) of one unbatched acceptance."""
+    n = result.num_accepted.item()
+    return tuple(result.path.tolist()[: n + 1]), result.tokens.tolist()[n]
+
+
+def greedy_walk(tokens, logits):
+    return walked(greedy_accept(TREE, mx.array(tokens[1:]), logits))
 
 
 def test_greedy_tree_accept_hand_built():
     tokens = np.array([5, 1, 2, 3, 4, 5, 0])
     # Row i is the target after node i: 0 -> 1 (node 1), 1 -> 5 (node 5), 5 -> 0 (past the leaf).
-    result = greedy_tree_accept(PARENTS, tokens, logits_with_argmax([1, 5, 0, 0, 0, 0, 0], 6))
-    assert result.path == (0, 1, 5) and result.next_token == 0 and result.num_accepted == 2
+    result = greedy_accept(TREE, mx.array(tokens[1:]), logits_with_argmax([1, 5, 0, 0, 0, 0, 0], 6))
+    assert walked(result) == ((0, 1, 5), 0) and result.num_accepted.item() == 2
+    assert result.tokens.tolist() == [1, 5, 0]  # the accepted drafts, then the target's token
     # Node 2 matches but its child does not: stop at node 2 with the target's token there.
-    result = greedy_tree_accept(PARENTS, tokens, logits_with_argmax([2, 0, 3, 0, 0, 0, 0], 6))
-    assert result.path == (0, 2) and result.next_token == 3
-    result = greedy_tree_accept(PARENTS, tokens, logits_with_argmax([4, 0, 0, 0, 0, 0, 0], 6))
-    assert result.path == (0,) and result.next_token == 4
+    assert greedy_walk(tokens, logits_with_argmax([2, 0, 3, 0, 0, 0, 0], 6)) == ((0, 2), 3)
+    assert greedy_walk(tokens, logits_with_argmax([4, 0, 0, 0, 0, 0, 0], 6)) == ((0,), 4)
 
 
 def test_greedy_tree_accept_matches_brute_force_on_top_k_trees():
-    tree = Tree.from_choices(MC_SIM_7B_63)
+    tree, ranks = medusa_tree(MC_SIM_7B_63)
     rng = np.random.default_rng(7)
     for _ in range(30):
         draft = rng.normal(size=(tree.num_nodes, 12))  # ranks in mc_sim_7b_63 reach 9
         ranked = np.argsort(-draft, axis=-1)  # (N, 12): each node's children are its top-k
-        picks = [ranked[p, c] for p, c in zip(tree.parents[1:], tree.choice_index[1:], strict=True)]
+        picks = [ranked[p, c] for p, c in zip(tree.parents[1:], ranks[1:], strict=True)]
         tokens = np.array([0, *picks])
         target = draft + rng.normal(scale=0.7, size=draft.shape)  # agrees with the draft often
         best = target.argmax(-1)
@@ -185,9 +196,8 @@ def test_greedy_tree_accept_matches_brute_force_on_top_k_trees():
             assert len(set(siblings)) == len(siblings)
             assert sum(c in matched for c in tree.children(i)) <= 1
         deepest = max(matched, key=lambda i: tree.depths[i])
-        result = greedy_tree_accept(tree.parents, tokens, mx.array(target.astype(np.float32)))
-        assert result.path == path_to(tree, deepest)
-        assert result.next_token == best[deepest]
+        result = greedy_accept(tree, mx.array(tokens[1:]), mx.array(target.astype(np.float32)))
+        assert walked(result) == (path_to(tree, deepest), best[deepest])
 
 
 def path_to(tree: Tree, node: int) -> tuple[int, ...]:
@@ -206,6 +216,7 @@ def tree_rows(seed: int) -> tuple[mx.array, mx.array]:
 def run_tree(p, q, sampled_children: bool, pass_q: bool, n: int, seed: int):
     """First emitted token, and the second one where the path went through node 1."""
     rng = np.random.default_rng(seed)
+    mx.random.seed(seed)
     q_np = np.exp(np.asarray(q, dtype=np.float64))
     q_np /= q_np.sum(-1, keepdims=True)
     tokens = np.zeros((n, len(PARENTS)), dtype=np.int64)
@@ -215,15 +226,12 @@ def run_tree(p, q, sampled_children: bool, pass_q: bool, n: int, seed: int):
         else:
             rank = PARENTS[1:i].count(parent)  # i is its parent's rank-th child
             tokens[:, i] = np.argsort(-q_np[parent], kind="stable")[rank]
-    p_np, q_arg = np.asarray(p), (np.asarray(q) if pass_q else None)
-    first, second = [], []
-    for row in tokens:
-        result = tree_rejection_accept(PARENTS, row, p_np, q_arg, rng)
-        emitted = [*row[list(result.path[1:])], result.next_token]
-        first.append(emitted[0])
-        if result.path[1:2] == (1,):
-            second.append(emitted[1])
-    return np.array(first), np.array(second)
+    rows = (n, *p.shape)  # one independent step per row
+    q_arg = mx.broadcast_to(q, rows) if pass_q else None
+    result = rejection_accept(TREE, mx.array(tokens[:, 1:]), mx.broadcast_to(p, rows), q_arg)
+    emitted, path = np.array(result.tokens), np.array(result.path)
+    through = (np.array(result.num_accepted) >= 1) & (path[:, 1] == 1)
+    return emitted[:, 0], emitted[through, 1]
 
 
 @pytest.mark.parametrize("sampled_children", [False, True])
@@ -249,8 +257,8 @@ def test_tree_rejection_accept_with_greedy_target_walks_the_argmax():
     tokens = np.array([5, 1, 2, 3, 4, 5, 0])
     logits = logits_with_argmax([1, 5, 0, 0, 0, 0, 0], 6)
     greedy = log_probs(logits, SamplingParams())
-    result = tree_rejection_accept(PARENTS, tokens, greedy, None, np.random.default_rng(11))
-    assert result == greedy_tree_accept(PARENTS, tokens, logits)
+    result = rejection_accept(TREE, mx.array(tokens[1:]), greedy)
+    assert walked(result) == greedy_walk(tokens, logits)
 
 
 # Typical acceptance.
@@ -259,8 +267,8 @@ def test_tree_rejection_accept_with_greedy_target_walks_the_argmax():
 def test_typical_accept_with_point_masses_is_greedy():
     tokens = np.array([5, 1, 2, 3, 4, 5, 0])
     logits = logits_with_argmax([2, 0, 3, 0, 0, 0, 0], 6)
-    typical = typical_tree_accept(PARENTS, tokens, log_probs(logits, SamplingParams()))
-    assert typical == greedy_tree_accept(PARENTS, tokens, logits)
+    typical = typical_accept(TREE, mx.array(tokens[1:]), log_probs(logits, SamplingParams()))
+    assert walked(typical) == greedy_walk(tokens, logits)
 
 
 def test_typical_accept_thresholds_and_ties():
@@ -271,8 +279,8 @@ def test_typical_accept_thresholds_and_ties():
     # Children of the root hold tokens 0 (p=.5), 1 (p=.3), 3 (p=.05: rejected).
     tokens = np.array([5, 0, 1, 3, 0, 5, 0])
     # Node 1's children: token 0 fails (0.02), token 5 passes; node 2's child (token 0) fails.
-    result = typical_tree_accept(PARENTS, tokens, rows)
-    assert result.path == (0, 1, 5) and result.next_token == 0
+    result = typical_accept(TREE, mx.array(tokens[1:]), mx.array(rows))
+    assert walked(result) == ((0, 1, 5), 0)
     # With node 5 rejected too, nodes 1 and 2 tie on depth: the likelier token (p=.5) wins.
-    result = typical_tree_accept(PARENTS, np.array([5, 1, 0, 3, 0, 0, 0]), rows)
-    assert result.path == (0, 2) and result.next_token == 5
+    result = typical_accept(TREE, mx.array([1, 0, 3, 0, 0, 0]), mx.array(rows))
+    assert walked(result) == ((0, 2), 5)

@@ -1,49 +1,79 @@
-"""Drafters propose tokens for the target to verify; all share one protocol.
+"""Speculative methods: one file per method, each with its spec and its drafter.
 
-A drafter sees the context (prompt + emitted tokens; its last token is the one the target
-will feed next) and proposes up to `k` tokens as lazy arrays. After verification the loop calls
-`rewind(length)`: only the first `length` context tokens are still valid for any state the
-drafter keeps (its own cache, for instance).
+    drafter = make_drafter(LookupSpec(max_ngram=3), target, tokenizer)
+
+`make_drafter` validates that the method fits the target and returns a fresh `Drafter`; the
+decoding loop, `stream_generate`, the CLI and the server all go through it. A new method is a
+new module here with a `DrafterSpec` subclass and its drafter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from pathlib import Path
+from typing import Any
 
-import mlx.core as mx
+from ..models.base import CausalLM
+from .base import MAX_DRAFT, Draft, Drafter, DrafterSpec, TargetFeatures
+from .draft_model import DraftModelSpec
+from .lookup import LookupSpec
+from .medusa import MedusaSpec
 
-from ..tree import Tree
-
-
-@dataclass(frozen=True)
-class Draft:
-    tokens: mx.array  # (k,) proposed tokens; for trees, the non-root nodes in BFS order
-    # (k, V) processed log-probabilities the tokens were drawn from, over the target's
-    # vocabulary; one-hot rows for deterministic proposals.
-    logprobs: mx.array | None = None
-    tree: Tree | None = None  # None: a chain
-
-    @property
-    def size(self) -> int:
-        return self.tokens.shape[0]
-
-
-@dataclass(frozen=True)
-class TargetState:
-    """What the target computed for the tokens committed by the last step."""
-
-    hidden: mx.array  # (n, hidden) final hidden states at the newly committed positions
-    layer_hidden: tuple[mx.array, ...] = ()  # (n, hidden) per requested layer
+__all__ = [
+    "MAX_DRAFT",
+    "Draft",
+    "DraftModelSpec",
+    "Drafter",
+    "DrafterSpec",
+    "LookupSpec",
+    "MedusaSpec",
+    "TargetFeatures",
+    "make_drafter",
+    "spec_from_keywords",
+]
 
 
-class Drafter(Protocol):
-    #: target layers whose hidden states the drafter needs in `TargetState.layer_hidden`
-    hidden_layers: tuple[int, ...]
+def make_drafter(spec: DrafterSpec, target: CausalLM, tokenizer=None) -> Drafter:
+    """A fresh drafter for `target`, checked to fit it (ValueError otherwise)."""
+    if not isinstance(spec, DrafterSpec):
+        raise TypeError(f"expected a DrafterSpec, got {type(spec).__name__}")
+    return spec.build(target, tokenizer)
 
-    def propose(self, context: Sequence[int], k: int, state: TargetState | None) -> Draft | None:
-        """Up to `k` tokens to follow `context`, or None to decode plainly this step."""
 
-    def rewind(self, length: int) -> None:
-        """Forgets everything past the first `length` context tokens."""
+def spec_from_keywords(
+    *,
+    draft_model: CausalLM | str | Path | None = None,
+    draft_tokenizer: Any = None,
+    prompt_lookup: bool = False,
+    max_ngram: int | None = None,
+    medusa: Any = None,
+    tree: Any = None,
+    num_draft_tokens: int | None = None,
+    typical_acceptance: bool = False,
+) -> DrafterSpec | None:
+    """The spec that mlx-lm style keywords ask for (`draft_model=`, `prompt_lookup=True`,
+    `medusa=`), or None when they ask for none."""
+    chosen = {
+        "draft_model": draft_model is not None,
+        "prompt_lookup": bool(prompt_lookup),
+        "medusa": medusa is not None and medusa is not False,
+    }
+    names = [name for name, on in chosen.items() if on]
+    if len(names) > 1:
+        raise ValueError(f"choose one speculative method, not {' and '.join(names)}")
+    common = {"num_draft_tokens": num_draft_tokens, "typical_acceptance": typical_acceptance}
+    for option, value, methods in (
+        ("draft_tokenizer", draft_tokenizer, ("draft_model",)),
+        ("max_ngram", max_ngram, ("prompt_lookup",)),
+        ("tree", tree, ("medusa",)),
+    ):
+        if value is not None and not set(names) & set(methods):
+            raise ValueError(f"{option} applies to {' and '.join(methods)}, which is not chosen")
+    if not names:
+        if num_draft_tokens is not None or typical_acceptance:
+            raise ValueError("num_draft_tokens and typical_acceptance need a speculative method")
+        return None
+    if names == ["draft_model"]:
+        return DraftModelSpec(model=draft_model, tokenizer=draft_tokenizer, **common)
+    if names == ["prompt_lookup"]:
+        return LookupSpec(**({} if max_ngram is None else {"max_ngram": max_ngram}), **common)
+    return MedusaSpec(heads=medusa, tree=tree, **common)

@@ -1,14 +1,18 @@
-"""A smaller model of the same vocabulary drafts tokens autoregressively with its own cache."""
+"""A smaller model of the same vocabulary drafts a chain autoregressively with its own cache."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
 from ..models.base import CausalLM
-from ..sampling import SamplingParams, log_probs, sample
-from . import Draft, TargetState
+from ..sampling import SamplingParams, pick
+from ..tree import Tree
+from .base import MAX_DRAFT, Draft, DrafterSpec, TargetFeatures
 
 # Texts whose ids must agree between the two tokenizers: words, spacing, digits, punctuation,
 # code, and characters that fall back to bytes in small vocabularies.
@@ -70,6 +74,32 @@ def check_vocabularies(
     return shared
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class DraftModelSpec(DrafterSpec):
+    """Speculation with a draft model: a loaded model or its folder / hub id. Its tokenizer
+    (given, or the one `load` gave it) must agree with the target's."""
+
+    model: CausalLM | str | Path
+    tokenizer: Any = None
+
+    def build(self, target: CausalLM, tokenizer=None) -> DraftModelDrafter:
+        model, draft_tokenizer = self.model, self.tokenizer
+        if isinstance(model, str | Path):
+            from ..loading import load
+
+            model, loaded = load(model)
+            draft_tokenizer = draft_tokenizer or loaded
+        check_vocabularies(
+            target.args.vocab_size,
+            model.args.vocab_size,
+            tokenizer or target.tokenizer,
+            draft_tokenizer or model.tokenizer,
+        )
+        return DraftModelDrafter(
+            model, target.args.vocab_size, max_draft=self.num_draft_tokens or MAX_DRAFT
+        )
+
+
 class DraftModelDrafter:
     """Proposes k tokens by running `model` autoregressively: lazy, so the whole draft joins the
     target's verify forward in the loop's one evaluation.
@@ -83,26 +113,32 @@ class DraftModelDrafter:
     are proposed.
     """
 
-    hidden_layers: tuple[int, ...] = ()
+    taps: tuple[int, ...] = ()
     SINK = 4  # leading tokens kept on a restart: attention leans on them
 
     def __init__(
         self,
         model: CausalLM,
         target_vocab_size: int,
-        sampling: SamplingParams,
+        max_draft: int = MAX_DRAFT,
         max_catch_up: int = 32,
     ):
         self.model = model
         self.cache = model.make_cache()
-        self.sampling = sampling
+        self.max_draft = max_draft
         self.target_vocab_size = target_vocab_size
         self.shared = min(model.args.vocab_size, target_vocab_size)
         self.max_catch_up = max_catch_up
         # The cache holds context[:SINK] and then context[SINK + skipped : offset + skipped].
         self.skipped = 0
 
-    def propose(self, context: Sequence[int], k: int, state: TargetState | None) -> Draft | None:
+    def extend(self, features: TargetFeatures) -> None:
+        pass  # it reads tokens, not the target's features
+
+    def propose(
+        self, context: Sequence[int], k: int, sampling: SamplingParams
+    ) -> Draft | None:
+        k = min(k, self.max_draft)
         if k <= 0:
             return None
         # The last context token is pending: never in the cache yet.
@@ -121,13 +157,12 @@ class DraftModelDrafter:
         tokens, rows = [], []
         for _ in range(k):
             logits = self._to_target(self.model(inputs[None], self.cache).logits[0, -1])
-            logprobs = log_probs(logits, self.sampling)  # (V_target,)
-            # Greedy verification never reads the one-hot rows, so they are never computed.
-            token = mx.argmax(logits) if self.sampling.greedy else sample(logprobs)
-            inputs = token.astype(mx.int32).reshape(1)
+            token, logprobs = pick(logits, sampling)  # greedy verification reads no rows
+            inputs = token.reshape(1)
             tokens.append(inputs)
-            rows.append(logprobs)
-        return Draft(mx.concatenate(tokens), mx.stack(rows))
+            if logprobs is not None:
+                rows.append(logprobs)  # (V_target,)
+        return Draft(mx.concatenate(tokens), Tree.chain(k), mx.stack(rows) if rows else None)
 
     def rewind(self, length: int) -> None:
         if length >= self.SINK + self.skipped:

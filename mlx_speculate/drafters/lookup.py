@@ -3,32 +3,51 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import Draft, TargetState
+from ..models.base import CausalLM
+from ..sampling import SamplingParams
+from ..tree import Tree
+from .base import MAX_DRAFT, Draft, DrafterSpec, TargetFeatures
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class LookupSpec(DrafterSpec):
+    """Prompt lookup: drafts copied from earlier n-grams (up to `max_ngram` tokens) of the
+    prompt and output. Needs no model, so it fits every target."""
+
+    max_ngram: int = 3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_ngram < 1:
+            raise ValueError(f"the longest n-gram must be >= 1, got {self.max_ngram}")
+
+    def build(self, target: CausalLM, tokenizer=None) -> LookupDrafter:
+        return LookupDrafter(self.max_ngram, self.num_draft_tokens or MAX_DRAFT)
 
 
 class LookupDrafter:
     """N-gram drafter with no model: for n from `max_ngram` down to 1, find the most recent
     earlier occurrence of the context's last n tokens and propose what followed it.
 
-    Proposals are deterministic, so their rows are one-hot and rejection sampling accepts each
-    with the target's p(x): still lossless. An index from every n-gram to the end of its most
-    recent occurrence grows with the context, so a step only indexes the tokens new since the
-    last one.
+    Proposals are deterministic picks (no draft distribution), so rejection sampling accepts
+    each with the target's p(x): still lossless. An index from every n-gram to the end of its
+    most recent occurrence grows with the context, so a step only indexes the tokens new since
+    the last one.
     """
 
-    hidden_layers: tuple[int, ...] = ()
+    taps: tuple[int, ...] = ()
 
-    def __init__(self, vocab_size: int, max_ngram: int = 3, max_k: int = 10):
+    def __init__(self, max_ngram: int = 3, max_draft: int = MAX_DRAFT):
         if max_ngram < 1:
-            raise ValueError(f"max_ngram must be >= 1, got {max_ngram}")
-        if max_k < 1:
-            raise ValueError(f"max_k must be >= 1, got {max_k}")
-        self.vocab_size = vocab_size
+            raise ValueError(f"the longest n-gram must be >= 1, got {max_ngram}")
+        if max_draft < 1:
+            raise ValueError(f"the number of draft tokens must be >= 1, got {max_draft}")
         self.max_ngram = max_ngram
-        self.max_k = max_k
+        self.max_draft = max_draft
         self._reset()
 
     def _reset(self) -> None:
@@ -52,8 +71,13 @@ class LookupDrafter:
                 return end
         return None
 
-    def propose(self, context: Sequence[int], k: int, state: TargetState | None) -> Draft | None:
-        k = min(k, self.max_k)
+    def extend(self, features: TargetFeatures) -> None:
+        pass  # it reads tokens, not the target's features
+
+    def propose(
+        self, context: Sequence[int], k: int, sampling: SamplingParams
+    ) -> Draft | None:
+        k = min(k, self.max_draft)
         start = self.match(context) if k > 0 else None
         if start is None:
             return None
@@ -61,9 +85,7 @@ class LookupDrafter:
         for i in range(start, start + k):
             # A match overlapping the suffix continues with its own proposal (periodic text).
             tokens.append(context[i] if i < len(context) else tokens[i - len(context)])
-        drafted = mx.array(tokens, dtype=mx.int32)  # (k,)
-        logprobs = mx.where(mx.arange(self.vocab_size) == drafted[:, None], 0.0, -mx.inf)
-        return Draft(drafted, logprobs)  # logprobs: (k, V) one-hot
+        return Draft(mx.array(tokens, dtype=mx.int32), Tree.chain(k))
 
     def rewind(self, length: int) -> None:
         if length < self._indexed:

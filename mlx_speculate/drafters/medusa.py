@@ -5,59 +5,82 @@ Node i of the tree sits at depth d and was picked at top-k rank c: its token is 
 rejection rule accepts a child x with probability p(x) and removes it from p before trying the
 next sibling, which keeps sampling lossless.
 
-The drafter holds no cache: everything it needs is `TargetState.hidden[-1]`, the final hidden
-state at the last committed position (whose lm_head output chose the pending token). Proposals
-stay lazy until the loop's one sync.
+The drafter holds no cache: everything it needs is the final hidden state at the last
+committed position (whose lm_head output chose the pending token). Proposals stay lazy until
+the loop's one sync.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from ..heads import MedusaHeads
-from ..tree import MEDUSA_TREES, Tree
-from . import Draft, TargetState
+from ..heads.medusa import DEFAULT_TREE, MEDUSA_TREES, MedusaHeads, load_medusa_heads, medusa_tree
+from ..models.base import CausalLM
+from ..sampling import SamplingParams
+from ..tree import Tree
+from .base import Draft, DrafterSpec, TargetFeatures
 
-DEFAULT_TREE = "mc_sim_7b_63"
+TreeChoices = str | Sequence[Sequence[int]]
 
-TreeSpec = str | Sequence[Sequence[int]] | Tree
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class MedusaSpec(DrafterSpec):
+    """Medusa heads drafting a tree. `heads`: True for those beside the loaded model (`medusa/`
+    in its folder), a heads folder or hub id (MLX or published Medusa-1), or `MedusaHeads`.
+    `tree`: a name in MEDUSA_TREES or a list of choices (default mc_sim_7b_63); the policy picks
+    how many of its nodes to verify, in the published order."""
+
+    heads: bool | str | Path | MedusaHeads = True
+    tree: TreeChoices | None = None
+
+    def build(self, target: CausalLM, tokenizer=None) -> MedusaDrafter:
+        heads = self.heads
+        if isinstance(heads, MedusaHeads):
+            heads.check_fits(target.args.hidden_size, target.args.vocab_size)
+        elif heads is True:
+            if target.source is None:
+                raise ValueError(
+                    "Medusa heads beside the model need a model loaded from a folder; "
+                    "name the heads folder instead"
+                )
+            heads = load_medusa_heads(target.source, target)
+        elif isinstance(heads, str | Path):
+            heads = load_medusa_heads(heads, target)
+        else:
+            raise ValueError(f"Medusa heads must be a folder or MedusaHeads, got {heads!r}")
+        drafter = MedusaDrafter(heads, DEFAULT_TREE if self.tree is None else self.tree)
+        if self.num_draft_tokens is not None:
+            drafter.max_draft = min(drafter.max_draft, self.num_draft_tokens)
+        return drafter
 
 
 class MedusaDrafter:
-    hidden_layers: tuple[int, ...] = ()
+    taps: tuple[int, ...] = ()
 
-    def __init__(self, heads: MedusaHeads, tree: TreeSpec = DEFAULT_TREE):
+    def __init__(self, heads: MedusaHeads, tree: TreeChoices = DEFAULT_TREE):
         self.heads = heads
-        self._choices: tuple[tuple[int, ...], ...] | None = None
-        self._tree: Tree | None = None
-        if isinstance(tree, Tree):
-            if tree.choice_index is None:
-                raise ValueError("a Medusa tree needs choice_index (build it with from_choices)")
-            if tree.head_depth > heads.num_heads:
+        if isinstance(tree, str):
+            if tree not in MEDUSA_TREES:
                 raise ValueError(
-                    f"the tree is {tree.head_depth} deep but there are {heads.num_heads} heads"
+                    f"Medusa tree {tree!r} is unknown (known: {', '.join(MEDUSA_TREES)})"
                 )
-            self._tree = tree
-            self.max_draft = tree.num_nodes - 1
-        else:
-            if isinstance(tree, str):
-                if tree not in MEDUSA_TREES:
-                    raise ValueError(
-                        f"Medusa tree {tree!r} is unknown (known: {', '.join(MEDUSA_TREES)})"
-                    )
-                tree = MEDUSA_TREES[tree]
-            # Paths the heads cannot fill (too deep, or ranks past the vocabulary) are dropped;
-            # their descendants go with them, so what is left is still parent-closed.
-            self._choices = tuple(
-                tuple(path)
-                for path in tree
-                if len(path) <= heads.num_heads and max(path) < heads.vocab_size
-            )
-            self.max_draft = len(self._choices)
+            tree = MEDUSA_TREES[tree]
+        # Paths the heads cannot fill (too deep, or ranks past the vocabulary) are dropped;
+        # their descendants go with them, so what is left is still parent-closed.
+        self._choices = tuple(
+            tuple(path)
+            for path in tree
+            if len(path) <= heads.num_heads and max(path) < heads.vocab_size
+        )
+        self.max_draft = len(self._choices)
         self._plans: dict[int, tuple[Tree, mx.array, int, int]] = {}
+        self._hidden: mx.array | None = None  # (hidden,) at the last committed position
+        self._length = 0  # committed positions seen
 
     def tree(self, k: int) -> Tree:
         """The tree verified when the policy asks for `k` draft tokens."""
@@ -67,28 +90,32 @@ class MedusaDrafter:
         """(tree, flat index of each node into the (depth, width) top-k table, depth, width)."""
         k = min(k, self.max_draft)
         if k not in self._plans:
-            if self._choices is not None:
-                # The published order lists paths by estimated acceptance, parents first: its
-                # prefixes are the best trees of each size (Tree.prefix would cut in BFS order).
-                tree = Tree.from_choices(self._choices[:k])
-            else:
-                tree = self._tree.prefix(k + 1)
+            # The published order lists paths by estimated acceptance, parents first: its
+            # prefixes are the best trees of each size (Tree.prefix would cut in node order).
+            tree, ranks = medusa_tree(self._choices[:k])
             depths = np.array(tree.depths[1:])
-            ranks = np.array(tree.choice_index[1:])
-            depth, width = int(depths.max()), int(ranks.max()) + 1
-            index = mx.array((depths - 1) * width + ranks, dtype=mx.int32)  # (k,)
+            depth, width = tree.depth, max(ranks) + 1
+            index = mx.array((depths - 1) * width + np.array(ranks[1:]), dtype=mx.int32)  # (k,)
             self._plans[k] = (tree, index, depth, width)
         return self._plans[k]
 
-    def propose(self, context: Sequence[int], k: int, state: TargetState | None) -> Draft | None:
-        if state is None or k <= 0 or self.max_draft == 0:
-            return None  # the first step after prefill has no hidden state yet
+    def extend(self, features: TargetFeatures) -> None:
+        self._hidden = features.hidden[-1]
+        self._length += features.hidden.shape[0]
+
+    def rewind(self, length: int) -> None:
+        if length < self._length:
+            self._hidden = None  # the last committed state is gone with the rest
+            self._length = length
+
+    def propose(
+        self, context: Sequence[int], k: int, sampling: SamplingParams
+    ) -> Draft | None:
+        if self._hidden is None or k <= 0 or self.max_draft == 0:
+            return None
         tree, index, depth, width = self._plan(k)
-        logits = self.heads(state.hidden[-1], depth)  # (depth, V)
+        logits = self.heads(self._hidden, depth)  # (depth, V)
         top = mx.argpartition(-logits, kth=width - 1, axis=-1)[:, :width]  # (depth, width)
         order = mx.argsort(-mx.take_along_axis(logits, top, axis=-1), axis=-1)
         ranked = mx.take_along_axis(top, order, axis=-1)  # (depth, width), best first
-        return Draft(ranked.reshape(-1)[index].astype(mx.int32), None, tree)
-
-    def rewind(self, length: int) -> None:
-        pass  # no state of its own
+        return Draft(ranked.reshape(-1)[index].astype(mx.int32), tree)

@@ -2,11 +2,14 @@
 
 One forward serves prefill, one-token decode, chain verification and tree verification:
 
-    model(tokens, cache, *, positions=None, mask=None, hidden_layers=()) -> ModelOutput
+    model(tokens, cache, *, positions=None, mask=None, taps=()) -> ModelOutput
 
 `positions` are rotary positions per token (default: consecutive from `cache.offset`); they are
 kept apart from cache slots, which are always `offset .. offset + L`. `mask` is an additive
-(L, offset + L) mask over cached + new keys (default: causal).
+(L, offset + L) mask over cached + new keys (default: causal). `taps` names decoder layers
+whose *entering* hidden state (the residual stream before the layer, transformers'
+`hidden_states[i]`) the output carries, for drafters that read the target's features (EAGLE-3
+taps layers 2, L//2 and L-3); `hidden`, the final-norm output, is always there.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from .rope import RotaryEmbedding, rope_parameters
 class ModelOutput:
     logits: mx.array  # (B, L, V)
     hidden: mx.array  # (B, L, hidden): the final-norm output, i.e. the input of lm_head
-    layer_hidden: tuple[mx.array, ...] = ()  # outputs of the requested layers, in request order
+    taps: tuple[mx.array, ...] = ()  # (B, L, hidden) entering each requested layer, in order
 
 
 @dataclass
@@ -196,8 +199,11 @@ class DecoderStack(nn.Module):
         cache: KVCache | None,
         positions: mx.array | None,
         mask: mx.array | None,
-        hidden_layers: tuple[int, ...],
+        taps: tuple[int, ...],
     ) -> tuple[mx.array, tuple[mx.array, ...]]:
+        for i in taps:
+            if not 0 <= i < len(self.layers):
+                raise ValueError(f"cannot tap layer {i} of a {len(self.layers)}-layer model")
         h = self.embed_tokens(tokens)
         ctx = build_context(
             self._rope,
@@ -211,19 +217,20 @@ class DecoderStack(nn.Module):
         )
         captured = {}
         for i, layer in enumerate(self.layers):
-            h = layer(h, ctx, i)
-            if i in hidden_layers:
+            if i in taps:
                 captured[i] = h
+            h = layer(h, ctx, i)
         if cache is not None:
             cache.advance(tokens.shape[1])
-        return self.norm(h), tuple(captured[i] for i in hidden_layers)
+        return self.norm(h), tuple(captured[i] for i in taps)
 
 
 class CausalLM(nn.Module):
     """`model` (a DecoderStack) plus the vocabulary projection, tied or not."""
 
     model: DecoderStack
-    source: Path | None = None  # the folder `load` read it from (Medusa heads live beside it)
+    source: Path | None = None  # the folder `load` read it from (heads live beside it)
+    tokenizer = None  # the tokenizer `load` gave it, for checks such as a draft's fit
 
     def __init__(self, args: BaseModelArgs):
         super().__init__()
@@ -238,9 +245,9 @@ class CausalLM(nn.Module):
         *,
         positions: mx.array | None = None,
         mask: mx.array | None = None,
-        hidden_layers: tuple[int, ...] = (),
+        taps: tuple[int, ...] = (),
     ) -> ModelOutput:
-        hidden, captured = self.model(tokens, cache, positions, mask, tuple(hidden_layers))
+        hidden, captured = self.model(tokens, cache, positions, mask, tuple(taps))
         return ModelOutput(self.project(hidden), hidden, captured)
 
     def project(self, hidden: mx.array) -> mx.array:

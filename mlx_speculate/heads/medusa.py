@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .loading import (
-    apply_quantization,
-    load_safetensors,
-    quantize_model,
-    read_json,
-    resolve_path,
-)
+from ..checkpoint import load_into, quantize_model, read_weights
+from ..loading import read_json, resolve_path
+from ..tree import Tree
 
 MEDUSA_DIR = "medusa"  # heads folder inside a converted model folder
 MLX_WEIGHTS = "weights.safetensors"
@@ -140,24 +137,6 @@ def _shape(weights: dict[str, mx.array]) -> tuple[int, int, int, int]:
     return len(heads), num_layers, hidden, vocab
 
 
-def _read_torch(path: Path) -> dict[str, mx.array]:
-    try:
-        import torch
-    except ImportError as e:
-        raise ImportError(
-            f"{path} is a PyTorch checkpoint and reading it needs torch, which is not installed "
-            "(pip install torch), or provide medusa_lm_head.safetensors instead"
-        ) from e
-    state = torch.load(str(path), map_location="cpu", weights_only=True)
-    out = {}
-    for key, tensor in state.items():
-        if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16
-            out[key] = mx.array(tensor.float().numpy()).astype(mx.bfloat16)
-        else:
-            out[key] = mx.array(tensor.numpy())
-    return out
-
-
 def heads_folder(path: str | Path) -> Path:
     """The folder holding the heads: `path` itself or its `medusa/` subfolder; a hub id
     (e.g. FasterDecoding/medusa-vicuna-7b-v1.3) is fetched."""
@@ -189,7 +168,7 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, mx.arra
         file = found[0]
     config_file = folder / "config.json"
     config = read_json(config_file) if config_file.exists() else {}
-    weights = _read_torch(file) if file.suffix == ".pt" else load_safetensors([file])
+    weights = read_weights([file])
     return config, sanitize(weights)
 
 
@@ -209,13 +188,9 @@ def build_heads(config: dict[str, Any], weights: dict[str, mx.array]) -> MedusaH
                 stacklevel=3,
             )
     heads = MedusaHeads(hidden, vocab, num_heads, num_layers)
-    apply_quantization(heads, config.get("quantization"), weights)
-    try:
-        heads.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise ValueError(f"Medusa weights do not fit their own shapes: {e}") from e
-    mx.eval(heads.parameters())
-    return heads
+    return load_into(
+        heads, weights, quantization=config.get("quantization"), what="their own Medusa shapes"
+    )
 
 
 def load_medusa_heads(path: str | Path, model: nn.Module | None = None) -> MedusaHeads:
@@ -271,3 +246,35 @@ def convert_medusa_heads(
         extra["quantization"] = dict(settings)
         extra["quantization_config"] = dict(settings)
     return save_medusa_heads(heads, out, extra)
+
+
+# -- published trees -------------------------------------------------------------------------------
+# Medusa's published tree for Vicuna-7B (FasterDecoding/Medusa, medusa/model/medusa_choices.py),
+# in its published order: 63 choices, 64 nodes with the root, depth 4. A choice is the path of
+# top-k ranks leading to a node: (0, 1) is the second-best token of head 1 after the best of head 0.
+MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
+    (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4),
+    (2, 0), (0, 5), (0, 0, 1), (5,), (0, 6), (6,), (0, 7), (0, 1, 0), (1, 1), (7,), (0, 8),
+    (0, 0, 2), (3, 0), (0, 9), (8,), (9,), (1, 0, 0), (0, 2, 0), (1, 2), (0, 0, 3), (4, 0),
+    (2, 1), (0, 0, 4), (0, 0, 5), (0, 0, 0, 0), (0, 1, 1), (0, 0, 6), (0, 3, 0), (5, 0), (1, 3),
+    (0, 0, 7), (0, 0, 8), (0, 0, 9), (6, 0), (0, 4, 0), (1, 4), (7, 0), (0, 1, 2), (2, 0, 0),
+    (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5), (1, 0, 1), (0, 2, 1), (9, 0), (0, 6, 0),
+    (0, 0, 0, 1), (1, 6), (0, 7, 0),
+)  # fmt: skip
+
+# The published order lists every path after its parent (checked in tests), so each prefix of it
+# is again a valid tree; the smaller trees below are such prefixes.
+MEDUSA_TREES: dict[str, tuple[tuple[int, ...], ...]] = {
+    "mc_sim_7b_63": MC_SIM_7B_63,
+    "mc_sim_7b_63_prefix19": MC_SIM_7B_63[:19],  # 20 nodes
+    "mc_sim_7b_63_prefix6": MC_SIM_7B_63[:6],  # 7 nodes
+}
+DEFAULT_TREE = "mc_sim_7b_63"
+
+
+def medusa_tree(choices: Sequence[Sequence[int]]) -> tuple[Tree, tuple[int, ...]]:
+    """The tree of `choices` and each node's top-k rank (the root's is -1): node i, at depth d,
+    holds head d-1's rank-th most likely token."""
+    tree = Tree.from_paths(choices)
+    ordered = sorted((tuple(c) for c in choices), key=lambda p: (len(p), p))  # from_paths' order
+    return tree, (-1, *(path[-1] for path in ordered))

@@ -1,8 +1,8 @@
-"""Self-distillation: fitting Medusa heads to a target's own continuations.
+"""Fitting Medusa heads to a target's own continuations (self-distillation).
 
-1. Roll the target out from short prompts (sampled at `temperature`, or greedy at 0).
-2. One forward over each rolled-out sequence gives the final hidden states (lm_head's input).
-3. Head k learns, by cross-entropy, the token k+2 places after each hidden state.
+1. Roll the target out from the prompts (`rollout`: sampled at `temperature`, greedy at 0),
+   keeping the final hidden state (lm_head's input) that chose each generated token.
+2. Head k learns, by cross-entropy, the token k+2 places after each hidden state.
 
 Heads start as Medusa does: ResBlocks at zero (the identity) and every projection a copy of the
 target's lm_head, so before training each head already guesses "the next token".
@@ -17,55 +17,9 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
-from .heads import MedusaHeads
-from .models.base import CausalLM
-
-
-def rollout(
-    model: CausalLM,
-    prompts: Sequence[Sequence[int]],
-    length: int,
-    temperature: float = 1.0,
-    seed: int = 0,
-) -> list[tuple[mx.array, mx.array]]:
-    """`length` tokens of the model's own after each group of equal-length prompts (batched).
-
-    Returns per group (hidden, generated): (B, length, hidden) final hidden states at the
-    positions from the last prompt token on, and the (B, length) tokens they chose, so
-    hidden[:, i] is followed by generated[:, i], generated[:, i + 1], ...
-    """
-    key = mx.random.key(seed)
-    groups: dict[int, list[Sequence[int]]] = {}
-    for i, prompt in enumerate(prompts):
-        if not prompt:
-            raise ValueError(f"prompt {i} is empty")
-        groups.setdefault(len(prompt), []).append(prompt)
-    out = []
-    for members in groups.values():
-        cache = model.make_cache()
-        step = model(mx.array([list(p) for p in members]), cache)  # (B, P) prompts
-        hidden, generated = [], []
-        for _ in range(length):
-            logits = step.logits[:, -1].astype(mx.float32)  # (B, V)
-            if temperature == 0:
-                token = mx.argmax(logits, axis=-1)
-            else:
-                key, sub = mx.random.split(key)
-                token = mx.random.categorical(logits / temperature, key=sub)
-            hidden.append(step.hidden[:, -1].astype(mx.float32))
-            generated.append(token)
-            step = model(token[:, None], cache)
-            mx.eval(token, hidden[-1], cache.state)
-        out.append((mx.stack(hidden, axis=1), mx.stack(generated, axis=1)))
-    return out
-
-
-def sampled_prompts(
-    model: CausalLM, start: Sequence[int], count: int, length: int, seed: int = 0
-) -> list[list[int]]:
-    """`count` varied prompts: `start` followed by `length` tokens the model samples at T=1."""
-    ((_, generated),) = rollout(model, [list(start)] * count, length, 1.0, seed)
-    return [list(start) + row for row in generated.tolist()]
+from ..heads.medusa import MedusaHeads
+from ..models.base import CausalLM
+from .rollout import rollout
 
 
 def training_pairs(

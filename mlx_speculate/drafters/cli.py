@@ -1,0 +1,56 @@
+"""Command-line flags for the speculative methods, shared by every CLI (generate, server)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..heads.medusa import DEFAULT_TREE, MEDUSA_TREES
+from . import DrafterSpec, spec_from_keywords
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculative decoding (lossless; one method at a time)")
+    group.add_argument(
+        "--draft-model", default=None, metavar="M",
+        help="draft model folder or hub id (must share the model's tokenizer)",
+    )
+    group.add_argument(
+        "--prompt-lookup", action="store_true",
+        help="draft by n-gram lookup in the prompt and output (no model needed)",
+    )
+    group.add_argument(
+        "--max-ngram", type=int, default=None, metavar="N",
+        help="longest n-gram prompt lookup matches (default: 3)",
+    )
+    group.add_argument(
+        "--medusa", nargs="?", const=True, default=False, metavar="DIR",
+        help="draft trees with Medusa heads: those beside the model (its medusa/ folder), "
+        "or the heads folder DIR",
+    )
+    group.add_argument(
+        "--medusa-tree", choices=list(MEDUSA_TREES), default=None,
+        help=f"Medusa tree (default: {DEFAULT_TREE})",
+    )
+    group.add_argument(
+        "--num-draft-tokens", type=int, default=None, metavar="K",
+        help="tokens drafted per step (trees: nodes verified); default: chosen each step "
+        "from measured costs and acceptance",
+    )
+    group.add_argument(
+        "--typical-acceptance", action="store_true",
+        help="Medusa's typical acceptance when sampling: faster but LOSSY (the output no "
+        "longer follows the model's distribution)",
+    )
+
+
+def spec_from_args(args: argparse.Namespace) -> DrafterSpec | None:
+    """The spec the flags ask for, or None for plain decoding."""
+    return spec_from_keywords(
+        draft_model=args.draft_model,
+        prompt_lookup=args.prompt_lookup,
+        max_ngram=args.max_ngram,
+        medusa=args.medusa,
+        tree=args.medusa_tree,
+        num_draft_tokens=args.num_draft_tokens,
+        typical_acceptance=args.typical_acceptance,
+    )

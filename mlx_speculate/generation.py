@@ -1,0 +1,201 @@
+"""`stream_generate` / `generate` in mlx-lm's style: typed responses with speculative stats."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import mlx.core as mx
+
+from .decode import Decoder
+from .drafters import Drafter, DrafterSpec, make_drafter, spec_from_keywords
+from .models.base import CausalLM
+from .policy import Policy, default_policy
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class SpeculativeStats:
+    """What speculation did for one generation; every count is exact."""
+
+    drafted: int  # draft tokens proposed to the target (tree: nodes below the root)
+    accepted: int  # of those, accepted and emitted (drafts cut off by a stop do not count)
+    target_forwards: int  # verify forwards of the target (the prompt's prefill not counted)
+    generated: int  # tokens taken from those forwards: the emitted ones, and the EOS that
+    # ended the generation if one did. Every forward yields at least one.
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.generated / self.target_forwards if self.target_forwards else 0.0
+
+
+@dataclass(frozen=True)
+class GenerationResponse:
+    text: str  # the new text segment (may be empty while a character or stop string is pending)
+    token: int
+    from_draft: bool  # proposed by the drafter and accepted, rather than chosen by the target
+    logprobs: mx.array  # (V,) target log-probabilities at this position
+    prompt_tokens: int
+    prompt_tps: float  # prompt tokens per second of prefill
+    generation_tokens: int  # tokens emitted so far (an EOS is not emitted)
+    generation_tps: float  # emitted tokens per second since the prefill ended
+    peak_memory: float  # GB
+    # On the last response: "stop" (EOS or a stop string), "length" (max_tokens) or
+    # "context" (the model's context is full).
+    finish_reason: str | None = None
+    stats: SpeculativeStats | None = None  # on the last response
+
+
+_SAMPLING_KEYS = {f.name for f in fields(SamplingParams)}
+
+
+def stream_generate(
+    model: CausalLM,
+    tokenizer,
+    prompt: str | Sequence[int],
+    *,
+    max_tokens: int = 256,
+    sampling: SamplingParams | None = None,
+    stop: Sequence[str] = (),
+    drafter: DrafterSpec | Drafter | None = None,
+    policy: Policy | None = None,
+    **options: Any,
+) -> Iterator[GenerationResponse]:
+    """Yields one response per emitted token.
+
+    `drafter` is a method's spec (`LookupSpec()`, `DraftModelSpec(model=...)`, `MedusaSpec()`,
+    ...) or a ready `Drafter`; `policy` chooses the draft length each step (default: the spec's
+    `num_draft_tokens`, else chosen from measured costs and acceptance, possibly none).
+    `options` are sampling settings (temperature, top_p, top_k, min_p, seed) when `sampling`
+    is not given, and mlx-lm style shortcuts for a spec: `draft_model=` (with
+    `draft_tokenizer=`), `prompt_lookup=True` (with `max_ngram=`), `medusa=` (with `tree=`), and
+    `num_draft_tokens=`, `typical_acceptance=` (LOSSY, opt-in).
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    sampling_options = {k: v for k, v in options.items() if k in _SAMPLING_KEYS}
+    if sampling is not None and sampling_options:
+        raise ValueError(f"give sampling or {', '.join(sampling_options)}, not both")
+    sampling = sampling or SamplingParams(**sampling_options)
+    keywords = {k: v for k, v in options.items() if k not in _SAMPLING_KEYS}
+    num_draft_tokens = keywords.get("num_draft_tokens")
+    typical = bool(keywords.get("typical_acceptance", False))
+    if isinstance(drafter, DrafterSpec) or drafter is None:
+        spec = drafter
+        if keywords:
+            if spec is not None:
+                raise ValueError(f"give drafter or {', '.join(keywords)}, not both")
+            spec = spec_from_keywords(**keywords)
+        drafter = None if spec is None else make_drafter(spec, model, tokenizer)
+        if spec is not None:
+            num_draft_tokens, typical = spec.num_draft_tokens, spec.typical_acceptance
+    elif set(keywords) - {"num_draft_tokens", "typical_acceptance"}:
+        raise ValueError(f"a ready drafter takes no {', '.join(keywords)}")
+    if policy is None and drafter is not None:
+        policy = default_policy(drafter, num_draft_tokens)
+    tokens = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+    decoder = Decoder(model, drafter)
+    yield from stream_decoder(
+        decoder, tokenizer, tokens, sampling=sampling, max_tokens=max_tokens, stop=stop,
+        policy=policy, typical_acceptance=typical,
+    )
+
+
+def stream_decoder(
+    decoder: Decoder,
+    tokenizer,
+    tokens: Sequence[int],
+    *,
+    sampling: SamplingParams,
+    max_tokens: int,
+    stop: Sequence[str] = (),
+    policy: Policy | None = None,
+    typical_acceptance: bool = False,
+) -> Iterator[GenerationResponse]:
+    """`stream_generate` on a ready decoder, whose cached prefix carries over between prompts."""
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    decoder.prefill(tokens)
+    gen_start = time.perf_counter()
+    prompt_tps = len(tokens) / max(gen_start - start, 1e-9)
+    eos = set(tokenizer.eos_token_ids)
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    emitted = drafted = accepted = forwards = generated = text_sent = 0
+    steps = decoder.steps(
+        sampling, policy, max_tokens=max_tokens, typical_acceptance=typical_acceptance
+    )
+    for step in steps:
+        forwards += 1
+        drafted += step.drafted
+        last_step = decoder.room() < 0
+        for i, token in enumerate(step.tokens):
+            generated += 1
+            accepted += i < step.accepted
+            finish = None
+            if token in eos:
+                finish = "stop"
+            else:
+                emitted += 1
+                detokenizer.add_token(token)
+            text = detokenizer.text
+            cut = _find_stop(text, stop, text_sent)
+            if cut >= 0:
+                finish = "stop"
+            elif finish is None and emitted >= max_tokens:
+                finish = "length"
+            elif finish is None and last_step and i == len(step.tokens) - 1:
+                finish = "context" if decoder.context_full else "length"
+            if finish is not None:
+                detokenizer.finalize()
+                text = detokenizer.text
+                end = cut if cut >= 0 else len(text)
+            else:
+                end = len(text) - _stop_hold(text, stop)
+            segment = text[text_sent:end] if end > text_sent else ""
+            text_sent = max(text_sent, end)
+            elapsed = time.perf_counter() - gen_start
+            yield GenerationResponse(
+                text=segment,
+                token=token,
+                from_draft=i < step.accepted,
+                logprobs=step.logprobs[i],
+                prompt_tokens=len(tokens),
+                prompt_tps=prompt_tps,
+                generation_tokens=emitted,
+                generation_tps=emitted / elapsed if elapsed > 0 else 0.0,
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish,
+                stats=SpeculativeStats(drafted, accepted, forwards, generated) if finish else None,
+            )
+            if finish is not None:
+                steps.close()
+                return
+
+
+def generate(model: CausalLM, tokenizer, prompt: str | Sequence[int], **kwargs) -> str:
+    """The whole generated text."""
+    return "".join(r.text for r in stream_generate(model, tokenizer, prompt, **kwargs))
+
+
+def _stop_hold(text: str, stops: Sequence[str]) -> int:
+    """Length of the tail of `text` that could still grow into a stop string."""
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:n]):
+                hold = max(hold, n)
+                break
+    return hold
+
+
+def _find_stop(text: str, stops: Sequence[str], sent: int) -> int:
+    """Where the first stop string starts in `text`, or -1; only new text is searched."""
+    hits = [i for s in stops if (i := text.find(s, max(0, sent - len(s) + 1))) >= 0]
+    return min(hits, default=-1)
