@@ -51,8 +51,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         response = None
         for response in stream_generate(
-            model, tokenizer, tokens, max_tokens=args.max_tokens, sampling=sampling,
-            stop=args.stop, drafter=spec,
+            model,
+            tokenizer,
+            tokens,
+            max_tokens=args.max_tokens,
+            sampling=sampling,
+            stop=args.stop,
+            drafter=spec,
         ):
             print(response.text, end="", flush=True)
         print()

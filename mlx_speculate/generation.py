@@ -50,6 +50,7 @@ class GenerationResponse:
     # "context" (the model's context is full).
     finish_reason: str | None = None
     stats: SpeculativeStats | None = None  # on the last response
+    cached_tokens: int = 0  # prompt tokens whose cache carried over from the previous prompt
 
 
 _SAMPLING_KEYS = {f.name for f in fields(SamplingParams)}
@@ -97,86 +98,111 @@ def stream_generate(
             num_draft_tokens, typical = spec.num_draft_tokens, spec.typical_acceptance
     elif set(keywords) - {"num_draft_tokens", "typical_acceptance"}:
         raise ValueError(f"a ready drafter takes no {', '.join(keywords)}")
-    if policy is None and drafter is not None:
-        policy = default_policy(drafter, num_draft_tokens)
-    tokens = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
-    decoder = Decoder(model, drafter)
-    yield from stream_decoder(
-        decoder, tokenizer, tokens, sampling=sampling, max_tokens=max_tokens, stop=stop,
-        policy=policy, typical_acceptance=typical,
+    session = Session(model, tokenizer, drafter, typical_acceptance=typical)
+    yield from session.stream(
+        prompt,
+        sampling=sampling,
+        max_tokens=max_tokens,
+        stop=stop,
+        policy=policy or (None if drafter is None else default_policy(drafter, num_draft_tokens)),
     )
 
 
-def stream_decoder(
-    decoder: Decoder,
-    tokenizer,
-    tokens: Sequence[int],
-    *,
-    sampling: SamplingParams,
-    max_tokens: int,
-    stop: Sequence[str] = (),
-    policy: Policy | None = None,
-    typical_acceptance: bool = False,
-) -> Iterator[GenerationResponse]:
-    """`stream_generate` on a ready decoder, whose cached prefix carries over between prompts."""
-    mx.reset_peak_memory()
-    start = time.perf_counter()
-    decoder.prefill(tokens)
-    gen_start = time.perf_counter()
-    prompt_tps = len(tokens) / max(gen_start - start, 1e-9)
-    eos = set(tokenizer.eos_token_ids)
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    emitted = drafted = accepted = forwards = generated = text_sent = 0
-    steps = decoder.steps(
-        sampling, policy, max_tokens=max_tokens, typical_acceptance=typical_acceptance
-    )
-    for step in steps:
-        forwards += 1
-        drafted += step.drafted
-        last_step = decoder.room() < 0
-        for i, token in enumerate(step.tokens):
-            generated += 1
-            accepted += i < step.accepted
-            finish = None
-            if token in eos:
-                finish = "stop"
-            else:
-                emitted += 1
-                detokenizer.add_token(token)
-            text = detokenizer.text
-            cut = _find_stop(text, stop, text_sent)
-            if cut >= 0:
-                finish = "stop"
-            elif finish is None and emitted >= max_tokens:
-                finish = "length"
-            elif finish is None and last_step and i == len(step.tokens) - 1:
-                finish = "context" if decoder.context_full else "length"
-            if finish is not None:
-                detokenizer.finalize()
+class Session:
+    """A model and one method's drafter, whose cache carries over from prompt to prompt: a new
+    prompt only prefills what follows the prefix it shares with the last context (a chat's
+    earlier turns, say). One generation at a time."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer,
+        drafter: Drafter | None = None,
+        *,
+        typical_acceptance: bool = False,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.typical_acceptance = typical_acceptance
+        self.decoder = Decoder(model, drafter)
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        sampling: SamplingParams,
+        max_tokens: int,
+        stop: Sequence[str] = (),
+        policy: Policy | None = None,
+    ) -> Iterator[GenerationResponse]:
+        """Yields one response per emitted token, as `stream_generate` does."""
+        tokenizer, decoder = self.tokenizer, self.decoder
+        tokens = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        if policy is None and self.drafter is not None:
+            policy = default_policy(self.drafter)
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        cached = decoder.prefill(tokens)
+        gen_start = time.perf_counter()
+        # Prompt speed counts the tokens prefilled now, not those whose cache carried over.
+        prompt_tps = (len(tokens) - cached) / max(gen_start - start, 1e-9)
+        eos = set(tokenizer.eos_token_ids)
+        detokenizer = tokenizer.detokenizer
+        detokenizer.reset()
+        emitted = drafted = accepted = forwards = generated = text_sent = 0
+        steps = decoder.steps(
+            sampling, policy, max_tokens=max_tokens, typical_acceptance=self.typical_acceptance
+        )
+        for step in steps:
+            forwards += 1
+            drafted += step.drafted
+            last_step = decoder.room() < 0
+            for i, token in enumerate(step.tokens):
+                generated += 1
+                accepted += i < step.accepted
+                finish = None
+                if token in eos:
+                    finish = "stop"
+                else:
+                    emitted += 1
+                    detokenizer.add_token(token)
                 text = detokenizer.text
-                end = cut if cut >= 0 else len(text)
-            else:
-                end = len(text) - _stop_hold(text, stop)
-            segment = text[text_sent:end] if end > text_sent else ""
-            text_sent = max(text_sent, end)
-            elapsed = time.perf_counter() - gen_start
-            yield GenerationResponse(
-                text=segment,
-                token=token,
-                from_draft=i < step.accepted,
-                logprobs=step.logprobs[i],
-                prompt_tokens=len(tokens),
-                prompt_tps=prompt_tps,
-                generation_tokens=emitted,
-                generation_tps=emitted / elapsed if elapsed > 0 else 0.0,
-                peak_memory=mx.get_peak_memory() / 1e9,
-                finish_reason=finish,
-                stats=SpeculativeStats(drafted, accepted, forwards, generated) if finish else None,
-            )
-            if finish is not None:
-                steps.close()
-                return
+                cut = _find_stop(text, stop, text_sent)
+                if cut >= 0:
+                    finish = "stop"
+                elif finish is None and emitted >= max_tokens:
+                    finish = "length"
+                elif finish is None and last_step and i == len(step.tokens) - 1:
+                    finish = "context" if decoder.context_full else "length"
+                if finish is not None:
+                    detokenizer.finalize()
+                    text = detokenizer.text
+                    end = cut if cut >= 0 else len(text)
+                else:
+                    end = len(text) - _stop_hold(text, stop)
+                segment = text[text_sent:end] if end > text_sent else ""
+                text_sent = max(text_sent, end)
+                elapsed = time.perf_counter() - gen_start
+                yield GenerationResponse(
+                    text=segment,
+                    token=token,
+                    from_draft=i < step.accepted,
+                    logprobs=step.logprobs[i],
+                    prompt_tokens=len(tokens),
+                    prompt_tps=prompt_tps,
+                    generation_tokens=emitted,
+                    generation_tps=emitted / elapsed if elapsed > 0 else 0.0,
+                    peak_memory=mx.get_peak_memory() / 1e9,
+                    finish_reason=finish,
+                    stats=(
+                        SpeculativeStats(drafted, accepted, forwards, generated) if finish else None
+                    ),
+                    cached_tokens=cached,
+                )
+                if finish is not None:
+                    steps.close()
+                    return
 
 
 def generate(model: CausalLM, tokenizer, prompt: str | Sequence[int], **kwargs) -> str:

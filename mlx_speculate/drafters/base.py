@@ -61,9 +61,7 @@ class Drafter(Protocol):
     def rewind(self, length: int) -> None:
         """Only the first `length` context tokens are still committed."""
 
-    def propose(
-        self, context: Sequence[int], k: int, sampling: SamplingParams
-    ) -> Draft | None:
+    def propose(self, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft | None:
         """Up to `k` tokens to follow `context`, or None to decode plainly this step. Sampled
         proposals follow `sampling` (the target's settings), so rejection sampling is lossless."""
 

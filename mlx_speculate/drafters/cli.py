@@ -11,33 +11,49 @@ from . import DrafterSpec, spec_from_keywords
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding (lossless; one method at a time)")
     group.add_argument(
-        "--draft-model", default=None, metavar="M",
+        "--draft-model",
+        default=None,
+        metavar="M",
         help="draft model folder or hub id (must share the model's tokenizer)",
     )
     group.add_argument(
-        "--prompt-lookup", action="store_true",
+        "--prompt-lookup",
+        action="store_true",
         help="draft by n-gram lookup in the prompt and output (no model needed)",
     )
     group.add_argument(
-        "--max-ngram", type=int, default=None, metavar="N",
+        "--max-ngram",
+        type=int,
+        default=None,
+        metavar="N",
         help="longest n-gram prompt lookup matches (default: 3)",
     )
     group.add_argument(
-        "--medusa", nargs="?", const=True, default=False, metavar="DIR",
+        "--medusa",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="DIR",
         help="draft trees with Medusa heads: those beside the model (its medusa/ folder), "
         "or the heads folder DIR",
     )
     group.add_argument(
-        "--medusa-tree", choices=list(MEDUSA_TREES), default=None,
+        "--medusa-tree",
+        choices=list(MEDUSA_TREES),
+        default=None,
         help=f"Medusa tree (default: {DEFAULT_TREE})",
     )
     group.add_argument(
-        "--num-draft-tokens", type=int, default=None, metavar="K",
+        "--num-draft-tokens",
+        type=int,
+        default=None,
+        metavar="K",
         help="tokens drafted per step (trees: nodes verified); default: chosen each step "
         "from measured costs and acceptance",
     )
     group.add_argument(
-        "--typical-acceptance", action="store_true",
+        "--typical-acceptance",
+        action="store_true",
         help="Medusa's typical acceptance when sampling: faster but LOSSY (the output no "
         "longer follows the model's distribution)",
     )

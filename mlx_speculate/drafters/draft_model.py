@@ -135,9 +135,7 @@ class DraftModelDrafter:
     def extend(self, features: TargetFeatures) -> None:
         pass  # it reads tokens, not the target's features
 
-    def propose(
-        self, context: Sequence[int], k: int, sampling: SamplingParams
-    ) -> Draft | None:
+    def propose(self, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft | None:
         k = min(k, self.max_draft)
         if k <= 0:
             return None

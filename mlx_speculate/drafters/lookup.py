@@ -74,9 +74,7 @@ class LookupDrafter:
     def extend(self, features: TargetFeatures) -> None:
         pass  # it reads tokens, not the target's features
 
-    def propose(
-        self, context: Sequence[int], k: int, sampling: SamplingParams
-    ) -> Draft | None:
+    def propose(self, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft | None:
         k = min(k, self.max_draft)
         start = self.match(context) if k > 0 else None
         if start is None:

@@ -108,9 +108,7 @@ class MedusaDrafter:
             self._hidden = None  # the last committed state is gone with the rest
             self._length = length
 
-    def propose(
-        self, context: Sequence[int], k: int, sampling: SamplingParams
-    ) -> Draft | None:
+    def propose(self, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft | None:
         if self._hidden is None or k <= 0 or self.max_draft == 0:
             return None
         tree, index, depth, width = self._plan(k)
