@@ -65,6 +65,7 @@ def convert(
     overwrite: bool = False,
     max_shard_bytes: int = MAX_SHARD_BYTES,
     medusa_path: str | Path | None = None,
+    eagle_path: str | Path | None = None,
 ) -> Path:
     """Converts `hf_path` into an mlx-lm folder at `mlx_path` and returns that path.
 
@@ -75,8 +76,8 @@ def convert(
     bits, group size 32) and leaves its float tensors float; `q_bits` and `q_group_size` apply
     only to a GGUF holding no quantized tensor. `q_bits` defaults to 4; `q_group_size` to 64,
     and to 32 for GGUF (llama.cpp's block size).
-    `medusa_path`: Medusa heads converted alongside (same dtype and quantization) into
-    `mlx_path/medusa`.
+    `medusa_path` / `eagle_path`: Medusa or EAGLE heads converted alongside (same dtype and
+    quantization, checked to fit the model) into `mlx_path/medusa` or `mlx_path/eagle`.
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
@@ -145,6 +146,19 @@ def convert(
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; DST gets the usual mode
     try:
+        # Heads first: heads that do not fit fail before the model is written.
+        options = {
+            "quantize": quantize, "q_bits": q_bits, "q_group_size": q_group_size,
+            "dtype": DTYPES.get(dtype),
+        }  # fmt: skip
+        if medusa_path is not None:
+            from .heads.medusa import convert_medusa_heads
+
+            convert_medusa_heads(medusa_path, tmp / "medusa", model_config=config, **options)
+        if eagle_path is not None:
+            from .heads.eagle_format import convert_eagle_heads
+
+            convert_eagle_heads(eagle_path, tmp / "eagle", target=model, **options)
         write_weights(tmp, dict(tree_flatten(model.parameters())), max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if gguf:
@@ -153,18 +167,6 @@ def convert(
             write_gguf_tokenizer(src, tmp)  # chat template included
         else:
             _copy_tokenizer(src, tmp)
-        if medusa_path is not None:
-            from .heads.medusa import convert_medusa_heads
-
-            convert_medusa_heads(
-                medusa_path,
-                tmp / "medusa",
-                model_config=config,
-                quantize=quantize,
-                q_bits=q_bits,
-                q_group_size=q_group_size,
-                dtype=DTYPES[dtype] if dtype is not None else None,
-            )
         _move_into_place(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -366,6 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HEADS",
         help="Medusa heads (published folder or file) to convert into DST/medusa",
     )
+    parser.add_argument(
+        "--eagle-path",
+        metavar="HEADS",
+        help="EAGLE-1/EAGLE-3 heads (folder, file or hub id; SafeAILab, SpecForge, AngelSlim "
+        "or speculators layout) to convert into DST/eagle",
+    )
     return parser
 
 
@@ -381,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=args.dtype,
             overwrite=args.overwrite,
             medusa_path=args.medusa_path,
+            eagle_path=args.eagle_path,
         )
     except (ValueError, OSError, ImportError) as e:  # ImportError: a .pt checkpoint, no torch
         message = " ".join(str(e).split())

@@ -1,18 +1,21 @@
 """The one decoding loop: propose -> verify in one target forward -> accept -> commit.
 
-Every step verifies a draft tree rooted at the pending token (the last one emitted, not yet in
-the target cache): a chain for draft-model and lookup drafts, a static or dynamic tree for head
-drafters, the root alone for a plain step. One rule (`verify.py`) picks the accepted path and
-the target's own next token; the commit moves that path's keys/values into consecutive cache
-slots (`KVCache.compact`, O(1) when they already are) and hands its target features to the
-drafter (`Drafter.extend`). The prompt's features reach the drafter the same way at prefill, so
-a head drafter drafts from the first step on.
+The prefill runs the whole prompt; its last row gives the first token, and every position's
+features reach the drafter (`Drafter.extend`), so a head drafter drafts from the first step on.
+Every step then verifies a draft tree rooted at the pending token (the last one emitted, not
+yet in the target cache): a chain for draft-model and lookup drafts, a static or dynamic tree
+for head drafters, the root alone for a plain step. One rule (`verify.py`) picks the accepted
+path and the target's own next token; the commit moves that path's keys/values into
+consecutive cache slots (`KVCache.compact`, O(1) when they already are) and hands its target
+features to the drafter.
 
 Host synchronisation, per step:
   1. `mx.eval` of the acceptance (path, tokens, count), then `.item()`/`.tolist()` on the
      already-evaluated arrays. Drafting, the target forward and the acceptance rule are one
      lazy graph, scheduled with `mx.async_eval` as soon as it is built.
-  2. Only when the rope type depends on the largest position (dynamic NTK, longrope) does a tree
+  2. A dynamic tree (EAGLE-2) reads its candidates' scores back once, after drafting and
+     before the verify forward, to choose its shape (drafters/eagle.py).
+  3. Only when the rope type depends on the largest position (dynamic NTK, longrope) does a tree
      forward read that position back (models/base.py).
 When a plain step follows a plain one (always without a drafter; with one, when the policy
 chooses 0), step t+1 is queued on step t's lazy token before step t is read, as mlx-lm does, so
@@ -46,6 +49,7 @@ class Step:
     drafted: int  # tokens the drafter proposed (tree: nodes below the root)
     logprobs: mx.array  # (len(tokens), V) target log-probabilities that chose each token
     seconds: float
+    verified: bool = True  # False for the first token, which the prompt's forward chose
 
     @property
     def accepted(self) -> int:
@@ -61,7 +65,8 @@ class _Pending:
     tree: Tree
     acceptance: Acceptance
     logits: mx.array  # (N, V) one row per tree node
-    features: TargetFeatures  # (N, ...) rows
+    # (N, ...) rows; None for the prompt's first token, whose features went in at prefill
+    features: TargetFeatures | None = None
 
 
 class Decoder:
@@ -79,10 +84,12 @@ class Decoder:
         self.context: list[int] = []
         self._clock = 0.0  # when the last step finished
         self._limit = 0  # last context length the current generation may reach
+        self._prompt_logits: mx.array | None = None  # (1, V) after the prompt, until read
 
     def prefill(self, prompt: Sequence[int]) -> int:
-        """Puts all but the last prompt token in the cache (and their features in the drafter);
-        returns how many were already there from the previous context."""
+        """Runs the prompt into the cache (its features into the drafter), keeping the logits
+        of its last position for the first token; returns how many prompt tokens were already
+        cached from the previous context (all but the last may be)."""
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
         if len(prompt) > self.max_context:
@@ -98,20 +105,26 @@ class Decoder:
         self.cache.truncate(kept)
         if self.drafter is not None:
             self.drafter.rewind(kept)
-        for start in range(kept, len(prompt) - 1, PREFILL_STEP):
-            chunk = prompt[start : min(start + PREFILL_STEP, len(prompt) - 1)]
+        for start in range(kept, len(prompt), PREFILL_STEP):
+            chunk = prompt[start : start + PREFILL_STEP]
             out = self.model(mx.array([chunk]), self.cache, taps=self.taps)
             if self.drafter is not None:
                 self.drafter.extend(TargetFeatures(out.hidden[0], tuple(t[0] for t in out.taps)))
             mx.eval(self.cache.state)
+        # Only the last row is projected (the prefill's own logits are never evaluated).
+        self._prompt_logits = self.model.project(out.hidden[0, -1:])
         self.context = prompt
         return kept
 
     def room(self) -> int:
-        """How many draft tokens the next step may verify; -1 when no step is left. A step
-        writes its root and drafts from cache slot len(context) - 1 on (the context limit
-        bounds them) and emits its accepted drafts and one more (the tokens wanted bound them)."""
-        return min(self.max_context, self._limit) - len(self.context)
+        """How many draft tokens the next step may use; -1 when no step is left. A step writes
+        its root and draft nodes from cache slot len(context) - 1 on (the context limit bounds
+        their number) and emits its accepted drafts and one more (the tokens wanted bound how
+        many drafts it may accept: the draft's depth)."""
+        return min(self._nodes_room(), self._limit - len(self.context))
+
+    def _nodes_room(self) -> int:
+        return self.max_context - len(self.context)
 
     @property
     def context_full(self) -> bool:
@@ -126,15 +139,20 @@ class Decoder:
         max_tokens: int | None = None,
         typical_acceptance: bool = False,
     ) -> Iterator[Step]:
-        """Yields one Step per target forward until the context is full or `max_tokens`
-        tokens were committed (the last step may commit a few more)."""
+        """Yields the first token (from the prompt's forward), then one Step per verify forward
+        until the context is full or `max_tokens` tokens were emitted (the last step may
+        commit a few more)."""
+        if self._prompt_logits is None:
+            raise ValueError("prefill a prompt before decoding")
         policy = policy or FixedPolicy(0)
         if sampling.seed is not None:
             mx.random.seed(sampling.seed)  # the one generator every draw comes from
         self._limit = len(self.context) - 1 + (max_tokens or self.max_context + 1)
         self._clock = time.perf_counter()
         queue = _Queue(self, sampling, typical_acceptance)
-        step = queue(mx.array(self.context[-1:]), policy.choose())
+        logits, self._prompt_logits = self._prompt_logits, None
+        empty = mx.zeros((0,), dtype=mx.int32)
+        step = _Pending(len(self.context), ROOT, queue.accept(ROOT, empty, logits, None), logits)
         while True:
             upcoming = k = None
             if step.tree.num_nodes == 1 and self.room() >= 1:
@@ -144,7 +162,8 @@ class Decoder:
                 if k == 0:
                     upcoming = queue(step.acceptance.tokens[:1], 0)
             result = self._finish(step)
-            policy.observe(result.drafted, result.accepted, result.seconds)
+            if result.verified:
+                policy.observe(result.drafted, result.accepted, result.seconds)
             yield result
             if self.room() < 0:
                 return
@@ -165,7 +184,7 @@ class Decoder:
         rows = slice(0, n + 1) if path == list(range(n + 1)) else mx.array(path)
         logits = step.logits[rows]
         self.context.extend(tokens)
-        if self.drafter is not None:
+        if self.drafter is not None and step.features is not None:
             self.drafter.rewind(len(self.context) - 1)
             self.drafter.extend(step.features.rows(rows))
         # Wall time since the previous step finished: what the step cost the stream, also
@@ -173,7 +192,8 @@ class Decoder:
         now = time.perf_counter()
         seconds, self._clock = now - self._clock, now
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return Step(tuple(tokens), step.tree.num_nodes - 1, logprobs, seconds)
+        verified = step.features is not None
+        return Step(tuple(tokens), step.tree.num_nodes - 1, logprobs, seconds, verified)
 
 
 class _Queue:
@@ -187,9 +207,11 @@ class _Queue:
     def __call__(self, pending: mx.array, k: int) -> _Pending:
         decoder = self.decoder
         draft: Draft | None = None
-        room = decoder.room()
-        if decoder.drafter is not None and k > 0 and room > 0:
-            draft = decoder.drafter.propose(decoder.context, min(k, room), self.sampling)
+        if decoder.drafter is not None and k > 0 and decoder.room() > 0:
+            k = min(k, decoder._nodes_room())
+            draft = decoder.drafter.propose(decoder.context, k, self.sampling)
+            if draft is not None:
+                draft = draft.limited(decoder.room())
         tree = ROOT if draft is None else draft.tree
         inputs = pending if draft is None else mx.concatenate([pending, draft.tokens])
         offset = decoder.cache.offset
@@ -200,14 +222,20 @@ class _Queue:
             inputs[None], decoder.cache, positions=positions, mask=mask, taps=decoder.taps
         )
         logits = out.logits[0]  # (N, V)
-        acceptance = self._accept(tree, inputs[1:], logits, draft)
-        # Scheduled on its own as soon as it is built: a later step queued on top of it must
-        # not make reading this one wait for both.
-        mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
+        acceptance = self.accept(tree, inputs[1:], logits, draft)
         features = TargetFeatures(out.hidden[0], tuple(t[0] for t in out.taps))
         return _Pending(offset, tree, acceptance, logits, features)
 
-    def _accept(
+    def accept(
+        self, tree: Tree, tokens: mx.array, logits: mx.array, draft: Draft | None
+    ) -> Acceptance:
+        """The rule's lazy result, scheduled at once: a later step queued on top of it must
+        not make reading this one wait for both."""
+        acceptance = self._rule(tree, tokens, logits, draft)
+        mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
+        return acceptance
+
+    def _rule(
         self, tree: Tree, tokens: mx.array, logits: mx.array, draft: Draft | None
     ) -> Acceptance:
         if self.sampling.greedy:

@@ -18,13 +18,18 @@ from .sampling import SamplingParams
 
 @dataclass(frozen=True)
 class SpeculativeStats:
-    """What speculation did for one generation; every count is exact."""
+    """What speculation did for one generation; every count is exact.
+
+    The first token comes from the prompt's own forward; every later forward verifies a draft
+    (or nothing) and yields at least one token, so `tokens_per_forward` is the papers' tau:
+    accepted drafts + 1 per verify forward, at least 1.
+    """
 
     drafted: int  # draft tokens proposed to the target (tree: nodes below the root)
     accepted: int  # of those, accepted and emitted (drafts cut off by a stop do not count)
-    target_forwards: int  # verify forwards of the target (the prompt's prefill not counted)
-    generated: int  # tokens taken from those forwards: the emitted ones, and the EOS that
-    # ended the generation if one did. Every forward yields at least one.
+    target_forwards: int  # verify forwards (the prompt's forward is not one)
+    generated: int  # tokens the verify forwards yielded and the stream took: emitted ones,
+    # and the EOS that ended the generation if one did
 
     @property
     def acceptance_rate(self) -> float:
@@ -32,6 +37,7 @@ class SpeculativeStats:
 
     @property
     def tokens_per_forward(self) -> float:
+        """Mean tokens per verify forward (0 when the first token was the only one)."""
         return self.generated / self.target_forwards if self.target_forwards else 0.0
 
 
@@ -42,9 +48,9 @@ class GenerationResponse:
     from_draft: bool  # proposed by the drafter and accepted, rather than chosen by the target
     logprobs: mx.array  # (V,) target log-probabilities at this position
     prompt_tokens: int
-    prompt_tps: float  # prompt tokens per second of prefill
+    prompt_tps: float  # prompt tokens prefilled per second, up to the first token
     generation_tokens: int  # tokens emitted so far (an EOS is not emitted)
-    generation_tps: float  # emitted tokens per second since the prefill ended
+    generation_tps: float  # tokens emitted after the first, per second since the first
     peak_memory: float  # GB
     # On the last response: "stop" (EOS or a stop string), "length" (max_tokens) or
     # "context" (the model's context is full).
@@ -144,9 +150,7 @@ class Session:
         mx.reset_peak_memory()
         start = time.perf_counter()
         cached = decoder.prefill(tokens)
-        gen_start = time.perf_counter()
-        # Prompt speed counts the tokens prefilled now, not those whose cache carried over.
-        prompt_tps = (len(tokens) - cached) / max(gen_start - start, 1e-9)
+        prompt_tps = first_time = 0.0
         eos = set(tokenizer.eos_token_ids)
         detokenizer = tokenizer.detokenizer
         detokenizer.reset()
@@ -155,11 +159,15 @@ class Session:
             sampling, policy, max_tokens=max_tokens, typical_acceptance=self.typical_acceptance
         )
         for step in steps:
-            forwards += 1
+            if not step.verified:  # the first token, chosen by the prompt's forward
+                first_time = time.perf_counter()
+                # Counts the tokens prefilled now, not those whose cache carried over.
+                prompt_tps = (len(tokens) - cached) / max(first_time - start, 1e-9)
+            forwards += step.verified
             drafted += step.drafted
             last_step = decoder.room() < 0
             for i, token in enumerate(step.tokens):
-                generated += 1
+                generated += step.verified
                 accepted += i < step.accepted
                 finish = None
                 if token in eos:
@@ -183,7 +191,7 @@ class Session:
                     end = len(text) - _stop_hold(text, stop)
                 segment = text[text_sent:end] if end > text_sent else ""
                 text_sent = max(text_sent, end)
-                elapsed = time.perf_counter() - gen_start
+                elapsed = time.perf_counter() - first_time
                 yield GenerationResponse(
                     text=segment,
                     token=token,
@@ -192,7 +200,7 @@ class Session:
                     prompt_tokens=len(tokens),
                     prompt_tps=prompt_tps,
                     generation_tokens=emitted,
-                    generation_tps=emitted / elapsed if elapsed > 0 else 0.0,
+                    generation_tps=(emitted - 1) / elapsed if emitted > 1 else 0.0,
                     peak_memory=mx.get_peak_memory() / 1e9,
                     finish_reason=finish,
                     stats=(

@@ -19,6 +19,8 @@ from functools import cache, cached_property
 import mlx.core as mx
 import numpy as np
 
+from .models.base import additive_mask
+
 
 @dataclass(frozen=True)
 class Tree:
@@ -77,15 +79,8 @@ class Tree:
         return seen
 
     def attention_mask(self, prefix_len: int, dtype: mx.Dtype = mx.float32) -> mx.array:
-        """Additive (N, prefix_len + N) mask: 0 on the committed prefix, ancestors and self.
-
-        Hidden entries get the dtype's most negative finite value rather than -inf, which can
-        turn into NaN inside fused attention kernels.
-        """
-        hidden = mx.finfo(dtype).min
-        tree = mx.where(self.ancestors, 0.0, hidden).astype(dtype)  # (N, N)
-        prefix = mx.zeros((self.num_nodes, prefix_len), dtype=dtype)  # (N, prefix_len)
-        return mx.concatenate([prefix, tree], axis=1)
+        """Additive (N, prefix_len + N) mask: 0 on the committed prefix, ancestors and self."""
+        return additive_mask(self.ancestors, dtype, prefix_len)
 
     def positions(self, prefix_len: int) -> mx.array:
         """(N,) int32 rotary positions: the node's depth after the committed prefix."""
@@ -96,6 +91,16 @@ class Tree:
         if not 1 <= n <= self.num_nodes:
             raise ValueError(f"prefix length must be in [1, {self.num_nodes}], got {n}")
         return Tree(self.parents[:n])
+
+    def subtree(self, kept: Sequence[int]) -> Tree:
+        """The nodes `kept` (ascending, the root and every kept node's parent among them)."""
+        new_index = {old: new for new, old in enumerate(kept)}
+        if not kept or kept[0] != 0:
+            raise ValueError("a subtree keeps the root")
+        missing = [i for i in kept[1:] if self.parents[i] not in new_index]
+        if missing:
+            raise ValueError(f"node {missing[0]} is kept without its parent")
+        return Tree((-1, *(new_index[self.parents[i]] for i in kept[1:])))
 
     # -- constant arrays for the acceptance rules ------------------------------------------------
 
@@ -174,9 +179,7 @@ class Tree:
             raise ValueError(f"total must be >= 0, got {total}")
         ranked = sorted(range(1, candidates.num_nodes), key=lambda i: (-scores[i], i))
         kept = (0, *sorted(ranked[:total]))
-        new_index = {old: new for new, old in enumerate(kept)}
-        sub_parents = [-1] + [new_index[candidates.parents[old]] for old in kept[1:]]
-        return cls(tuple(sub_parents)), kept
+        return candidates.subtree(kept), kept
 
     @cached_property
     def _children(self) -> tuple[tuple[int, ...], ...]:

@@ -8,6 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
@@ -139,3 +140,46 @@ def assert_clear_argmax(model, prompt, tokens):
     top2 = mx.sort(logits, axis=-1)[:, -2:]
     assert mx.argmax(logits, axis=-1).tolist() == tokens
     assert mx.min(top2[:, 1] - top2[:, 0]).item() > MIN_MARGIN
+
+
+def eagle_config(target: dict[str, Any], version: int, draft_vocab: int | None = None, **extra):
+    """An EAGLE head config for a target config: its sizes and rope, one draft layer."""
+    from mlx_speculate.heads.eagle import EagleConfig
+
+    sizes = (
+        "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+        "rms_norm_eps", "max_position_embeddings", "vocab_size", "rope_theta",
+    )  # fmt: skip
+    layer = {k: target[k] for k in sizes if k in target} | {"num_hidden_layers": 1}
+    layer |= extra.pop("layer", {})
+    return EagleConfig(version=version, layer=layer, draft_vocab_size=draft_vocab, **extra)
+
+
+def random_eagle_weights(config, seed: int = 0, qk_std: float = 0.3) -> dict[str, mx.array]:
+    """Random float32 weights in the head's parameter names; EAGLE-3's d2t maps the draft
+    vocabulary onto a random sorted subset of the target's."""
+    from mlx_speculate.heads.eagle import EagleHead
+
+    params = tree_flatten(EagleHead(config).parameters())
+    keys = mx.random.split(mx.random.key(seed), len(params) + 1)
+    weights = {}
+    for k, (name, value) in zip(keys[1:], params, strict=True):
+        if name == "d2t":
+            chosen = np.sort(
+                np.random.default_rng(seed).choice(config.layer["vocab_size"], value.shape[0], False)
+            )
+            weights[name] = mx.array(chosen - np.arange(value.shape[0]), dtype=mx.int64)
+        elif "norm" in name and name.endswith("weight"):
+            weights[name] = 1.0 + 0.1 * mx.random.normal(value.shape, key=k)
+        elif any(p in name for p in ("q_proj", "k_proj")):
+            weights[name] = qk_std * mx.random.normal(value.shape, key=k)
+        else:
+            weights[name] = 0.1 * mx.random.normal(value.shape, key=k)
+    return weights
+
+
+def random_eagle_head(target: dict[str, Any], version: int, seed: int = 0, **kwargs):
+    from mlx_speculate.heads.eagle_format import build_eagle
+
+    config = eagle_config(target, version, **kwargs)
+    return build_eagle(config, random_eagle_weights(config, seed))

@@ -55,13 +55,14 @@ def test_responses_are_typed(stories, draft, reference):
     last = responses[-1]
     assert last.finish_reason == "length"
     assert isinstance(last.stats, SpeculativeStats)
-    assert last.stats.generated == 30
-    # Every step drafts 3, the first one too (from the prompt), but never more than the tokens
-    # still wanted after the step's own: the last one may draft fewer.
+    # The prompt's forward chose the first token; the verify forwards the other 29.
+    assert last.stats.generated == 29
+    # Every verify forward checks 3 drafts, but never more than the tokens still wanted after
+    # the step's own: the last one may check fewer.
     forwards = last.stats.target_forwards
     assert 3 * (forwards - 1) < last.stats.drafted <= 3 * forwards
     assert sum(r.from_draft for r in responses) == last.stats.accepted > 0
-    assert last.stats.tokens_per_forward == 30 / last.stats.target_forwards > 1
+    assert last.stats.tokens_per_forward == 29 / last.stats.target_forwards > 1
     assert responses[0].prompt_tokens == len(tokenizer.encode(PROMPT))
     assert all(r.logprobs.shape == (512,) for r in responses)
 
@@ -95,8 +96,9 @@ def family_model(shared_models, family):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
 @pytest.mark.parametrize("position", [7, 13])
 def test_eos_inside_an_accepted_run(shared_models, reference, family, position):
-    # The target drafts for itself, so every step accepts all 4 drafts and emits positions
-    # 0-4, 5-9, 10-14, ...: 7 and 13 are accepted drafts inside a run.
+    # The target drafts for itself: the prompt's forward emits position 0, then every step
+    # accepts all 4 drafts and emits positions 1-5, 6-10, 11-15, ...: 7 and 13 are accepted
+    # drafts inside a run.
     model, tokenizer = family_model(shared_models, family)
     assert_clear_argmax(model, tokenizer.encode(PROMPT), reference)
     eos = reference[position]
@@ -108,10 +110,10 @@ def test_eos_inside_an_accepted_run(shared_models, reference, family, position):
     assert responses[-1].text == ""  # EOS is not emitted as text
     assert responses[-1].generation_tokens == position
     assert "".join(r.text for r in responses) == tokenizer.decode(reference[:position])
-    # Cut mid-run: drafts after the EOS were accepted by the target but are not counted.
+    # Cut mid-run: the drafts after the EOS were accepted by the target but do not count.
     stats = responses[-1].stats
-    assert stats.accepted == sum(r.from_draft for r in responses) <= stats.drafted
-    assert stats.generated == position + 1  # the EOS came from a forward too
+    assert stats.accepted == sum(r.from_draft for r in responses) < stats.drafted
+    assert stats.generated == position  # the first token came from the prompt's forward
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])

@@ -303,7 +303,11 @@ class MarkovLM:
     def __call__(self, tokens, cache=None, *, positions=None, mask=None, taps=()):
         if cache is not None:
             cache.advance(tokens.shape[1])
-        return ModelOutput(self.table[tokens], mx.eye(V)[tokens])
+        hidden = mx.eye(V)[tokens]  # (B, L, V)
+        return ModelOutput(self.project(hidden), hidden)
+
+    def project(self, hidden):
+        return hidden @ self.table
 
 
 TABLE = np.random.default_rng(0).normal(scale=1.5, size=(V, V))

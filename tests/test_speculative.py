@@ -55,8 +55,9 @@ def test_greedy_equals_plain(family, kind, k):
     assert drafted > 0
     if kind == "self":
         assert accepted == drafted  # the target as its own draft agrees everywhere
-        # Every step emits k + 1 tokens, the first one too: it drafts from the prompt.
-        assert len(steps) == math.ceil(40 / (k + 1))
+        # The prompt's forward gives the first token; each later step emits k + 1 tokens.
+        assert len(steps) == 1 + math.ceil(39 / (k + 1))
+        assert not steps[0].verified and all(s.verified for s in steps[1:])
 
 
 def test_draft_with_smaller_vocabulary_is_lossless():
@@ -190,7 +191,7 @@ V = 6
 
 
 class MarkovLM:
-    """A stand-in model: logits = table[previous token]."""
+    """A stand-in model: final hidden state = one-hot of the token, logits = table[token]."""
 
     def __init__(self, table):
         self.table = mx.array(table, dtype=mx.float32)  # (V, V)
@@ -202,8 +203,11 @@ class MarkovLM:
     def __call__(self, tokens, cache=None, *, positions=None, mask=None, taps=()):
         if cache is not None:
             cache.advance(tokens.shape[1])
-        logits = self.table[tokens]  # (B, L, V)
-        return ModelOutput(logits, mx.zeros((*tokens.shape, 1)))
+        hidden = mx.eye(V)[tokens]  # (B, L, V)
+        return ModelOutput(self.project(hidden), hidden)
+
+    def project(self, hidden):
+        return hidden @ self.table
 
 
 TARGET_TABLE = np.random.default_rng(0).normal(scale=1.5, size=(V, V))

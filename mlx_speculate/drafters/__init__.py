@@ -15,6 +15,7 @@ from typing import Any
 from ..models.base import CausalLM
 from .base import MAX_DRAFT, Draft, Drafter, DrafterSpec, TargetFeatures
 from .draft_model import DraftModelSpec
+from .eagle import EagleSpec, EagleTree
 from .lookup import LookupSpec
 from .medusa import MedusaSpec
 
@@ -24,6 +25,8 @@ __all__ = [
     "DraftModelSpec",
     "Drafter",
     "DrafterSpec",
+    "EagleSpec",
+    "EagleTree",
     "LookupSpec",
     "MedusaSpec",
     "TargetFeatures",
@@ -46,16 +49,18 @@ def spec_from_keywords(
     prompt_lookup: bool = False,
     max_ngram: int | None = None,
     medusa: Any = None,
+    eagle: Any = None,
     tree: Any = None,
     num_draft_tokens: int | None = None,
     typical_acceptance: bool = False,
 ) -> DrafterSpec | None:
     """The spec that mlx-lm style keywords ask for (`draft_model=`, `prompt_lookup=True`,
-    `medusa=`), or None when they ask for none."""
+    `medusa=`, `eagle=`), or None when they ask for none."""
     chosen = {
         "draft_model": draft_model is not None,
         "prompt_lookup": bool(prompt_lookup),
         "medusa": medusa is not None and medusa is not False,
+        "eagle": eagle is not None and eagle is not False,
     }
     names = [name for name, on in chosen.items() if on]
     if len(names) > 1:
@@ -64,10 +69,10 @@ def spec_from_keywords(
     for option, value, methods in (
         ("draft_tokenizer", draft_tokenizer, ("draft_model",)),
         ("max_ngram", max_ngram, ("prompt_lookup",)),
-        ("tree", tree, ("medusa",)),
+        ("tree", tree, ("medusa", "eagle")),
     ):
         if value is not None and not set(names) & set(methods):
-            raise ValueError(f"{option} applies to {' and '.join(methods)}, which is not chosen")
+            raise ValueError(f"{option} applies to {' or '.join(methods)} only")
     if not names:
         if num_draft_tokens is not None or typical_acceptance:
             raise ValueError("num_draft_tokens and typical_acceptance need a speculative method")
@@ -76,4 +81,6 @@ def spec_from_keywords(
         return DraftModelSpec(model=draft_model, tokenizer=draft_tokenizer, **common)
     if names == ["prompt_lookup"]:
         return LookupSpec(**({} if max_ngram is None else {"max_ngram": max_ngram}), **common)
+    if names == ["eagle"]:
+        return EagleSpec(heads=eagle, **({} if tree is None else {"tree": tree}), **common)
     return MedusaSpec(heads=medusa, tree=tree, **common)

@@ -37,6 +37,18 @@ class Draft:
     def size(self) -> int:
         return self.tree.num_nodes - 1
 
+    def limited(self, depth: int) -> Draft:
+        """The nodes at most `depth` deep: a step accepts at most that many drafts."""
+        if self.tree.depth <= depth:
+            return self
+        kept = [i for i, d in enumerate(self.tree.depths) if d <= depth]
+        tokens = self.tokens[mx.array(kept[1:], dtype=mx.int32) - 1]
+        logprobs = self.logprobs
+        if logprobs is not None:
+            rows = [i for i in kept if i < logprobs.shape[0]]
+            logprobs = logprobs[mx.array(rows, dtype=mx.int32)]
+        return Draft(tokens, self.tree.subtree(kept), logprobs)
+
 
 @dataclass(frozen=True)
 class TargetFeatures:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..heads.medusa import DEFAULT_TREE, MEDUSA_TREES
-from . import DrafterSpec, spec_from_keywords
+from . import DrafterSpec, EagleTree, spec_from_keywords
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +44,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"Medusa tree (default: {DEFAULT_TREE})",
     )
     group.add_argument(
+        "--eagle",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="DIR",
+        help="draft dynamic trees with EAGLE-1/EAGLE-3 heads: those beside the model (its "
+        "eagle/ folder), or the heads folder or hub id DIR (official or speculators layout)",
+    )
+    default = EagleTree()
+    group.add_argument(
+        "--tree-total",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"EAGLE: most nodes verified per step, the root included (default {default.total})",
+    )
+    group.add_argument(
+        "--tree-depth",
+        type=int,
+        default=None,
+        metavar="D",
+        help=f"EAGLE: levels the tree grows per step (default {default.depth})",
+    )
+    group.add_argument(
+        "--tree-top-k",
+        type=int,
+        default=None,
+        metavar="K",
+        help=f"EAGLE: children per expanded node (default {default.top_k}; 1 drafts a chain)",
+    )
+    group.add_argument(
         "--num-draft-tokens",
         type=int,
         default=None,
@@ -61,12 +92,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def spec_from_args(args: argparse.Namespace) -> DrafterSpec | None:
     """The spec the flags ask for, or None for plain decoding."""
+    shape = {"total": args.tree_total, "depth": args.tree_depth, "top_k": args.tree_top_k}
+    shape = {k: v for k, v in shape.items() if v is not None}
+    if shape and not args.eagle:
+        raise ValueError("--tree-total, --tree-depth and --tree-top-k apply to --eagle only")
     return spec_from_keywords(
         draft_model=args.draft_model,
         prompt_lookup=args.prompt_lookup,
         max_ngram=args.max_ngram,
         medusa=args.medusa,
-        tree=args.medusa_tree,
+        eagle=args.eagle,
+        tree=args.medusa_tree or (EagleTree(**shape) if shape else None),
         num_draft_tokens=args.num_draft_tokens,
         typical_acceptance=args.typical_acceptance,
     )

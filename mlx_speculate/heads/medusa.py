@@ -11,7 +11,6 @@ config fields plus `hidden_size`, `vocab_size` and, when quantized, mlx-lm's `qu
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from collections.abc import Sequence
@@ -20,14 +19,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
-from ..checkpoint import load_into, quantize_model, read_weights
-from ..loading import read_json, resolve_path
+from ..checkpoint import load_into, read_weights
 from ..tree import Tree
+from .store import MLX_WEIGHTS, find_checkpoint, prepare, save_heads
 
 MEDUSA_DIR = "medusa"  # heads folder inside a converted model folder
-MLX_WEIGHTS = "weights.safetensors"
 PUBLISHED_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 _KEY = re.compile(r"^(?:medusa_head\.)?(\d+)\.(\d+)\.(.+)$")
 
@@ -137,39 +134,14 @@ def _shape(weights: dict[str, mx.array]) -> tuple[int, int, int, int]:
     return len(heads), num_layers, hidden, vocab
 
 
-def heads_folder(path: str | Path) -> Path:
-    """The folder holding the heads: `path` itself or its `medusa/` subfolder; a hub id
-    (e.g. FasterDecoding/medusa-vicuna-7b-v1.3) is fetched."""
-    try:
-        path = resolve_path(path, allow_patterns=["config.json", "medusa_lm_head.*"])
-    except FileNotFoundError as e:
-        raise FileNotFoundError(f"Medusa heads: {e}") from e
-    if (path / MEDUSA_DIR).is_dir():
-        return path / MEDUSA_DIR
-    if not path.is_dir():
-        raise FileNotFoundError(f"Medusa heads folder {str(path)!r} is not a folder")
-    return path
-
-
 def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, mx.array]]:
-    """(config, sanitized weights) from an MLX heads folder, a published Medusa-1 folder, or
-    one weights file (its folder's config.json, if any, is read too)."""
-    if Path(path).expanduser().is_file():
-        file = Path(path).expanduser()
-        folder = file.parent
-    else:
-        folder = heads_folder(path)
-        files = [folder / name for name in (MLX_WEIGHTS, *PUBLISHED_WEIGHTS)]
-        found = [f for f in files if f.exists()]
-        if not found:
-            raise FileNotFoundError(
-                f"no Medusa weights in {folder} (looked for {', '.join(f.name for f in files)})"
-            )
-        file = found[0]
-    config_file = folder / "config.json"
-    config = read_json(config_file) if config_file.exists() else {}
-    weights = read_weights([file])
-    return config, sanitize(weights)
+    """(config, sanitized weights) from an MLX heads folder, a published Medusa-1 folder or hub
+    id (e.g. FasterDecoding/medusa-vicuna-7b-v1.3), a model folder with `medusa/`, or one weights
+    file (its folder's config.json, if any, is read too)."""
+    config, file = find_checkpoint(
+        path, MEDUSA_DIR, (MLX_WEIGHTS, *PUBLISHED_WEIGHTS), "Medusa heads"
+    )
+    return config, sanitize(read_weights([file]))
 
 
 def build_heads(config: dict[str, Any], weights: dict[str, mx.array]) -> MedusaHeads:
@@ -208,13 +180,7 @@ def save_medusa_heads(
     heads: MedusaHeads, folder: str | Path, extra_config: dict[str, Any] | None = None
 ) -> Path:
     """Writes `config.json` and `weights.safetensors` (MLX layout) into `folder`."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {**(extra_config or {}), **heads.config()}
-    weights = dict(tree_flatten(heads.parameters()))
-    mx.save_safetensors(str(folder / MLX_WEIGHTS), weights, metadata={"format": "mlx"})
-    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return folder
+    return save_heads(heads, folder, {**(extra_config or {}), **heads.config()})
 
 
 def convert_medusa_heads(
@@ -238,13 +204,10 @@ def convert_medusa_heads(
     heads = build_heads(config, weights)
     if model_config is not None:
         heads.check_fits(model_config["hidden_size"], model_config["vocab_size"])
-    if dtype is not None:
-        heads.set_dtype(dtype)
     extra = {k: config[k] for k in ("base_model_name_or_path",) if k in config}
-    if quantize:
-        settings = quantize_model(heads, q_bits, q_group_size)
-        extra["quantization"] = dict(settings)
-        extra["quantization_config"] = dict(settings)
+    extra |= prepare(
+        heads, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size, dtype=dtype
+    )
     return save_medusa_heads(heads, out, extra)
 
 

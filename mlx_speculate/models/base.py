@@ -99,8 +99,14 @@ class ForwardContext:
     sliding: tuple[bool, ...]
 
 
-def _additive_mask(allowed: mx.array, dtype: mx.Dtype) -> mx.array:
-    return mx.where(allowed, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+def additive_mask(allowed: mx.array, dtype: mx.Dtype, prefix: int = 0) -> mx.array:
+    """(..., N, M) bool -> (..., N, prefix + M) additive mask: 0 where allowed and on `prefix`
+    leading keys (a committed prefix every query sees), else the dtype's most negative finite
+    value, since -inf can turn into NaN inside fused attention kernels."""
+    mask = mx.where(allowed, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+    if prefix == 0:
+        return mask
+    return mx.concatenate([mx.zeros((*mask.shape[:-1], prefix), dtype=dtype), mask], axis=-1)
 
 
 def build_context(
@@ -131,7 +137,7 @@ def build_context(
         )
         causal = mx.arange(total)[None, :] <= mx.arange(offset, total)[:, None]
         near = q_pos[:, :, None] - k_pos[:, None, :] < window
-        window_mask = _additive_mask(causal & near, dtype)[:, None]
+        window_mask = additive_mask(causal & near, dtype)[:, None]
         if mask is not None:
             window_mask = mx.minimum(window_mask, mask)
     if mask is None and length > 1:

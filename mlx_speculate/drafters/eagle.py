@@ -1,0 +1,196 @@
+"""EAGLE-1/2/3: a draft head over the target's own features grows a dynamic tree (EAGLE-2).
+
+The one-token shift: draft position t reads the target's features of position t and the
+embedding of token t+1, and predicts token t+2. Features of committed positions arrive through
+`extend`; a proposal first runs the head over the positions it has not seen (their next tokens
+are all in the context, the pending one last), which leaves the head's state at the last
+committed position: its prediction is the root's children.
+
+The tree (EAGLE-2, SafeAILab/EAGLE `topK_genrate`): the root's `top_k` best tokens, then for
+`depth` levels the `top_k` best-scoring frontier nodes are run through the head at once (tree
+mask over the draft cache) and each proposes its `top_k` best children; a node's score is the
+cumulative draft log-probability of its path. The best `k` nodes of all candidates (k from the
+policy, at most `total - 1`) are verified, and the children of a node being deterministic
+top-k picks, tree rejection sampling stays lossless. Building the tree reads the candidates'
+scores back once per step; a chain (`top_k` 1) needs no read-back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..heads.eagle import EagleHead
+from ..heads.eagle_format import EAGLE_DIR, check_fits, load_eagle_heads
+from ..models.base import CausalLM, additive_mask
+from ..sampling import SamplingParams
+from ..tree import Tree
+from .base import Draft, DrafterSpec, TargetFeatures
+
+
+@dataclass(frozen=True)
+class EagleTree:
+    """EAGLE-2's tree settings (the official defaults): nodes verified with the root, levels
+    expanded, and children per node; `top_k` 1 makes a chain."""
+
+    total: int = 60
+    depth: int = 7
+    top_k: int = 10
+
+    def __post_init__(self) -> None:
+        if self.total < 2 or self.depth < 0 or self.top_k < 1:
+            raise ValueError(
+                f"EAGLE tree needs total >= 2, depth >= 0 and top-k >= 1, got total "
+                f"{self.total}, depth {self.depth}, top-k {self.top_k}"
+            )
+
+    @classmethod
+    def chain(cls, k: int) -> EagleTree:
+        """A chain of k drafts."""
+        return cls(total=k + 1, depth=k - 1, top_k=1)
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class EagleSpec(DrafterSpec):
+    """EAGLE heads drafting dynamic trees. `heads`: True for those beside the loaded model
+    (`eagle/` in its folder), a heads folder, file or hub id in any published layout (SafeAILab
+    EAGLE-1 or EAGLE-3, SpecForge, AngelSlim, speculators, or MLX), or an `EagleHead`."""
+
+    heads: bool | str | Path | EagleHead = True
+    tree: EagleTree = EagleTree()
+
+    def build(self, target: CausalLM, tokenizer=None) -> EagleDrafter:
+        heads = self.heads
+        if heads is True:
+            if target.source is None or not (target.source / EAGLE_DIR).is_dir():
+                raise ValueError(
+                    "no EAGLE heads beside the model (convert it with --eagle-path, or name the "
+                    "heads folder)"
+                )
+            heads = target.source / EAGLE_DIR
+        if isinstance(heads, str | Path):
+            heads = load_eagle_heads(heads, target)
+        if not isinstance(heads, EagleHead):
+            raise ValueError(f"EAGLE heads must be a folder or an EagleHead, got {heads!r}")
+        drafter = EagleDrafter(heads, target, check_fits(heads, target), self.tree)
+        if self.num_draft_tokens is not None:
+            drafter.max_draft = min(drafter.max_draft, self.num_draft_tokens)
+        return drafter
+
+
+class EagleDrafter:
+    def __init__(self, head: EagleHead, target: CausalLM, taps: tuple[int, ...], tree: EagleTree):
+        self.head = head
+        self.target = target
+        self.taps = taps
+        self.settings = tree
+        self.max_draft = tree.total - 1
+        self.cache = head.make_cache()
+        self._pending: list[mx.array] = []  # feature rows of committed positions not yet run
+        self._fed = 0  # committed positions in the draft cache
+        self._known = 0  # committed positions whose features it has: fed + pending
+        self._last: mx.array | None = None  # (h,) the head's output at position _fed - 1
+
+    def extend(self, features: TargetFeatures) -> None:
+        rows = (
+            features.hidden
+            if self.head.config.version == 1
+            else mx.concatenate(features.taps, axis=-1)
+        )
+        self._pending.append(rows)
+        self._known += rows.shape[0]
+
+    def rewind(self, length: int) -> None:
+        if length >= self._known:
+            return
+        if length >= self._fed:
+            rows = mx.concatenate(self._pending)[: length - self._fed]
+            self._pending = [rows] if rows.shape[0] else []
+        else:
+            self.cache.truncate(min(self.cache.offset, length))
+            self._fed, self._pending, self._last = length, [], None
+        self._known = length
+
+    def propose(self, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft | None:
+        committed = len(context) - 1
+        k = min(k, self.max_draft)
+        if k <= 0 or self._known != committed:
+            return None
+        self.cache.truncate(self._fed)  # the last proposal's tree slots
+        if self._pending:
+            features = mx.concatenate(self._pending)  # (m, F)
+            tokens = mx.array(context[self._fed + 1 : committed + 1], dtype=mx.int32)  # (m,)
+            out = self.head(
+                self._embed(tokens)[None], features[None], self.cache, from_target=True
+            )[0]
+            self._last, self._fed, self._pending = out[-1], committed, []
+        if self._last is None:
+            return None
+        return self._grow(committed, k)
+
+    def _grow(self, committed: int, k: int) -> Draft:
+        """The best k nodes of an EAGLE-2 tree below the pending token."""
+        top_k = min(self.settings.top_k, k)
+        depth = min(self.settings.depth, k - 1)  # deeper levels could not be among k nodes
+        scores, ids = self._best(self._last[None], top_k)  # (1, top_k)
+        tokens, scores = ids[0], scores[0]  # the root's children
+        candidates = [(tokens, scores, mx.zeros((top_k,), dtype=mx.int32))]
+        frontier = mx.arange(top_k, dtype=mx.int32)  # candidate indices of the frontier
+        hidden = mx.broadcast_to(self.head.feedback(self._last), (top_k, self._last.shape[-1]))
+        seen = mx.eye(top_k, dtype=mx.bool_)  # (top_k, tree slots) ancestors among fed nodes
+        start = top_k  # index of the next level's first candidate
+        for level in range(depth):
+            positions = mx.full((top_k,), committed + level, dtype=mx.int32)
+            mask = additive_mask(seen, hidden.dtype, self._fed)
+            out = self.head(
+                self._embed(tokens)[None],
+                hidden[None],
+                self.cache,
+                from_target=False,
+                positions=positions,
+                mask=mask,
+            )[0]  # (top_k, h)
+            child_scores, child_ids = self._best(out, top_k)  # (top_k, top_k)
+            cumulative = (child_scores + scores[:, None]).reshape(-1)  # (top_k * top_k,)
+            parents = mx.repeat(frontier + 1, top_k)  # node ids: candidate index + 1
+            candidates.append((child_ids.reshape(-1), cumulative, parents))
+            if level == depth - 1:
+                break
+            best = mx.argsort(-cumulative)[:top_k].astype(mx.int32)
+            rows = best // top_k
+            tokens, scores = child_ids.reshape(-1)[best], cumulative[best]
+            frontier, hidden = start + best, self.head.feedback(out)[rows]
+            seen = mx.concatenate([seen[rows], mx.eye(top_k, dtype=mx.bool_)], axis=1)
+            start += top_k * top_k
+        tokens, scores, parents = (mx.concatenate(c) for c in zip(*candidates, strict=True))
+        if top_k == 1:  # a chain: its first k nodes are its best ones, no read-back needed
+            n = min(k, tokens.shape[0])
+            return Draft(tokens[:n], Tree.chain(n))
+        mx.eval(tokens, scores, parents)
+        tree, kept = Tree.from_scores(
+            [-1, *parents.tolist()], np.concatenate([[0.0], np.array(scores)]), k
+        )
+        index = mx.array([i - 1 for i in kept[1:]], dtype=mx.int32)
+        return Draft(tokens[index], tree)
+
+    def _embed(self, tokens: mx.array) -> mx.array:
+        return self.target.model.embed_tokens(tokens)
+
+    def _best(self, out: mx.array, k: int) -> tuple[mx.array, mx.array]:
+        """(n, h) head outputs -> the k likeliest next tokens of each, best first: (n, k)
+        log-probabilities and (n, k) target ids."""
+        if self.head.config.version == 1:
+            logits = self.target.project(out)
+        else:
+            logits = self.head.draft_logits(out)  # over the draft vocabulary
+        logits = logits.astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+        scores = mx.take_along_axis(logprobs, ids, axis=-1)
+        order = mx.argsort(-scores, axis=-1)
+        ids = mx.take_along_axis(ids, order, axis=-1).astype(mx.int32)
+        return mx.take_along_axis(scores, order, axis=-1), self.head.to_target(ids)

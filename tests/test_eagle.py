@@ -1,0 +1,276 @@
+"""EAGLE drafting: the EAGLE-2 tree against a brute-force expansion, lossless greedy decoding on
+tiny targets of every family, prefix reuse, and sampling that follows the target."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_speculate.cache import KVCache
+from mlx_speculate.decode import Decoder
+from mlx_speculate.drafters import EagleSpec, EagleTree, TargetFeatures, make_drafter
+from mlx_speculate.drafters.eagle import EagleDrafter
+from mlx_speculate.generation import Session
+from mlx_speculate.models.base import ModelOutput
+from mlx_speculate.policy import FixedPolicy
+from mlx_speculate.sampling import SamplingParams, log_probs
+
+from .helpers import (
+    assert_clear_argmax,
+    decode,
+    greedy_reference,
+    random_eagle_head,
+    tiny_config,
+    tiny_model,
+)
+
+GREEDY = SamplingParams()
+PROMPT = [1, 5, 9, 33, 7, 2, 60]
+FAMILIES = ("llama", "qwen2", "phi3")
+# Seeds whose greedy continuations of PROMPT keep a clear top-2 margin (asserted, not assumed).
+TARGET_SEED = {"llama": 0, "qwen2": 2, "phi3": 1}
+DEEP = {"num_hidden_layers": 6}  # EAGLE-3 taps layers 2 and 3 of six (L//2 = L-3 = 3)
+
+
+def target_and_head(family: str, version: int, seed: int = 5):
+    config = tiny_config(family, **DEEP)
+    target = tiny_model(family, seed=TARGET_SEED[family], **DEEP)
+    taps = (1, 2, 4) if version == 3 else None
+    draft_vocab = 50 if version == 3 else None
+    head = random_eagle_head(config, version, seed, draft_vocab=draft_vocab, taps=taps)
+    return target, head
+
+
+# The tree: EAGLE-2's expansion, computed the slow way.
+
+
+def brute_force_tree(drafter: EagleDrafter, context: list[int], settings: EagleTree, k: int):
+    """EAGLE-2 (SafeAILab `topK_genrate`) with every node's draft state computed by running the
+    head sequentially along its own path on a copy of the committed draft cache. Returns the
+    kept nodes as (token path from the root's children) in node order."""
+    head, target = drafter.head, drafter.target
+    fed = drafter._fed
+    base_keys = [k_[..., :fed, :] for k_ in drafter.cache.keys]
+    base_values = [v[..., :fed, :] for v in drafter.cache.values]
+
+    def state(path_tokens):  # the head's output after feeding the node's ancestors' tokens
+        cache = KVCache(head.num_layers)
+        cache.keys, cache.values = list(base_keys), list(base_values)
+        cache.offset = fed
+        out = drafter._last
+        for token in path_tokens:
+            emb = target.model.embed_tokens(mx.array([[token]]))
+            out = head(emb, head.feedback(out)[None, None], cache, from_target=False)[0, 0]
+        return out
+
+    def best(out, width):
+        scores, ids = drafter._best(out[None], width)
+        return scores[0].tolist(), ids[0].tolist()
+
+    top_k = min(settings.top_k, k)
+    scores, ids = best(drafter._last, top_k)
+    candidates = [((t,), s) for t, s in zip(ids, scores, strict=True)]  # (path, score)
+    frontier = list(candidates)
+    for _ in range(min(settings.depth, k - 1)):
+        children = []
+        for path, score in frontier:
+            child_scores, child_ids = best(state(path), top_k)
+            children += [
+                ((*path, t), score + s) for t, s in zip(child_ids, child_scores, strict=True)
+            ]
+        candidates += children
+        order = np.argsort([-s for _, s in children], kind="stable")[:top_k]
+        frontier = [children[i] for i in order]
+    ranked = sorted(range(len(candidates)), key=lambda i: (-candidates[i][1], i))[:k]
+    return [candidates[i][0] for i in sorted(ranked)]
+
+
+def tree_paths(draft):
+    tokens = [None, *draft.tokens.tolist()]
+    return [
+        tuple(tokens[j] for j in draft.tree.path(i)[1:]) for i in range(1, draft.tree.num_nodes)
+    ]
+
+
+@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize(("settings", "k"), [(EagleTree(12, 3, 3), 11), (EagleTree(60, 7, 4), 20)])
+def test_tree_is_eagle2s_best_nodes(version, settings, k):
+    target, head = target_and_head("llama", version)
+    drafter = EagleDrafter(head, target, (1, 2, 4) if version == 3 else (), settings)
+    out = target(mx.array([PROMPT]), taps=drafter.taps)
+    drafter.extend(TargetFeatures(out.hidden[0], tuple(t[0] for t in out.taps)))
+    context = [*PROMPT, int(mx.argmax(out.logits[0, -1]).item())]
+    draft = drafter.propose(context, k, GREEDY)
+    assert draft.tree.num_nodes == k + 1 and draft.logprobs is None
+    assert tree_paths(draft) == brute_force_tree(drafter, context, settings, k)
+
+
+def test_top_k_one_is_a_chain_without_read_back():
+    target, head = target_and_head("llama", 1)
+    drafter = EagleDrafter(head, target, (), EagleTree.chain(5))
+    out = target(mx.array([PROMPT]))
+    drafter.extend(TargetFeatures(out.hidden[0]))
+    draft = drafter.propose([*PROMPT, 3], 5, GREEDY)
+    assert draft.tree.is_chain and draft.size == 5
+    assert (
+        tree_paths(draft)[-1] == brute_force_tree(drafter, [*PROMPT, 3], EagleTree.chain(5), 5)[-1]
+    )
+
+
+# Greedy EAGLE == plain greedy.
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize("settings", [EagleTree(), EagleTree(16, 4, 4), EagleTree.chain(4)])
+def test_greedy_equals_plain(family, version, settings):
+    target, head = target_and_head(family, version)
+    reference = greedy_reference(target, PROMPT, 40)
+    assert_clear_argmax(target, PROMPT, reference)
+    spec = EagleSpec(heads=head, tree=settings)
+    drafter = make_drafter(spec, target)
+    tokens, steps, _ = decode(target, PROMPT, 40, drafter, FixedPolicy(settings.total - 1))
+    assert tokens == reference
+    assert sum(s.drafted for s in steps) > 0
+
+
+def test_adaptive_policy_and_stream_generate_with_eagle():
+    target, head = target_and_head("qwen2", 3)
+    reference = greedy_reference(target, PROMPT, 30)
+    assert_clear_argmax(target, PROMPT, reference)
+    session = Session(target, StubTokenizer(), make_drafter(EagleSpec(heads=head), target))
+    out = [r.token for r in session.stream(PROMPT, sampling=GREEDY, max_tokens=30)]
+    assert out == reference
+
+
+def test_prefix_reuse_keeps_the_draft_state_right():
+    """A second prompt sharing a prefix rewinds the head's cache and features: its output
+    equals a fresh decoder's, and the drafts it proposes are the fresh decoder's too."""
+    target, head = target_and_head("llama", 1)
+    spec = EagleSpec(heads=head, tree=EagleTree(16, 4, 4))
+    first = [*PROMPT, 11, 12, 13]
+    second = [*PROMPT, 40, 41]
+    reused = Decoder(target, make_drafter(spec, target))
+    reused.prefill(first)
+    for _, _ in zip(range(5), reused.steps(GREEDY, FixedPolicy(15)), strict=False):
+        pass
+    assert reused.prefill(second) == len(PROMPT)
+    fresh = Decoder(target, make_drafter(spec, target))
+    fresh.prefill(second)
+    for a, b, _ in zip(
+        reused.steps(GREEDY, FixedPolicy(15)),
+        fresh.steps(GREEDY, FixedPolicy(15)),
+        range(6),
+        strict=False,
+    ):
+        assert a.tokens == b.tokens and a.drafted == b.drafted
+
+
+def test_misfit_and_missing_heads_are_refused():
+    target = tiny_model("llama", **DEEP)
+    with pytest.raises(ValueError, match="no EAGLE heads beside the model"):
+        make_drafter(EagleSpec(), target)
+    narrow = random_eagle_head(tiny_config("llama", hidden_size=32, num_attention_heads=2), 1)
+    with pytest.raises(ValueError, match="hidden size 32, the target's is 64"):
+        make_drafter(EagleSpec(heads=narrow), target)
+    with pytest.raises(ValueError, match="EAGLE tree needs"):
+        EagleTree(total=1)
+
+
+class StubTokenizer:
+    """Token ids as text: enough for stream_generate."""
+
+    eos_token_ids = ()
+
+    def __init__(self):
+        self.detokenizer = SimpleNamespace(
+            reset=lambda: setattr(self.detokenizer, "text", ""),
+            add_token=lambda t: setattr(self.detokenizer, "text", self.detokenizer.text + f"{t} "),
+            finalize=lambda: None,
+            text="",
+        )
+
+    def encode(self, text):
+        return [int(t) for t in text.split()]
+
+
+# Sampling: tree rejection keeps the target's distribution with EAGLE trees. The target is a
+# Markov chain (logits = table[previous token]) whose hidden state is the token's one-hot, so
+# the head reads real features and the emitted sequence must follow the table's transitions.
+
+V = 6
+
+
+class MarkovLM:
+    def __init__(self, table):
+        self.table = mx.array(table, dtype=mx.float32)  # (V, V)
+        self.args = SimpleNamespace(
+            vocab_size=V, hidden_size=V, num_hidden_layers=6, max_position_embeddings=1 << 20
+        )
+        self.model = SimpleNamespace(embed_tokens=lambda tokens: mx.eye(V)[tokens])
+        self.source = None
+
+    def make_cache(self):
+        return KVCache(1)
+
+    def __call__(self, tokens, cache=None, *, positions=None, mask=None, taps=()):
+        if cache is not None:
+            cache.advance(tokens.shape[1])
+        hidden = mx.eye(V)[tokens]  # (B, L, V)
+        return ModelOutput(self.project(hidden), hidden, tuple(hidden for _ in taps))
+
+    def project(self, hidden):
+        return hidden @ self.table
+
+
+TABLE = np.random.default_rng(0).normal(scale=1.5, size=(V, V))
+SAMPLED = 2500
+
+
+def chi_square_limit(df: int, z: float = 4.75) -> float:
+    """Upper chi-square quantile (Wilson-Hilferty); z = 4.75 leaves about 1e-6 in the tail."""
+    c = 2 / (9 * df)
+    return df * (1 - c + z * math.sqrt(c)) ** 3
+
+
+def assert_markov(tokens: list[int], sampling: SamplingParams) -> None:
+    """Transition counts follow the target's processed rows (Pearson, visited rows pooled)."""
+    probs = np.exp(np.asarray(log_probs(mx.array(TABLE, mx.float32), sampling), np.float64))
+    counts = np.zeros((V, V))
+    np.add.at(counts, (tokens[:-1], tokens[1:]), 1)
+    assert counts[probs == 0].sum() == 0, "a token the target's filters remove was emitted"
+    seen = counts.sum(axis=1) > 0
+    live = (probs > 0) & seen[:, None]
+    expected = counts.sum(axis=1, keepdims=True) * probs
+    statistic = (((counts - expected)[live]) ** 2 / expected[live]).sum()
+    df = int(live.sum()) - int(seen.sum())
+    assert statistic < chi_square_limit(df), (statistic, chi_square_limit(df))
+
+
+@pytest.mark.parametrize("version", [1, 3])
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0.7, top_k=3, seed=4)],
+    ids=["plain", "top_k"],
+)
+def test_sampling_follows_target(version, sampling):
+    config = {
+        "hidden_size": V, "intermediate_size": 12, "num_attention_heads": 3,
+        "num_key_value_heads": 1, "vocab_size": V, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 1 << 20, "rope_theta": 10000.0,
+    }  # fmt: skip
+    head = random_eagle_head(
+        config, version, 2, draft_vocab=4 if version == 3 else None,
+        taps=(0, 1, 2) if version == 3 else None,
+    )  # fmt: skip
+    target = MarkovLM(TABLE)
+    drafter = EagleDrafter(head, target, (0, 1, 2) if version == 3 else (), EagleTree(8, 3, 2))
+    tokens, steps, _ = decode(target, [0], SAMPLED, drafter, FixedPolicy(7), sampling)
+    # Both outcomes are exercised: accepted nodes, and rejected siblings / whole levels.
+    assert sum(s.accepted for s in steps) > 200
+    assert sum(s.accepted < s.drafted for s in steps) > 200
+    assert_markov([0, *tokens], sampling)
