@@ -91,10 +91,7 @@ class Decoder:
                 f"{self.max_context}"
             )
         prompt = list(prompt)
-        cached = self.context[: self.cache.offset]
-        kept, most = 0, min(len(cached), len(prompt) - 1)
-        while kept < most and cached[kept] == prompt[kept]:
-            kept += 1
+        kept = self.reusable(prompt)
         self.cache.truncate(kept)
         if self.drafter is not None:
             self.drafter.rewind(kept)
@@ -105,6 +102,15 @@ class Decoder:
                 self.drafter.extend(TargetFeatures(out.hidden[0], tuple(t[0] for t in out.taps)))
             mx.eval(self.cache.state)
         self.context = prompt
+        return kept
+
+    def reusable(self, prompt: Sequence[int]) -> int:
+        """How many tokens of `prompt` the cache holds already: the prefix it shares with the
+        last context, short of the prompt's last token (which stays pending)."""
+        cached = self.context[: self.cache.offset]
+        kept, most = 0, min(len(cached), len(prompt) - 1)
+        while kept < most and cached[kept] == prompt[kept]:
+            kept += 1
         return kept
 
     def room(self) -> int:
