@@ -96,10 +96,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        # Generations end themselves at our deadline (see _supervise); uvicorn's, later, only
+        # catches a request that hangs past it.
+        timeout_graceful_shutdown=args.shutdown_timeout + 5,
     )
     server = uvicorn.Server(config)
-    threading.Thread(target=_announce, args=(server, worker, source), daemon=True).start()
+    supervisor = threading.Thread(
+        target=_supervise, args=(server, worker, source, args.shutdown_timeout), daemon=True
+    )
+    supervisor.start()
     # uvicorn re-raises the signal that stopped it once it has shut down; exiting then is the
     # clean end, not an error.
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -113,8 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if worker.load_error else 0
 
 
-def _announce(server, worker: Worker, source: str) -> None:
-    """Prints the URL once the model is loaded and the socket listens; stops on a load error."""
+def _supervise(server, worker: Worker, source: str, grace: float) -> None:
+    """Prints the URL once the model is loaded and the socket listens (or stops the server on
+    a load error); once shutting down, cancels the generations still running after `grace`
+    seconds, so that their streams end with an error event rather than a cut connection."""
     worker.loaded.wait()
     if worker.load_error:
         print(f"error: {worker.load_error}", file=sys.stderr, flush=True)
@@ -125,6 +132,10 @@ def _announce(server, worker: Worker, source: str) -> None:
     if server.started:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         print(f"serving {source} at http://{host}:{port}/v1", flush=True)
+    while not server.should_exit:
+        time.sleep(0.05)
+    time.sleep(grace)
+    worker.cancel_all()
 
 
 def _exit_cleanly(signum, frame) -> None:

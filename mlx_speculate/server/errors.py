@@ -49,12 +49,13 @@ def _from_validation(exc: RequestValidationError) -> APIError:
         return APIError(400, f"the body is not valid JSON: {detail}", code="invalid_json")
     if first.get("type") == "missing" and not where:
         return APIError(400, "a JSON body is required", code="invalid_json")
-    # Union members repeat the field name with the type they tried ("stop.str"): keep the field.
-    param = ".".join(p for p in where if not p.startswith(("str", "list[", "int", "function")))
+    # Union members add the type they tried to the field's location ("stop.str"): drop it.
+    param = ".".join(p for p in where if p not in _TYPE_TAGS and "[" not in p and "-" not in p)
     message = first.get("msg", "invalid value").removeprefix("Value error, ")
     return APIError(400, f"{param or 'body'}: {message}", param=param or None, code="invalid_value")
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 

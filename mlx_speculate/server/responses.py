@@ -159,8 +159,12 @@ class Completion:
                 offset += sum(len(e.token) for e in entries)
             elif isinstance(event, Failed):
                 self.outcome = "error"
-                yield _sse({"error": error_body(event.message, "server_error", code="internal")})
-            elif event.reason != "cancelled":
+                yield _sse(error_body(event.message, "server_error", code="internal"))
+            elif event.reason == "cancelled":  # by the server shutting down, if anyone reads
+                yield _sse(
+                    error_body("the generation was cancelled", "server_error", None, "cancelled")
+                )
+            else:
                 self.outcome = event.reason
                 yield self._chunk({} if self.chat else "", None, event.reason)
                 if self.include_usage:

@@ -155,6 +155,8 @@ class CompletionRequest(_Generation):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, prompt: Any) -> Any:
+        if prompt == []:
+            raise ValueError("the prompt is empty")
         texts = isinstance(prompt, list) and any(isinstance(p, str) for p in prompt)
         if texts and len(prompt) != 1:
             raise ValueError("one prompt per request: a string, token ids, or a list of 1 string")

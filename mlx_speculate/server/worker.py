@@ -141,21 +141,20 @@ class Worker:
     def start(self) -> None:
         self._thread.start()
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Cancels what is queued and running, and waits for the thread to end."""
-        if not self._thread.is_alive():
-            return
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
+    def cancel_all(self) -> None:
+        """Cancels the running generation and every waiting one (thread-safe)."""
+        with self._queue.mutex:
+            waiting = [job for job in self._queue.queue if job is not None]
+        for job in [*waiting, self._running]:
             if job is not None:
                 job.cancel()
-                job.emit(Finished("cancelled", None))
-        if self._running is not None:
-            self._running.cancel()
-        self._queue.put(None)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancels every generation and waits for the thread to end."""
+        if not self._thread.is_alive():
+            return
+        self.cancel_all()
+        self._queue.put(None)  # after the cancelled jobs, each of which it skips
         self._thread.join(timeout)
 
     def submit(self, request: Request) -> Job:
