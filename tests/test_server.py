@@ -273,3 +273,32 @@ def test_medusa_greedy_equals_generate(stories):
             model="stories", prompt=prompt, max_tokens=40, temperature=0, stream=True
         )
         assert "".join(c.choices[0].text for c in chunks) == want
+
+
+def test_metrics_count_what_happened(server):
+    client = server.client()
+    before = server.metric("mlx_speculate_accepted_tokens_total", method="draft_model")
+    completion = client.completions.create(
+        model="stories",
+        prompt="Once upon a time",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"speculative": {"method": "draft_model", "num_draft_tokens": 3}},
+    )
+    accepted = completion.usage.speculative["accepted_tokens"]
+    assert accepted > 0
+    text = httpx.get(f"{server.url}/metrics").text
+    for name in (
+        "mlx_speculate_requests_total",
+        "mlx_speculate_prompt_tokens_total",
+        "mlx_speculate_generated_tokens_total",
+        "mlx_speculate_drafted_tokens_total",
+        "mlx_speculate_accepted_tokens_total",
+        "mlx_speculate_tokens_per_target_forward_bucket",
+        "mlx_speculate_time_to_first_token_seconds_bucket",
+        "mlx_speculate_queue_depth",
+    ):
+        assert f"\n{name}" in text, name
+    after = server.metric("mlx_speculate_accepted_tokens_total", method="draft_model")
+    assert after - before == accepted
+    assert f'mlx_speculate_accepted_tokens_total{{method="draft_model"}} {after}' in text

@@ -25,8 +25,7 @@ from .metrics import Metrics
 from .responses import Completion
 from .schemas import ChatCompletionRequest, CompletionRequest, Speculative
 from .sessions import NONE, SessionPool
-from .worker import Failed, Job, NotReady, QueueFull, Worker
-from .worker import Request as Generation
+from .worker import Failed, Generation, Job, NotReady, QueueFull, Worker
 
 MAX_BODY = 8 * 1024 * 1024
 # Module level: FastAPI resolves the (postponed) annotations of routes in the module's globals.
@@ -68,6 +67,17 @@ def create_app(
             raise APIError(503, message, type_="server_error", code="model_not_ready")
         return worker.pool
 
+    def served(model: str) -> SessionPool:
+        pool = loaded()
+        if model != model_id:
+            raise APIError(
+                404,
+                f"model {model!r} is not served here (this server serves {model_id!r})",
+                param="model",
+                code="model_not_found",
+            )
+        return pool
+
     @app.get("/health")
     async def health() -> JSONResponse:
         if worker.pool is not None:
@@ -88,18 +98,18 @@ def create_app(
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        pool = loaded()
+        pool = served(body.model)
         messages = [m.as_template_input() for m in body.messages]
         try:
             tokens = apply_chat_template(pool.tokenizer, messages)
         except (TemplateError, ValueError, TypeError) as e:
             message = f"the chat template refused the messages: {e}"
             raise APIError(400, message, param="messages") from e
-        return await _serve(request, body, tokens, chat=True)
+        return await _serve(request, body, tokens, pool, chat=True)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        pool = loaded()
+        pool = served(body.model)
         prompt = body.text_or_ids()
         if isinstance(prompt, str):
             tokens = list(pool.tokenizer.encode(prompt))
@@ -108,23 +118,16 @@ def create_app(
             if not all(0 <= t < vocab for t in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
             tokens = prompt
-        return await _serve(request, body, tokens, chat=False)
+        return await _serve(request, body, tokens, pool, chat=False)
 
     async def _serve(
         request: Request,
         body: ChatCompletionRequest | CompletionRequest,
         tokens: list[int],
+        pool: SessionPool,
         *,
         chat: bool,
     ) -> Response:
-        pool = loaded()
-        if body.model != model_id:
-            raise APIError(
-                404,
-                f"model {body.model!r} is not served here (this server serves {model_id!r})",
-                param="model",
-                code="model_not_found",
-            )
         where = "messages" if chat else "prompt"
         if not tokens:
             raise APIError(400, "the prompt is empty", param=where)

@@ -32,7 +32,7 @@ log = logging.getLogger("mlx_speculate.server")
 
 
 @dataclass(frozen=True)
-class Request:
+class Generation:
     """A validated generation request, its prompt already in token ids."""
 
     tokens: list[int]
@@ -92,7 +92,7 @@ class Job:
     """One request's generation as the event loop sees it: the events come in order, from
     the worker thread, through an asyncio queue of the loop that submitted it."""
 
-    def __init__(self, request: Request):
+    def __init__(self, request: Generation):
         self.request = request
         self.submitted = time.perf_counter()
         self._loop = asyncio.get_running_loop()
@@ -157,7 +157,7 @@ class Worker:
         self._queue.put(None)  # after the cancelled jobs, each of which it skips
         self._thread.join(timeout)
 
-    def submit(self, request: Request) -> Job:
+    def submit(self, request: Generation) -> Job:
         """Queues a generation; QueueFull when the queue is full, NotReady while loading."""
         if self.pool is None:
             raise NotReady(self.load_error or "the model is still loading")
