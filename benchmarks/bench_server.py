@@ -27,6 +27,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -86,6 +88,20 @@ class Server:
             self.process.wait(30)
         except subprocess.TimeoutExpired:
             self.process.kill()
+
+
+@contextmanager
+def started(env: dict[str, str], **commands: tuple[list[str], str]) -> Iterator[dict[str, Server]]:
+    """The servers `commands` name ((command, model id) each), stopped on the way out, also
+    when a later one fails to start."""
+    servers: dict[str, Server] = {}
+    try:
+        for name, (command, model) in commands.items():
+            servers[name] = Server(name, command, model, env)
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
 
 
 def request(server: Server, body: dict, chat: bool) -> dict:
@@ -214,14 +230,12 @@ def theirs(model: Path, *flags: str) -> list[str]:
 def bench_stories(env: dict[str, str], runs: int, max_tokens: int) -> None:
     target = SHARED / "models" / "stories260K-llama"
     draft = SHARED / "models" / "llama2xs281K-llama"
-    servers = {
-        "ours": Server("ours", ours(target, "--draft-model", str(draft)), target.name, env),
-        "mlx_lm": Server("mlx_lm", theirs(target), str(target), env),
-        "mlx_lm draft": Server(
-            "mlx_lm draft",
+    commands = {
+        "ours": (ours(target, "--draft-model", str(draft)), target.name),
+        "mlx_lm": (theirs(target), str(target)),
+        "mlx_lm draft": (
             theirs(target, "--draft-model", str(draft), "--num-draft-tokens", "3"),
             str(target),
-            env,
         ),
     }
 
@@ -251,18 +265,9 @@ def bench_stories(env: dict[str, str], runs: int, max_tokens: int) -> None:
         },
         {"name": "mlx_lm.server draft k=3", "server": "mlx_lm draft", "group": "a"},
     ]
-    try:
-        run_setup(
-            "stories260K (+ llama2xs281K draft), /v1/completions",
-            servers,
-            rows,
-            False,
-            runs,
-            max_tokens,
-        )
-    finally:
-        for server in servers.values():
-            server.stop()
+    with started(env, **commands) as servers:
+        title = "stories260K (+ llama2xs281K draft), /v1/completions"
+        run_setup(title, servers, rows, False, runs, max_tokens)
 
 
 def bench_smollm2(env: dict[str, str], runs: int, max_tokens: int) -> None:
@@ -273,9 +278,9 @@ def bench_smollm2(env: dict[str, str], runs: int, max_tokens: int) -> None:
         from mlx_speculate.convert import convert
 
         convert(SMOLLM2_GGUF, folder, dtype="float32")
-    servers = {
-        "ours": Server("ours", ours(folder, "--prompt-lookup"), folder.name, env),
-        "mlx_lm": Server("mlx_lm", theirs(folder), str(folder), env),
+    commands = {
+        "ours": (ours(folder, "--prompt-lookup"), folder.name),
+        "mlx_lm": (theirs(folder), str(folder)),
     }
     rows = [
         {
@@ -287,13 +292,9 @@ def bench_smollm2(env: dict[str, str], runs: int, max_tokens: int) -> None:
         {"name": "mlx_lm.server plain", "server": "mlx_lm", "group": "a"},
         {"name": "mlx_speculate prompt lookup", "server": "ours", "group": "a"},
     ]
-    try:
-        run_setup(
-            "SmolLM2-135M-Instruct f32, /v1/chat/completions", servers, rows, True, runs, max_tokens
-        )
-    finally:
-        for server in servers.values():
-            server.stop()
+    with started(env, **commands) as servers:
+        title = "SmolLM2-135M-Instruct f32, /v1/chat/completions"
+        run_setup(title, servers, rows, True, runs, max_tokens)
 
 
 def main(argv=None) -> None:

@@ -64,6 +64,7 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ("/v1/chat/completions", {"max_tokens": "9"}, "max_tokens"),
         ("/v1/chat/completions", {"max_completion_tokens": -3}, "max_completion_tokens"),
         ("/v1/chat/completions", {"n": 2}, "n"),
+        ("/v1/chat/completions", {"seed": -1}, "seed"),
         ("/v1/chat/completions", {"stream": "yes"}, "stream"),
         ("/v1/chat/completions", {"stop": ""}, "stop"),
         ("/v1/chat/completions", {"stop": ["a"] * 17}, "stop"),

@@ -87,6 +87,7 @@ class Completion:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.outcome = "cancelled"  # then the finish reason, or "error"
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
 
     def _envelope(self, object_: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -138,7 +139,7 @@ class Completion:
             choice["text"] = delta
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish
-        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+        body = self._envelope(self.chunk_object, [choice])
         if self.include_usage:
             body["usage"] = None
         return _sse(body)
@@ -168,9 +169,7 @@ class Completion:
                 self.outcome = event.reason
                 yield self._chunk({} if self.chat else "", None, event.reason)
                 if self.include_usage:
-                    usage = self._envelope(
-                        "chat.completion.chunk" if self.chat else "text_completion", []
-                    )
+                    usage = self._envelope(self.chunk_object, [])
                     usage["usage"] = usage_body(event.usage)
                     yield _sse(usage)
         yield DONE

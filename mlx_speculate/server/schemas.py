@@ -42,7 +42,7 @@ class _Generation(_Body):
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     top_k: Annotated[int, Field(ge=0)] = 0  # 0: off
     min_p: Annotated[float, Field(ge=0, lt=1)] = 0.0
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=0, lt=2**64)] | None = None  # MLX's generator takes a uint64
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
