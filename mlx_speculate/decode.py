@@ -98,10 +98,7 @@ class Decoder:
                 f"{self.max_context}"
             )
         prompt = list(prompt)
-        cached = self.context[: self.cache.offset]
-        kept, most = 0, min(len(cached), len(prompt) - 1)
-        while kept < most and cached[kept] == prompt[kept]:
-            kept += 1
+        kept = self.reusable(prompt)
         self.cache.truncate(kept)
         if self.drafter is not None:
             self.drafter.rewind(kept)
@@ -114,6 +111,15 @@ class Decoder:
         # Only the last row is projected (the prefill's own logits are never evaluated).
         self._prompt_logits = self.model.project(out.hidden[0, -1:])
         self.context = prompt
+        return kept
+
+    def reusable(self, prompt: Sequence[int]) -> int:
+        """How many tokens of `prompt` the cache holds already: the prefix it shares with the
+        last context, short of the prompt's last token (which stays pending)."""
+        cached = self.context[: self.cache.offset]
+        kept, most = 0, min(len(cached), len(prompt) - 1)
+        while kept < most and cached[kept] == prompt[kept]:
+            kept += 1
         return kept
 
     def room(self) -> int:

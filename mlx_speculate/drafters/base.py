@@ -12,10 +12,11 @@ target and returns a fresh drafter; one drafter serves one stream of prompts at 
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import mlx.core as mx
 
@@ -85,6 +86,10 @@ MAX_DRAFT = 8  # the longest chain the adaptive policy tries unless a spec says 
 class DrafterSpec(ABC):
     """What every method's spec carries besides its own settings."""
 
+    #: the method's name in requests (the server's `speculative.method`): by default the class
+    #: name in snake case without "Spec" (`DraftModelSpec` -> "draft_model")
+    method: ClassVar[str]
+
     # Draft tokens per step (tree: nodes below the root); None lets the adaptive policy choose
     # from measured costs and acceptance, plain decoding included.
     num_draft_tokens: int | None = None
@@ -98,6 +103,16 @@ class DrafterSpec(ABC):
                 f"the number of draft tokens must be >= 1, got {self.num_draft_tokens} "
                 "(for plain decoding, ask for no speculation)"
             )
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "method" not in cls.__dict__:
+            cls.method = re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__.removesuffix("Spec")).lower()
+
+    def resolve(self, target: CausalLM) -> DrafterSpec:
+        """This spec with what it names on disk (a model, heads) loaded, so that building
+        drafters from it again reads nothing: a server builds one per cached prompt."""
+        return self
 
     @abstractmethod
     def build(self, target: CausalLM, tokenizer=None) -> Drafter:

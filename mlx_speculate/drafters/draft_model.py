@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -82,13 +82,17 @@ class DraftModelSpec(DrafterSpec):
     model: CausalLM | str | Path
     tokenizer: Any = None
 
-    def build(self, target: CausalLM, tokenizer=None) -> DraftModelDrafter:
-        model, draft_tokenizer = self.model, self.tokenizer
-        if isinstance(model, str | Path):
-            from ..loading import load
+    def resolve(self, target: CausalLM) -> DraftModelSpec:
+        if not isinstance(self.model, str | Path):
+            return self
+        from ..loading import load
 
-            model, loaded = load(model)
-            draft_tokenizer = draft_tokenizer or loaded
+        model, loaded = load(self.model)
+        return replace(self, model=model, tokenizer=self.tokenizer or loaded)
+
+    def build(self, target: CausalLM, tokenizer=None) -> DraftModelDrafter:
+        spec = self.resolve(target)
+        model, draft_tokenizer = spec.model, spec.tokenizer
         check_vocabularies(
             target.args.vocab_size,
             model.args.vocab_size,

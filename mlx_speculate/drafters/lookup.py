@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import mlx.core as mx
 
@@ -18,6 +19,7 @@ class LookupSpec(DrafterSpec):
     """Prompt lookup: drafts copied from earlier n-grams (up to `max_ngram` tokens) of the
     prompt and output. Needs no model, so it fits every target."""
 
+    method: ClassVar[str] = "prompt_lookup"  # the keyword's name, as in `prompt_lookup=True`
     max_ngram: int = 3
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@ the loop's one sync.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -38,11 +38,11 @@ class MedusaSpec(DrafterSpec):
     heads: bool | str | Path | MedusaHeads = True
     tree: TreeChoices | None = None
 
-    def build(self, target: CausalLM, tokenizer=None) -> MedusaDrafter:
+    def resolve(self, target: CausalLM) -> MedusaSpec:
         heads = self.heads
         if isinstance(heads, MedusaHeads):
-            heads.check_fits(target.args.hidden_size, target.args.vocab_size)
-        elif heads is True:
+            return self
+        if heads is True:
             if target.source is None:
                 raise ValueError(
                     "Medusa heads beside the model need a model loaded from a folder; "
@@ -53,6 +53,11 @@ class MedusaSpec(DrafterSpec):
             heads = load_medusa_heads(heads, target)
         else:
             raise ValueError(f"Medusa heads must be a folder or MedusaHeads, got {heads!r}")
+        return replace(self, heads=heads)
+
+    def build(self, target: CausalLM, tokenizer=None) -> MedusaDrafter:
+        heads = self.resolve(target).heads
+        heads.check_fits(target.args.hidden_size, target.args.vocab_size)
         drafter = MedusaDrafter(heads, DEFAULT_TREE if self.tree is None else self.tree)
         if self.num_draft_tokens is not None:
             drafter.max_draft = min(drafter.max_draft, self.num_draft_tokens)

@@ -1,0 +1,146 @@
+"""python -m mlx_speculate.server [--model M] [--draft-model D | --prompt-lookup | --medusa ...]
+
+Listens at once (GET /health answers 503 while the model loads) and prints the URL when the
+model is ready. SIGTERM or Ctrl-C stops accepting requests, lets running ones finish for up to
+`--shutdown-timeout` seconds, cancels the rest and exits with status 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..drafters import cli as drafter_cli
+from .app import MAX_BODY, create_app
+from .metrics import Metrics
+from .sessions import SessionPool
+from .worker import Worker
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mlx_speculate.server",
+        description="OpenAI-compatible HTTP server with lossless speculative decoding.",
+    )
+    parser.add_argument(
+        "--model", default=None, help="local folder or hub id (default: the default model)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
+    parser.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*"
+    )
+    parser.add_argument(
+        "--max-queue", type=int, default=16, help="requests waiting at most (then 429)"
+    )
+    parser.add_argument(
+        "--prompt-cache-size",
+        type=int,
+        default=4,
+        metavar="N",
+        help="conversations whose KV cache is kept for the next turn (memory: N contexts)",
+    )
+    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY)
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS")
+    parser.add_argument(
+        "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
+    )
+    drafter_cli.add_arguments(parser)
+    return parser
+
+
+def model_source(model: str | None) -> str:
+    """The model to serve: the one named, else the default model (fetched on first use)."""
+    if model is not None:
+        return model
+    from ..default_model import default_model_path
+
+    return str(default_model_path())
+
+
+def model_id(source: str) -> str:
+    """The name clients use in `model`: a hub id as is, a local folder by its name."""
+    path = Path(source).expanduser()
+    return path.name if path.exists() else source
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import uvicorn
+
+    try:
+        spec = drafter_cli.spec_from_args(args)
+        source = model_source(args.model)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    def load() -> SessionPool:
+        from ..loading import load as load_model
+
+        model, tokenizer = load_model(source)
+        return SessionPool(model, tokenizer, spec, args.prompt_cache_size)
+
+    metrics = Metrics()
+    worker = Worker(load, metrics, args.max_queue)
+    app = create_app(
+        worker, model_id(source), metrics, api_key=args.api_key, max_body=args.max_body_bytes
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        # Generations end themselves at our deadline (see _supervise); uvicorn's, later, only
+        # catches a request that hangs past it.
+        timeout_graceful_shutdown=args.shutdown_timeout + 5,
+    )
+    server = uvicorn.Server(config)
+    supervisor = threading.Thread(
+        target=_supervise, args=(server, worker, source, args.shutdown_timeout), daemon=True
+    )
+    supervisor.start()
+    # uvicorn re-raises the signal that stopped it once it has shut down; exiting then is the
+    # clean end, not an error.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_cleanly)
+    print(f"loading {source} ...", flush=True)
+    try:
+        server.run()
+    except SystemExit as e:
+        if e.code:
+            raise
+    return 1 if worker.load_error else 0
+
+
+def _supervise(server, worker: Worker, source: str, grace: float) -> None:
+    """Prints the URL once the model is loaded and the socket listens (or stops the server on
+    a load error); once shutting down, cancels the generations still running after `grace`
+    seconds, so that their streams end with an error event rather than a cut connection."""
+    worker.loaded.wait()
+    if worker.load_error:
+        print(f"error: {worker.load_error}", file=sys.stderr, flush=True)
+        server.should_exit = True
+        return
+    while not server.started and not server.should_exit:
+        time.sleep(0.05)
+    if server.started:
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        print(f"serving {source} at http://{host}:{port}/v1", flush=True)
+    while not server.should_exit:
+        time.sleep(0.05)
+    time.sleep(grace)
+    worker.cancel_all()
+
+
+def _exit_cleanly(signum, frame) -> None:
+    raise SystemExit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

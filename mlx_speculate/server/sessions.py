@@ -1,0 +1,108 @@
+"""The prompt-prefix cache: a few `Session`s over the one loaded model, each keeping the KV
+cache (and its drafter's state) of the last conversation it served.
+
+A request goes to the session of its speculative method whose cached context shares the
+longest prefix with the prompt, when that prefix covers at least half of the prompt the session
+last served: the request continues that conversation (turn 2 of a chat prefills only what turn
+1 did not) or redoes its last turn. A request that only shares, say, a system prompt takes a
+fresh session while there is room, so that two conversations served in turn keep their caches.
+At most `max_sessions` sessions live at once; past that the least recently used one is
+dropped. Each session's cache grows with its context, so the memory held is at most
+`max_sessions` full contexts (plus a draft model's).
+
+A session only ever reuses the tokens it verified against the new prompt (`Decoder.prefill`
+truncates everything past the shared prefix), so no request sees another's tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..drafters import DrafterSpec, LookupSpec, make_drafter
+from ..generation import Session
+from ..models.base import CausalLM
+from ..policy import Policy, default_policy
+
+NONE = "none"  # the method name that turns speculation off
+
+
+@dataclass(eq=False)
+class Entry:
+    method: str
+    session: Session
+    prompt_tokens: int = 0  # length of the last prompt it served
+
+
+class SessionPool:
+    """Sessions per speculative method over one model: `methods` maps each method the server
+    can serve to its spec ("none" to None); `default` is the one a request gets by default."""
+
+    def __init__(
+        self, model: CausalLM, tokenizer, spec: DrafterSpec | None = None, max_sessions: int = 4
+    ):
+        if max_sessions < 1:
+            raise ValueError(f"the prompt cache must hold at least 1 session, got {max_sessions}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_sessions = max_sessions
+        self.max_context = model.args.max_position_embeddings
+        # Prompt lookup needs nothing loaded, so it is always on offer.
+        self.methods: dict[str, DrafterSpec | None] = {NONE: None, LookupSpec.method: LookupSpec()}
+        if spec is not None:
+            self.methods[spec.method] = spec.resolve(model)
+        self.default = NONE if spec is None else spec.method
+        # Built once now: a method that does not fit the model fails at start, not per request.
+        self.max_draft = {
+            name: make_drafter(spec, model, tokenizer).max_draft
+            for name, spec in self.methods.items()
+            if spec is not None
+        }
+        # One draft-length policy per method, shared by its sessions and kept across requests:
+        # the costs and acceptance it measured hold for the next conversation too.
+        self.policies: dict[str, Policy] = {}
+        self._entries: list[Entry] = []  # least recently used first
+
+    def acquire(self, method: str, tokens: list[int]) -> Entry:
+        """The session to serve `tokens` with `method`, now the most recently used."""
+        if method not in self.methods:
+            raise ValueError(f"method {method!r} is not served (served: {', '.join(self.methods)})")
+        best, shared = None, 0
+        for entry in self._entries:
+            if entry.method == method:
+                n = entry.session.decoder.reusable(tokens)
+                if best is None or n > shared:
+                    best, shared = entry, n
+        if best is not None and 2 * shared >= best.prompt_tokens:
+            entry = best
+        elif len(self._entries) < self.max_sessions:
+            entry = self._new(method)
+        else:
+            entry = self._entries[0]
+            if entry.method != method:
+                self._entries.pop(0)
+                entry = self._new(method)
+        if entry in self._entries:
+            self._entries.remove(entry)
+        self._entries.append(entry)
+        entry.prompt_tokens = len(tokens)
+        return entry
+
+    def discard(self, entry: Entry) -> None:
+        """Drops a session whose state can no longer be trusted (its generation failed)."""
+        if entry in self._entries:
+            self._entries.remove(entry)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _new(self, method: str) -> Entry:
+        spec = self.methods[method]
+        if spec is None:
+            return Entry(method, Session(self.model, self.tokenizer))
+        drafter = make_drafter(spec, self.model, self.tokenizer)
+        if method not in self.policies:
+            self.policies[method] = default_policy(drafter, spec.num_draft_tokens)
+        session = Session(
+            self.model, self.tokenizer, drafter, typical_acceptance=spec.typical_acceptance
+        )
+        return Entry(method, session)

@@ -1,0 +1,253 @@
+"""One thread does every MLX call of the server: it loads the model, then runs the queued
+generations one at a time, first come first served, and hands their tokens to the event loop.
+
+MLX streams belong to the thread that made them (on Metal, an array built on one thread cannot
+be evaluated on another), so loading and decoding share this one thread, and what crosses to
+the event loop is plain Python: text, token ids, floats.
+
+A job is cancelled (its client went away) by a flag the thread reads after every token, so a
+cancelled generation stops within one decoding step; a cancelled job still waiting is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import closing
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..generation import GenerationResponse, SpeculativeStats
+from ..policy import FixedPolicy
+from ..sampling import SamplingParams
+from .metrics import Metrics
+from .sessions import SessionPool
+
+log = logging.getLogger("mlx_speculate.server")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A validated generation request, its prompt already in token ids."""
+
+    tokens: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop: list[str]
+    method: str
+    num_draft_tokens: int | None = None
+    top_logprobs: int | None = None  # alternatives per token; None: no log-probabilities
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]  # the most likely tokens at this position, best first
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str  # may be empty (text held back until a stop string is ruled out)
+    logprob: TokenLogprob | None = None  # None for the EOS token and when not asked for
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose cache carried over from an earlier request
+    completion_tokens: int
+    method: str
+    stats: SpeculativeStats | None
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop", "length" or "cancelled"
+    usage: Usage | None  # None when cancelled before it started
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+Event = Delta | Finished | Failed
+
+
+class QueueFull(Exception):
+    pass
+
+
+class NotReady(Exception):
+    pass
+
+
+class Job:
+    """One request's generation as the event loop sees it: the events come in order, from
+    the worker thread, through an asyncio queue of the loop that submitted it."""
+
+    def __init__(self, request: Generation):
+        self.request = request
+        self.submitted = time.perf_counter()
+        self._loop = asyncio.get_running_loop()
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def emit(self, event: Event) -> None:
+        """From the worker thread. A loop already closed (shutdown) has nobody to tell."""
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
+        except RuntimeError:
+            self.cancel()
+
+    async def events(self) -> AsyncIterator[Event]:
+        while True:
+            event = await self._events.get()
+            yield event
+            if not isinstance(event, Delta):
+                return
+
+
+class Worker:
+    """The generation thread and its bounded FIFO queue. `load` builds the session pool (the
+    model and its drafters) on the thread itself; until it has, `pool` is None."""
+
+    def __init__(self, load: Callable[[], SessionPool], metrics: Metrics, max_queue: int = 16):
+        if max_queue < 1:
+            raise ValueError(f"the queue must hold at least 1 request, got {max_queue}")
+        self._load = load
+        self._metrics = metrics
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._thread = threading.Thread(target=self._run, name="mlx-generation", daemon=True)
+        self.pool: SessionPool | None = None
+        self.load_error: str | None = None
+        self.loaded = threading.Event()  # set when loading ended, well or not
+        self._running: Job | None = None
+        metrics.queue_depth.set_function(self._queue.qsize)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def cancel_all(self) -> None:
+        """Cancels the running generation and every waiting one (thread-safe)."""
+        with self._queue.mutex:
+            waiting = [job for job in self._queue.queue if job is not None]
+        for job in [*waiting, self._running]:
+            if job is not None:
+                job.cancel()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancels every generation and waits for the thread to end."""
+        if not self._thread.is_alive():
+            return
+        self.cancel_all()
+        self._queue.put(None)  # after the cancelled jobs, each of which it skips
+        self._thread.join(timeout)
+
+    def submit(self, request: Generation) -> Job:
+        """Queues a generation; QueueFull when the queue is full, NotReady while loading."""
+        if self.pool is None:
+            raise NotReady(self.load_error or "the model is still loading")
+        job = Job(request)
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
+        return job
+
+    def _run(self) -> None:
+        try:
+            self.pool = self._load()
+        except Exception as e:  # a bad model folder must not kill the process silently
+            log.exception("loading the model failed")
+            self.load_error = f"loading the model failed: {e}"
+        finally:
+            self.loaded.set()
+        while (job := self._queue.get()) is not None:
+            if job.cancelled:
+                job.emit(Finished("cancelled", None))
+                continue
+            self._running = job
+            try:
+                self._generate(job)
+            except Exception as e:  # the server outlives any one request
+                log.exception("generation failed")
+                job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
+            finally:
+                self._running = None
+
+    def _generate(self, job: Job) -> None:
+        request, pool, metrics = job.request, self.pool, self._metrics
+        assert pool is not None
+        entry = pool.acquire(request.method, request.tokens)
+        policy = pool.policies.get(request.method)
+        if request.num_draft_tokens is not None:
+            policy = FixedPolicy(request.num_draft_tokens)
+        eos = set(pool.tokenizer.eos_token_ids)
+        last: GenerationResponse | None = None
+        first = True
+        stream = entry.session.stream(
+            request.tokens,
+            sampling=request.sampling,
+            max_tokens=request.max_tokens,
+            stop=request.stop,
+            policy=policy,
+        )
+        try:
+            with closing(stream):
+                for last in stream:
+                    if first:
+                        metrics.time_to_first_token.observe(time.perf_counter() - job.submitted)
+                        first = False
+                    logprob = None
+                    if request.top_logprobs is not None and not (
+                        last.finish_reason == "stop" and last.token in eos
+                    ):
+                        logprob = self._logprob(last, request.top_logprobs)
+                    job.emit(Delta(last.text, logprob))
+                    if job.cancelled:
+                        break
+        except Exception:
+            pool.discard(entry)  # its cache may hold half a step
+            raise
+        if last is None:
+            job.emit(Finished("cancelled", None))
+            return
+        reason = "cancelled" if last.finish_reason is None else last.finish_reason
+        usage = Usage(
+            prompt_tokens=last.prompt_tokens,
+            cached_tokens=last.cached_tokens,
+            completion_tokens=last.generation_tokens,
+            method=request.method,
+            stats=last.stats,
+        )
+        metrics.generation_done(usage)
+        # OpenAI knows no "context": the model's context ending the output is a length limit.
+        job.emit(Finished("length" if reason == "context" else reason, usage))
+
+    def _logprob(self, response: GenerationResponse, top: int) -> TokenLogprob:
+        logprobs = response.logprobs  # (V,)
+        decode = self.pool.tokenizer.decode
+        alternatives: list[tuple[str, float]] = []
+        if top > 0:
+            ids = mx.argpartition(-logprobs, kth=top - 1)[:top]
+            values = logprobs[ids]
+            order = mx.argsort(-values)
+            alternatives = [
+                (decode([i]), v)
+                for i, v in zip(ids[order].tolist(), values[order].tolist(), strict=True)
+            ]
+        return TokenLogprob(decode([response.token]), logprobs[response.token].item(), alternatives)

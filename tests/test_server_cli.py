@@ -1,0 +1,141 @@
+"""`python -m mlx_speculate.server` as users run it: a subprocess that prints its URL once the
+model is ready, serves the openai client, and exits 0 on SIGTERM, also mid-stream."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import httpx
+import openai
+
+from mlx_speculate.chat import apply_chat_template
+from mlx_speculate.generation import generate
+from mlx_speculate.server.__main__ import main, model_id, model_source
+
+from .helpers import SHARED, require
+from .serving import load_cached
+
+BESIDE = "it ships beside the development checkout, not in the repository"
+
+
+def start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "mlx_speculate.server", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_url(process: subprocess.Popen, timeout: float = 120) -> str:
+    """The URL from the line the server prints once it is ready."""
+    found: list[str] = []
+
+    def read() -> None:
+        for line in process.stdout:
+            if line.startswith("serving "):
+                found.append(line.split(" at ")[-1].strip())
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert found, f"no URL printed; stderr: {process.stderr.read() if process.poll() else ''}"
+    return found[0]
+
+
+def stop(process: subprocess.Popen, timeout: float = 30) -> int:
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+def test_serves_with_a_draft_model_and_stops_cleanly(shared_models):
+    target = require(shared_models / "stories260K-llama", BESIDE)
+    draft = shared_models / "llama2xs281K-llama"
+    process = start("--model", str(target), "--draft-model", str(draft), "--shutdown-timeout", "2")
+    try:
+        url = wait_for_url(process)
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
+        assert httpx.get(url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+        model = client.models.list().data[0]
+        assert model.id == "stories260K-llama"
+        assert model.speculative_methods == ["none", "prompt_lookup", "draft_model"]
+        messages = [{"role": "user", "content": "Lily and Tom went to the park."}]
+        completion = client.chat.completions.create(
+            model=model.id, messages=messages, max_tokens=30, temperature=0
+        )
+        reference, tokenizer = load_cached(target)
+        want = generate(
+            reference, tokenizer, apply_chat_template(tokenizer, messages), max_tokens=30
+        )
+        assert completion.choices[0].message.content == want
+        assert completion.usage.speculative["method"] == "draft_model"
+        # SIGTERM mid-stream: the stream ends and the process exits 0.
+        stream = client.completions.create(
+            model=model.id,
+            prompt="Once upon a time",
+            max_tokens=400,
+            temperature=0.8,
+            stream=True,
+        )
+        next(iter(stream))
+        started = time.monotonic()
+        assert stop(process) == 0
+        assert time.monotonic() - started < 20
+        try:
+            for _ in stream:
+                pass
+        except (openai.APIError, httpx.HTTPError):
+            pass  # cut at the shutdown deadline rather than finished before it
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "Traceback" not in process.stderr.read()
+
+
+def test_idle_server_exits_0_on_sigterm(shared_models):
+    process = start("--model", str(require(shared_models / "stories260K-llama", BESIDE)))
+    wait_for_url(process)
+    assert stop(process) == 0
+
+
+def test_a_model_that_does_not_load_exits_1(tmp_path):
+    process = start("--model", str(tmp_path))
+    try:
+        assert process.wait(120) == 1
+    finally:
+        if process.poll() is None:
+            process.kill()
+    err = process.stderr.read()
+    assert f"no config.json in {tmp_path}" in err and "Traceback" not in err.split("error:")[-1]
+
+
+def test_bad_flags_exit_2(capsys, shared_models):
+    target = str(shared_models / "stories260K-llama")
+    assert main(["--model", target, "--prompt-lookup", "--draft-model", target]) == 2
+    assert "error: choose one speculative method" in capsys.readouterr().err
+
+
+def test_no_model_serves_the_default_model(monkeypatch):
+    folder = require(SHARED / "models" / "stories260K-llama", BESIDE)
+    default = types.ModuleType("mlx_speculate.default_model")
+    default.default_model_path = lambda: folder
+    monkeypatch.setitem(sys.modules, "mlx_speculate.default_model", default)
+    assert model_source(None) == str(folder)
+    assert model_source("other/model") == "other/model"
+    assert model_id(model_source(None)) == "stories260K-llama"
+    assert model_id("mlx-community/Qwen2.5-0.5B-Instruct-4bit") == (
+        "mlx-community/Qwen2.5-0.5B-Instruct-4bit"
+    )
+    assert Path(model_source(None)).is_dir()
