@@ -115,7 +115,7 @@ class Decoder:
 
     def reusable(self, prompt: Sequence[int]) -> int:
         """How many tokens of `prompt` the cache holds already: the prefix it shares with the
-        last context, short of the prompt's last token (which stays pending)."""
+        last context, short of the prompt's last token (whose forward gives the first token)."""
         cached = self.context[: self.cache.offset]
         kept, most = 0, min(len(cached), len(prompt) - 1)
         while kept < most and cached[kept] == prompt[kept]:

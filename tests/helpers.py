@@ -165,9 +165,8 @@ def random_eagle_weights(config, seed: int = 0, qk_std: float = 0.3) -> dict[str
     weights = {}
     for k, (name, value) in zip(keys[1:], params, strict=True):
         if name == "d2t":
-            chosen = np.sort(
-                np.random.default_rng(seed).choice(config.layer["vocab_size"], value.shape[0], False)
-            )
+            rng = np.random.default_rng(seed)
+            chosen = np.sort(rng.choice(config.layer["vocab_size"], value.shape[0], False))
             weights[name] = mx.array(chosen - np.arange(value.shape[0]), dtype=mx.int64)
         elif "norm" in name and name.endswith("weight"):
             weights[name] = 1.0 + 0.1 * mx.random.normal(value.shape, key=k)

@@ -1,18 +1,20 @@
 """The server's OpenAI API with the real openai client: chat and text completions, streamed and
 whole, SSE conformance, logprobs, and greedy output equal to `generate`'s for every method
-served (plain, prompt lookup, draft model, Medusa), on the real stories models."""
+served (plain, prompt lookup, draft model, Medusa, EAGLE), on the real stories models."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import mlx.core as mx
 import pytest
 
 from mlx_speculate.chat import apply_chat_template
-from mlx_speculate.drafters import DraftModelSpec, MedusaSpec
+from mlx_speculate.drafters import DraftModelSpec, EagleSpec, EagleTree, MedusaSpec
 from mlx_speculate.generation import stream_generate
 
-from .helpers import SHARED, assert_clear_argmax, require
+from .helpers import SHARED, assert_clear_argmax, random_eagle_head, require
 from .serving import load_cached, serve, sse_events
 
 BESIDE = "it ships beside the development checkout, not in the repository"
@@ -80,7 +82,8 @@ def test_chat_greedy_equals_generate(server, stories, method, stream):
     spec = usage.speculative
     assert spec["method"] == method
     if method == "none":
-        assert spec["drafted_tokens"] == 0 and spec["target_forwards"] == 40
+        # The prompt's forward gave the first token, a verify forward each of the other 39.
+        assert spec["drafted_tokens"] == 0 and spec["target_forwards"] == 39
     else:
         assert spec["drafted_tokens"] > 0
         assert spec["tokens_per_target_forward"] == pytest.approx(
@@ -269,6 +272,27 @@ def test_medusa_greedy_equals_generate(stories):
         assert completion.choices[0].text == want
         spec = completion.usage.speculative
         assert spec["method"] == "medusa" and spec["tokens_per_target_forward"] > 1.5
+        chunks = client.completions.create(
+            model="stories", prompt=prompt, max_tokens=40, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].text for c in chunks) == want
+
+
+def test_eagle_greedy_equals_generate(stories):
+    model, tokenizer = stories
+    config = json.loads((SHARED / "models" / "stories260K-llama" / "config.json").read_text())
+    head = random_eagle_head(config, 1, seed=3)  # random weights: lossless, rarely right
+    prompt = "Once upon a time"
+    want = expected(model, tokenizer, list(tokenizer.encode(prompt)), 40)
+    spec = EagleSpec(heads=head, tree=EagleTree(16, 4, 4), num_draft_tokens=15)
+    with serve(model, tokenizer, spec) as running:
+        client = running.client()
+        completion = client.completions.create(
+            model="stories", prompt=prompt, max_tokens=40, temperature=0
+        )
+        assert completion.choices[0].text == want
+        usage = completion.usage.speculative
+        assert usage["method"] == "eagle" and usage["drafted_tokens"] > 0
         chunks = client.completions.create(
             model="stories", prompt=prompt, max_tokens=40, temperature=0, stream=True
         )

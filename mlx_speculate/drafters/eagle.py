@@ -18,7 +18,7 @@ scores back once per step; a chain (`top_k` 1) needs no read-back.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -63,8 +63,10 @@ class EagleSpec(DrafterSpec):
     heads: bool | str | Path | EagleHead = True
     tree: EagleTree = EagleTree()
 
-    def build(self, target: CausalLM, tokenizer=None) -> EagleDrafter:
+    def resolve(self, target: CausalLM) -> EagleSpec:
         heads = self.heads
+        if isinstance(heads, EagleHead):
+            return self
         if heads is True:
             if target.source is None or not (target.source / EAGLE_DIR).is_dir():
                 raise ValueError(
@@ -72,10 +74,12 @@ class EagleSpec(DrafterSpec):
                     "heads folder)"
                 )
             heads = target.source / EAGLE_DIR
-        if isinstance(heads, str | Path):
-            heads = load_eagle_heads(heads, target)
-        if not isinstance(heads, EagleHead):
+        if not isinstance(heads, str | Path):
             raise ValueError(f"EAGLE heads must be a folder or an EagleHead, got {heads!r}")
+        return replace(self, heads=load_eagle_heads(heads, target))
+
+    def build(self, target: CausalLM, tokenizer=None) -> EagleDrafter:
+        heads = self.resolve(target).heads
         drafter = EagleDrafter(heads, target, check_fits(heads, target), self.tree)
         if self.num_draft_tokens is not None:
             drafter.max_draft = min(drafter.max_draft, self.num_draft_tokens)
