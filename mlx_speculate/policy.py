@@ -33,6 +33,17 @@ class FixedPolicy:
 
 GAIN_PRIOR = 8
 GAIN_WINDOW = 64
+DENSE = 8  # every draft length up to this is a candidate; longer ones grow by GROWTH
+GROWTH = 1.5
+
+
+def candidate_lengths(max_k: int) -> tuple[int, ...]:
+    """Draft lengths the adaptive policy weighs: 0..8, then steps of x1.5 up to `max_k`, so a
+    60-node tree is searched in a dozen sizes rather than sixty."""
+    sizes = list(range(min(max_k, DENSE) + 1))
+    while sizes[-1] < max_k:
+        sizes.append(min(max_k, round(sizes[-1] * GROWTH)))
+    return tuple(sizes)
 
 
 def _typical(seconds: deque[float]) -> float:
@@ -57,7 +68,8 @@ class AdaptivePolicy:
     yield to that chain prediction at k (prior 1 with weight `GAIN_PRIOR` steps, up to
     `GAIN_WINDOW` measured): 1 for chains, above 1 for trees, whose k nodes over several
     branches yield more than a chain of k; a change in acceptance still shows at once through a.
-    k = 0 (plain decoding) is a candidate like any other.
+    k = 0 (plain decoding) is a candidate like any other; the candidates are
+    `candidate_lengths(max_k)`, every length up to 8 and then a coarser grid for trees.
 
     After a short warm-up over k in {0, 1}, now and then a step tries each neighbour of the best
     k, so costs stay measured near the choice without paying for far-off lengths: first
@@ -75,6 +87,7 @@ class AdaptivePolicy:
         if max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {max_k}")
         self.max_k = max_k
+        self.sizes = candidate_lengths(max_k)
         self.explore_every = explore_every
         self.decay = decay
         self._times: dict[int, deque[float]] = {}
@@ -142,8 +155,8 @@ class AdaptivePolicy:
         costs = self._costs(self.max_k)
         if costs[0] is None:
             return min(1, self.max_k)
-        rates = [self.expected_tokens(k, acceptance) / costs[k] for k in range(self.max_k + 1)]
-        return max(range(self.max_k + 1), key=lambda k: (rates[k], -k))
+        rates = {k: self.expected_tokens(k, acceptance) / costs[k] for k in self.sizes}
+        return max(self.sizes, key=lambda k: (rates[k], -k))
 
     def choose(self) -> int:
         if self._plan:
@@ -164,11 +177,12 @@ class AdaptivePolicy:
         self._until_probe = self._gap
         self._extra_probes = 8
         previous = best
-        for k in (best + 1, best - 1):  # longer first: a step after k = 0 is not timed
-            if 0 <= k <= self.max_k:
-                untimed = k not in self._warm or (k > 0 and previous == 0)
-                self._plan.extend([k] * (2 if untimed else 1))
-                previous = k
+        i = self.sizes.index(best)
+        # The neighbouring lengths, the longer first: a step after k = 0 is not timed.
+        for k in self.sizes[i + 1 : i + 2] + self.sizes[max(i - 1, 0) : i]:
+            untimed = k not in self._warm or (k > 0 and previous == 0)
+            self._plan.extend([k] * (2 if untimed else 1))
+            previous = k
         return self._plan.pop(0) if self._plan else best
 
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:

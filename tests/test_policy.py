@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mlx_speculate.policy import AdaptivePolicy, FixedPolicy
+from mlx_speculate.policy import AdaptivePolicy, FixedPolicy, candidate_lengths
 
 
 def simulate(policy, cost, alpha, steps, seed=0, spikes=0.0, catch_up=0.0):
@@ -192,3 +192,27 @@ def test_expected_tokens_follow_measured_tree_yield():
     assert policy.expected_tokens(4) == pytest.approx(
         policy.expected_tokens(4, policy.acceptance), rel=0.1
     )
+
+
+def test_tree_sizes_are_searched_on_a_grid():
+    """A 59-node tree is weighed at a dozen sizes, and the search reaches the best one: here
+    trees yield more with size (tokens = 1 + 2.5 (1 - e^(-k/12))) while verifying costs nothing
+    up to 24 rows and then grows."""
+    assert candidate_lengths(59) == (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 18, 27, 40, 59)
+    assert candidate_lengths(5) == (0, 1, 2, 3, 4, 5)
+    policy = AdaptivePolicy(max_k=59)
+    rng = np.random.default_rng(0)
+
+    def cost(k):
+        return 0.01 * (1 + 0.08 * max(0, k - 24))
+
+    def tokens(k):
+        return 1 + 2.5 * (1 - np.exp(-k / 12))
+
+    for _ in range(1500):
+        k = policy.choose()
+        accepted = min(k, int(tokens(k)) + (rng.random() < tokens(k) % 1) - 1)
+        policy.observe(k, accepted, cost(k) * (1 + 0.03 * rng.standard_normal()))
+    best = max(policy.sizes, key=lambda k: tokens(k) / cost(k))
+    assert best == 18  # 2.94 tokens for one row's cost; 27 yields 3.24 for 1.24 rows' cost
+    assert policy.best() == best
