@@ -114,13 +114,18 @@ class AdaptivePolicy:
         gains = self._gains.get(k, ())
         return chain * (sum(gains) + GAIN_PRIOR) / (len(gains) + GAIN_PRIOR)
 
+    def measured(self) -> dict[int, float]:
+        """Seconds per step for each draft length measured so far: the cost curve it learned
+        (verifying k nodes, drafting included)."""
+        return {d: _typical(t) for d, t in self._times.items() if t}
+
     def cost(self, k: int) -> float | None:
         """Estimated seconds of a step drafting k tokens (None before any measurement)."""
         return self._costs(k)[k]
 
     def _costs(self, max_k: int) -> list[float | None]:
         """Estimated seconds for k = 0 .. max_k, from the measured medians."""
-        known = sorted((d, _typical(t)) for d, t in self._times.items() if t)
+        known = sorted(self.measured().items())
         if not known:
             return [None] * (max_k + 1)
         lengths = [d for d, _ in known]

@@ -438,3 +438,43 @@ def test_convert_refuses_misfit_heads_and_leaves_nothing(tmp_path):
                          "--eagle-path", str(heads)])  # fmt: skip
     assert code == 2
     assert {p.name for p in tmp_path.iterdir()} == {"hf", "heads"}  # no leftovers
+
+
+def test_cli_eagle_beside_a_converted_model_prints_the_plain_text(shared_models, tmp_path, capsys):
+    """convert --eagle-path, then `generate --eagle` (and with a chain) prints plain greedy's
+    text; misfit heads are a one-line error."""
+    from mlx_speculate.generate import main as generate_main
+
+    folder = shared_models / "stories260K-llama"
+    config = json.loads((folder / "config.json").read_text())
+    heads_config = eagle_config(config, 1)
+    heads = tmp_path / "heads"
+    from mlx_speculate.heads.store import save_heads
+
+    save_heads(build_eagle(heads_config, random_eagle_weights(heads_config, 4)), heads,
+               heads_config.to_json())  # fmt: skip
+    dst = tmp_path / "mlx"
+    assert convert_main(["--hf-path", str(folder), "--mlx-path", str(dst),
+                         "--eagle-path", str(heads)]) == 0  # fmt: skip
+    args = ["--model", str(dst), "--prompt", "Once upon a time", "--ignore-chat-template",
+            "-m", "40"]  # fmt: skip
+    capsys.readouterr()
+    assert generate_main(args) == 0
+    plain = capsys.readouterr().out
+    for extra in (["--tree-total", "16", "--tree-depth", "4", "--tree-top-k", "4"],
+                  ["--tree-total", "6", "--tree-depth", "4", "--tree-top-k", "1"]):  # fmt: skip
+        assert (
+            generate_main([*args, "--eagle", *extra, "--num-draft-tokens", "5", "--verbose"]) == 0
+        )
+        captured = capsys.readouterr()
+        assert captured.out == plain
+        assert "tokens per target forward" in captured.err
+    assert generate_main([*args, "--tree-top-k", "4"]) == 2
+    assert "apply to --eagle only" in capsys.readouterr().err
+    misfit = tmp_path / "misfit"
+    small = eagle_config(tiny_config(), 1)
+    save_heads(build_eagle(small, random_eagle_weights(small)), misfit, small.to_json())
+    assert generate_main([*args, "--eagle", str(misfit)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and err.count("\n") == 1
+    assert "vocabulary of 97, the target's is 512" in err
