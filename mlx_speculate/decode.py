@@ -127,9 +127,10 @@ class Decoder:
         its root and draft nodes from cache slot len(context) - 1 on (the context limit bounds
         their number) and emits its accepted drafts and one more (the tokens wanted bound how
         many drafts it may accept: the draft's depth)."""
-        return min(self._nodes_room(), self._limit - len(self.context))
+        return min(self.context_room(), self._limit - len(self.context))
 
-    def _nodes_room(self) -> int:
+    def context_room(self) -> int:
+        """How many draft nodes the next step's verify forward can hold in the context."""
         return self.max_context - len(self.context)
 
     @property
@@ -214,7 +215,7 @@ class _Queue:
         decoder = self.decoder
         draft: Draft | None = None
         if decoder.drafter is not None and k > 0 and decoder.room() > 0:
-            k = min(k, decoder._nodes_room())
+            k = min(k, decoder.context_room())
             draft = decoder.drafter.propose(decoder.context, k, self.sampling)
             if draft is not None:
                 draft = draft.limited(decoder.room())

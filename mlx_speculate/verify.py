@@ -62,6 +62,8 @@ def rejection_accept(
     parent's row q: accept with min(1, p(x)/q(x)), else p <- norm(max(0, p - q)). When no child
     is accepted, or at a leaf, the target's token is drawn from the current (residual) p.
     """
+    if tree.num_nodes == 1:  # a plain step: nothing to accept
+        return _root_only(sample(target_logprobs[..., 0, :]))
     probs = mx.exp(target_logprobs.astype(mx.float32))  # (..., N, V)
     draft = draft.astype(mx.int32)
     lead = probs.shape[:-2]
