@@ -192,9 +192,9 @@ class EagleDrafter:
         else:
             logits = self.head.draft_logits(out)  # over the draft vocabulary
         logits = logits.astype(mx.float32)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
-        scores = mx.take_along_axis(logprobs, ids, axis=-1)
+        ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
+        scores = mx.take_along_axis(logits, ids, axis=-1)  # (n, k), normalised below
+        scores = scores - mx.logsumexp(logits, axis=-1, keepdims=True)
         order = mx.argsort(-scores, axis=-1)
         ids = mx.take_along_axis(ids, order, axis=-1).astype(mx.int32)
         return mx.take_along_axis(scores, order, axis=-1), self.head.to_target(ids)
