@@ -203,7 +203,11 @@ def test_chat_logprobs_are_the_models(server, stories):
         if c.choices and c.choices[0].logprobs
         for e in c.choices[0].logprobs.content
     ]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole]
+    # The streamed request reuses the cached prompt, so its last prompt row comes from a
+    # one-row forward: equal up to float32 rounding of another matmul kernel (OpenBLAS).
+    assert [e.token for e in streamed] == [e.token for e in whole]
+    for a, b in zip(streamed, whole, strict=True):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-5)
     assert all(e.top_logprobs == [] for e in streamed)  # none asked for
     plain = client.chat.completions.create(**{**args, "logprobs": False})
     assert plain.choices[0].logprobs is None
