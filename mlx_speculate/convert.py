@@ -148,7 +148,7 @@ def convert(
         write_weights(tmp, dict(tree_flatten(model.parameters())), max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if gguf:
-            from .gguf import write_gguf_tokenizer
+            from .gguf_tokenizer import write_gguf_tokenizer
 
             write_gguf_tokenizer(src, tmp)  # chat template included
         else:

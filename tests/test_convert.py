@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -416,14 +415,16 @@ def tiny_gguf(path: Path, monkeypatch, quant: str, embedding: str = "Q8_0") -> P
     often stores it wider). The file has no tokenizer: conversion writes ours instead."""
     import gguf
 
-    from mlx_speculate import gguf as gguf_module
+    from mlx_speculate import gguf_tokenizer
 
     from .test_gguf import hf_state_dict, write_gguf
 
     Q = gguf.GGMLQuantizationType
     overrides = {"model.embed_tokens.weight": Q[embedding]}
     write_gguf(path, hf_state_dict(tied=False), quant=Q[quant], quant_overrides=overrides)
-    monkeypatch.setattr(gguf_module, "write_gguf_tokenizer", lambda src, out: save_tokenizer(out))
+    monkeypatch.setattr(
+        gguf_tokenizer, "write_gguf_tokenizer", lambda src, out: save_tokenizer(out)
+    )
     return path
 
 
@@ -508,22 +509,14 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory) -> SmolLM2:
-    """Three conversions of the GGUF. write_gguf_tokenizer parses the 49k-entry vocabulary in
-    Python (~5 s here), so its output is memoised across them."""
+    """Three conversions of the GGUF."""
     from mlx_speculate import gguf
 
     path = smollm2_path()
     tmp = tmp_path_factory.mktemp("smollm2")
-    gguf.write_gguf_tokenizer(path, tmp / "tokenizer")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(
-            gguf,
-            "write_gguf_tokenizer",
-            lambda p, out: shutil.copytree(tmp / "tokenizer", out, dirs_exist_ok=True),
-        )
-        float16 = convert(path, tmp / "f16")
-        q4 = convert(path, tmp / "q4", quantize=True)
-        q4_float32 = convert(path, tmp / "q4-f32", quantize=True, dtype="float32")
+    float16 = convert(path, tmp / "f16")
+    q4 = convert(path, tmp / "q4", quantize=True)
+    q4_float32 = convert(path, tmp / "q4-f32", quantize=True, dtype="float32")
     tokenizer = load_tokenizer(float16)
     chat = [{"role": "user", "content": QUESTION}]
     text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
