@@ -30,10 +30,9 @@ from mlx.utils import tree_flatten, tree_map
 from tqdm import tqdm
 
 from .checkpoint import quantize_model
-from .loading import build_model, load_config, load_weights, resolve_path
+from .loading import DTYPES, build_model, load_config, load_weights, resolve_path
 from .models.rope import rope_parameters
 
-DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 GGUF_DEFAULT_DTYPE = "float16"
 Q_BITS = (2, 3, 4, 5, 6, 8)
 Q_GROUP_SIZES = (32, 64, 128)

@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import re
 
+from ..cli import positive_int
 from ..heads.medusa import DEFAULT_TREE, MEDUSA_TREES
 from . import DrafterSpec, spec_from_keywords
+
+# spec_from_keywords' names -> these flags, so that its errors speak the CLI's words.
+FLAGS = {
+    "draft_model": "--draft-model",
+    "prompt_lookup": "--prompt-lookup",
+    "max_ngram": "--max-ngram",
+    "medusa": "--medusa",
+    "tree": "--medusa-tree",
+    "num_draft_tokens": "--num-draft-tokens",
+    "typical_acceptance": "--typical-acceptance",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--max-ngram",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="longest n-gram prompt lookup matches (default: 3)",
@@ -45,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--num-draft-tokens",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="K",
         help="tokens drafted per step (trees: nodes verified); default: chosen each step "
@@ -60,13 +73,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(args: argparse.Namespace) -> DrafterSpec | None:
-    """The spec the flags ask for, or None for plain decoding."""
-    return spec_from_keywords(
-        draft_model=args.draft_model,
-        prompt_lookup=args.prompt_lookup,
-        max_ngram=args.max_ngram,
-        medusa=args.medusa,
-        tree=args.medusa_tree,
-        num_draft_tokens=args.num_draft_tokens,
-        typical_acceptance=args.typical_acceptance,
-    )
+    """The spec the flags ask for, or None for plain decoding; ValueError in the flags' words
+    when they do not go together."""
+    try:
+        return spec_from_keywords(
+            draft_model=args.draft_model,
+            prompt_lookup=args.prompt_lookup,
+            max_ngram=args.max_ngram,
+            medusa=args.medusa,
+            tree=args.medusa_tree,
+            num_draft_tokens=args.num_draft_tokens,
+            typical_acceptance=args.typical_acceptance,
+        )
+    except ValueError as e:
+        words = re.compile(r"\b(" + "|".join(FLAGS) + r")\b")
+        raise ValueError(words.sub(lambda m: FLAGS[m[1]], str(e))) from None
