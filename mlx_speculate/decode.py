@@ -21,6 +21,7 @@ host work overlaps the next forward.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -90,7 +91,7 @@ class Decoder:
                 f"the prompt has {len(prompt)} tokens, more than the model's context of "
                 f"{self.max_context}"
             )
-        prompt = list(prompt)
+        prompt = self._check_ids(prompt)
         cached = self.context[: self.cache.offset]
         kept, most = 0, min(len(cached), len(prompt) - 1)
         while kept < most and cached[kept] == prompt[kept]:
@@ -106,6 +107,21 @@ class Decoder:
             mx.eval(self.cache.state)
         self.context = prompt
         return kept
+
+    def _check_ids(self, prompt: Sequence[int]) -> list[int]:
+        """The ids as ints, each inside the vocabulary: the embedding would read past its end
+        (garbage, or a crash) otherwise."""
+        try:
+            ids = [operator.index(t) for t in prompt]
+        except TypeError:
+            raise ValueError("token ids must be integers") from None
+        vocab = self.model.args.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(
+                f"token id {bad} is outside the model's vocabulary (0 to {vocab - 1})"
+            )
+        return ids
 
     def room(self) -> int:
         """How many draft tokens the next step may verify; -1 when no step is left. A step
