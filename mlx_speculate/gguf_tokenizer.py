@@ -76,7 +76,10 @@ def write_gguf_tokenizer(path: str | Path, out_dir: str | Path) -> None:
         clean_up_tokenization_spaces=False,
         chat_template=template,
     )
-    wrapper.save_pretrained(out_dir)
+    try:
+        wrapper.save_pretrained(out_dir)
+    except Exception as e:  # tokenizers reports I/O errors (a full disk, ...) as plain Exception
+        raise OSError(f"cannot write the tokenizer into {out_dir}: {e}") from e
     config_path = out_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["tokenizer_class"] = "PreTrainedTokenizerFast"

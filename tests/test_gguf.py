@@ -470,3 +470,19 @@ def test_smollm2_tokenizer(
 def test_unsupported_tokenizers_are_named(metadata: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build_tokenizer(metadata, Path("m.gguf"))
+
+
+def test_tokenizer_write_error_is_an_os_error(tmp_path: Path, monkeypatch) -> None:
+    """tokenizers reports a full disk as a plain Exception; the converter needs an OSError."""
+    import transformers
+
+    vocab = require(
+        SHARED_TOKENIZERS / "ggml-vocab-llama-spm.gguf", "../shared ships beside the checkout"
+    )
+
+    def full(self, *args, **kwargs):
+        raise Exception("No space left on device (os error 28)")
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerFast, "save_pretrained", full)
+    with pytest.raises(OSError, match="cannot write the tokenizer into .*os error 28"):
+        write_gguf_tokenizer(vocab, tmp_path)
