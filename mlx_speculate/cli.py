@@ -22,7 +22,8 @@ def prog(module: str) -> str:
     return name if name.startswith("mlx_speculate-") else f"python -m {module}"
 
 
-def _bounded(cast: Callable[[str], float], test: Callable[[float], bool], rule: str):
+def bounded(cast: Callable[[str], float], test: Callable[[float], bool], rule: str):
+    """An argparse type: `cast`, then `test`; errors say `rule` (argparse adds the flag)."""
     def parse(text: str):
         try:
             value = cast(text)
@@ -35,11 +36,11 @@ def _bounded(cast: Callable[[str], float], test: Callable[[float], bool], rule: 
     return parse
 
 
-positive_int = _bounded(int, lambda v: v >= 1, ">= 1")
-non_negative_int = _bounded(int, lambda v: v >= 0, ">= 0")
-temperature = _bounded(float, lambda v: 0 <= v < float("inf"), "finite and >= 0")
-top_p = _bounded(float, lambda v: 0 < v <= 1, "in (0, 1]")
-min_p = _bounded(float, lambda v: 0 <= v < 1, "in [0, 1)")
+positive_int = bounded(int, lambda v: v >= 1, ">= 1")
+non_negative_int = bounded(int, lambda v: v >= 0, ">= 0")
+temperature = bounded(float, lambda v: 0 <= v < float("inf"), "finite and >= 0")
+top_p = bounded(float, lambda v: 0 < v <= 1, "in (0, 1]")
+min_p = bounded(float, lambda v: 0 <= v < 1, "in [0, 1)")
 
 
 def utf8_argument(text: str | None, flag: str) -> str | None:

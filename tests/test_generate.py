@@ -362,3 +362,30 @@ def test_draft_length_is_capped_by_the_tokens_still_wanted():
     )
     assert len(responses) == 40 and responses[-1].stats.drafted <= 39 * len(steps)
     assert responses[-1].stats.drafted < 100
+
+
+def test_a_loaded_draft_brings_its_tokenizer_to_the_check(tmp_path):
+    """The README's example passes `draft_model=draft` alone: a draft loaded with a tokenizer
+    of the same size that encodes differently is refused; one like the target's is taken."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from mlx_speculate.drafters.draft_model import PROBES
+
+    probe_words = sorted({w for text in PROBES for w in text.split()})
+    words = ["<unk>", "<s>", "</s>", *probe_words]
+    words += [f"w{i}" for i in range(97 - len(words))]
+
+    def folder(name, order, seed):
+        path = write_folder(tmp_path / name, config, random_weights(config, seed))
+        tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(order)}, "<unk>"))
+        tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tokenizer.save(str(path / "tokenizer.json"))
+        return path
+
+    config = tiny_config()
+    target, tokenizer = load(folder("target", words, 0))
+    twin, _ = load(folder("twin", words, 1))
+    assert generate(target, tokenizer, "w1 w2", max_tokens=3, draft_model=twin)
+    draft, _ = load(folder("other", words[:3] + words[3:][::-1], 1))
+    with pytest.raises(ValueError, match="draft tokenizer .* does not encode"):
+        next(stream_generate(target, tokenizer, "w1 w2", draft_model=draft))

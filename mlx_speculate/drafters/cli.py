@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import re
 
-from ..cli import positive_int
+from ..cli import bounded, positive_int
 from ..heads.medusa import DEFAULT_TREE, MEDUSA_TREES
 from . import DrafterSpec, spec_from_keywords
+
+# 0 is refused like the API does: it would build a drafter and never use it.
+draft_tokens = bounded(int, lambda v: v >= 1, ">= 1 (plain decoding: give no speculative method)")
 
 # spec_from_keywords' names -> these flags, so that its errors speak the CLI's words.
 FLAGS = {
@@ -58,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--num-draft-tokens",
-        type=positive_int,
+        type=draft_tokens,
         default=None,
         metavar="K",
         help="tokens drafted per step (trees: nodes verified); default: chosen each step "
