@@ -9,7 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..loading import load, token_count
+from ..loading import token_count
 from ..models.base import CausalLM
 from ..sampling import SamplingParams, pick
 from ..tree import Tree
@@ -81,6 +81,8 @@ class DraftModelSpec(DrafterSpec):
     def build(self, target: CausalLM, tokenizer=None) -> DraftModelDrafter:
         model, draft_tokenizer = self.model, self.tokenizer
         if isinstance(model, str | Path):
+            from ..loading import load
+
             model, loaded = load(model)
             draft_tokenizer = draft_tokenizer or loaded
         check_vocabularies(

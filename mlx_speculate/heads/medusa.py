@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..checkpoint import load_into, quantize_model, read_weights, write_safetensors
+from ..checkpoint import load_into, quantize_model, read_weights
 from ..loading import read_json, resolve_path
 from ..tree import Tree
 
@@ -212,7 +212,7 @@ def save_medusa_heads(
     folder.mkdir(parents=True, exist_ok=True)
     config = {**(extra_config or {}), **heads.config()}
     weights = dict(tree_flatten(heads.parameters()))
-    write_safetensors(folder / MLX_WEIGHTS, weights)
+    mx.save_safetensors(str(folder / MLX_WEIGHTS), weights, metadata={"format": "mlx"})
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return folder
 
