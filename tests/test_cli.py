@@ -1,4 +1,4 @@
-"""The generation CLI as a user runs it: a fresh process, real argv bytes, stdin, signals."""
+"""The command lines as a user runs them: a fresh process, real argv bytes, stdin, signals."""
 
 from __future__ import annotations
 
@@ -307,9 +307,13 @@ def test_a_flag_error_in_a_fresh_process():
     )
 
 
-def test_console_script_names_itself_in_usage():
-    script = Path(sys.executable).parent / "mlx_speculate-generate"
-    assert script.exists(), "pip install -e . installs the console script"
-    result = subprocess.run([str(script), "--bogus"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert result.stderr.startswith("usage: mlx_speculate-generate ")
+@pytest.mark.parametrize("command", ["generate", "convert"])
+def test_console_scripts_name_themselves_in_usage(command):
+    script = Path(sys.executable).parent / f"mlx_speculate-{command}"
+    assert script.exists(), "pip install -e . installs the console scripts"
+    for argv, name in (
+        ([str(script)], f"mlx_speculate-{command}"),
+        ([sys.executable, "-m", f"mlx_speculate.{command}"], f"python -m mlx_speculate.{command}"),
+    ):
+        result = subprocess.run([*argv, "--bogus"], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and result.stderr.startswith(f"usage: {name} ")

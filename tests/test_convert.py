@@ -794,16 +794,3 @@ def test_ctrl_c_exits_130_quietly_and_leaves_nothing(tmp_path):
     assert process.returncode == 130
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
-
-
-def test_console_script_names_itself_in_usage():
-    script = Path(sys.executable).parent / "mlx_speculate-convert"
-    assert script.exists(), "pip install -e . installs the console script"
-    result = subprocess.run([str(script), "--bogus"], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2
-    assert result.stderr.startswith("usage: mlx_speculate-convert ")
-    module = subprocess.run(
-        [sys.executable, "-m", "mlx_speculate.convert", "--bogus"],
-        capture_output=True, text=True, timeout=120,
-    )
-    assert module.stderr.startswith("usage: python -m mlx_speculate.convert ")
