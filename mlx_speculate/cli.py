@@ -80,3 +80,10 @@ def fail(error: BaseException) -> int:
 
 
 INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
+
+
+def stdout_gone() -> int:
+    """The reader of stdout left (`| head`): stop quietly, with the status of a process ended
+    by SIGPIPE. stdout now points at /dev/null, so Python's final flush cannot fail either."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141

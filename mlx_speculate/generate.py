@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtype",
         choices=list(DTYPES),
-        help="compute dtype of the model (default: float32 on the CPU, the checkpoint's on Metal)",
+        help="compute dtype of the model (default: float32 on the CPU, the checkpoint's on "
+        "Metal; a draft model keeps that default)",
     )
     parser.add_argument("--verbose", action="store_true", help="print speed and statistics")
     drafter_cli.add_arguments(parser)
@@ -114,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.verbose:
                 _print_stats(response, model.compute_dtype)
         return cli.INTERRUPTED
+    except BrokenPipeError:
+        return cli.stdout_gone()
     except (ValueError, OSError, ImportError) as e:
         if response is not None:
             print()

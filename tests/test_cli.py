@@ -220,6 +220,19 @@ def test_ctrl_c_keeps_the_text_and_prints_the_statistics_so_far(long_context):
     assert "Generation: " in err and "Compute: float32" in err
 
 
+def test_a_closed_stdout_ends_generation_quietly(long_context):
+    """`generate ... | head -c 5`: the reader leaves; no traceback, SIGPIPE's status."""
+    process = subprocess.Popen(
+        [*GENERATE, "--model", str(long_context), "--prompt", WORDS, "--ignore-chat-template",
+         "-m", "60000"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    assert process.stdout.read(5)
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141 and err == ""
+
+
 # -- items 9, 10, 12: what the CLI says ----------------------------------------------------------
 
 
