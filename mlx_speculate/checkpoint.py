@@ -1,4 +1,5 @@
-"""One checkpoint reader and one way to build a module from weights, for models and heads alike.
+"""One checkpoint reader and writer and one way to build a module from weights, for models and
+heads alike.
 
 Weights come from safetensors files (read by MLX) or from PyTorch pickles (`.bin`, `.pt`: the
 format of official Medusa and EAGLE releases; reading them needs torch). A module is built by
@@ -31,6 +32,14 @@ def read_weights(files: Sequence[Path]) -> dict[str, mx.array]:
         except Exception as e:  # mlx raises RuntimeError/ValueError for unreadable files
             raise ValueError(f"cannot read {file} (corrupt or not safetensors): {e}") from e
     return weights
+
+
+def write_safetensors(path: Path, weights: dict[str, mx.array]) -> None:
+    """MLX's safetensors writer, with mlx-lm's metadata; a failed write is an OSError."""
+    try:
+        mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
+    except RuntimeError as e:  # MLX's "[write] Unable to write N bytes to file."
+        raise OSError(f"cannot write {path} (is the disk full?): {e}") from e
 
 
 def _read_torch(path: Path) -> dict[str, mx.array]:

@@ -6,7 +6,9 @@ The output is what `mlx_lm.convert` writes, so both this package and mlx-lm load
 `config.json` (the source config, rope settings in both the `rope_parameters` and the legacy
 `rope_theta`/`rope_scaling` forms, plus `quantization` and its mirror `quantization_config`),
 `model.safetensors` or shards with `model.safetensors.index.json`, and the tokenizer files.
-The folder is written beside DST under a temporary name and renamed into place at the end.
+The folder is staged beside DST and renamed into place (`atomic.py`); DST is checked to be
+writable before the source is read, and `--overwrite` replaces only a model folder (or an
+empty one.
 
 A GGUF source converted with -q keeps llama.cpp's own Q4_0/Q4_1/Q8_0 tensors bit for bit (MLX's
 affine quantization at group size 32 represents them exactly): no second rounding.
@@ -16,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,11 +29,12 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 from tqdm import tqdm
 
-from .checkpoint import quantize_model
-from .loading import build_model, load_config, load_weights, resolve_path
-from .models.rope import rope_parameters
+from . import cli
+from .atomic import carry_over, check_space, check_writable, move_into_place, staging_folder
+from .checkpoint import quantize_model, write_safetensors
+from .loading import DTYPES, build_model, load_config, load_weights, resolve_path
+from .models.rope import rope_both_forms
 
-DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 GGUF_DEFAULT_DTYPE = "float16"
 Q_BITS = (2, 3, 4, 5, 6, 8)
 Q_GROUP_SIZES = (32, 64, 128)
@@ -78,6 +79,8 @@ def convert(
     and to 32 for GGUF (llama.cpp's block size).
     `medusa_path` / `eagle_path`: Medusa or EAGLE heads converted alongside (same dtype and
     quantization, checked to fit the model) into `mlx_path/medusa` or `mlx_path/eagle`.
+    `overwrite` replaces only a model folder or an empty one; converting a folder onto itself
+    keeps the files the conversion does not write (a README, heads, ...).
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
@@ -88,10 +91,9 @@ def convert(
             f"q_group_size {q_group_size} is not supported (supported: {Q_GROUP_SIZES})"
         )
     dst = Path(mlx_path).expanduser()
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"{dst} already exists (pass --overwrite to replace it)")
-
     src = Path(hf_path).expanduser()
+    onto_itself = src.is_dir() and dst.is_dir() and src.resolve() == dst.resolve()
+    check_destination(dst, overwrite)
     gguf = src.suffix == ".gguf"
     kept = None  # the GGUF's own quantization, in config.json form
     if gguf:
@@ -125,7 +127,7 @@ def convert(
 
     model = _build(config, weights)
     del weights
-    config = _rope_both_forms(config)
+    config = rope_both_forms(config)
     if dtype is not None:
         target = DTYPES[dtype]
         model.update(
@@ -142,9 +144,10 @@ def convert(
         config["quantization"] = dict(settings)
         config["quantization_config"] = dict(settings)
 
+    weights = dict(tree_flatten(model.parameters()))
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; DST gets the usual mode
+    check_space(dst.parent, sum(v.nbytes for v in weights.values()))
+    tmp = staging_folder(dst)
     try:
         # Heads first: heads that do not fit fail before the model is written.
         options = {
@@ -159,15 +162,17 @@ def convert(
             from .heads.eagle_format import convert_eagle_heads
 
             convert_eagle_heads(eagle_path, tmp / "eagle", target=model, **options)
-        write_weights(tmp, dict(tree_flatten(model.parameters())), max_shard_bytes)
+        write_weights(tmp, weights, max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if gguf:
-            from .gguf import write_gguf_tokenizer
+            from .gguf_tokenizer import write_gguf_tokenizer
 
             write_gguf_tokenizer(src, tmp)  # chat template included
         else:
             _copy_tokenizer(src, tmp)
-        _move_into_place(tmp, dst)
+        if onto_itself:  # keep what the conversion does not write (README, heads, ...)
+            carry_over(dst, tmp, skip=MODEL_FILES)
+        move_into_place(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -233,7 +238,25 @@ def write_weights(out: Path, weights: dict[str, mx.array], max_shard_bytes: int)
 
 
 def _write_shard(path: Path, shard: dict[str, mx.array]) -> None:
-    mx.save_safetensors(str(path), shard, metadata={"format": "mlx"})
+    write_safetensors(path, shard)
+
+
+MODEL_FILES = ("config.json", "model*.safetensors", "model.safetensors.index.json")
+
+
+def check_destination(dst: Path, overwrite: bool) -> None:
+    """Fails before any work when DST may not be replaced or cannot be written."""
+    if dst.exists() or dst.is_symlink():
+        if not overwrite:
+            raise FileExistsError(f"{dst} already exists (pass --overwrite to replace it)")
+        empty = dst.is_dir() and not any(dst.iterdir())
+        model = dst.is_dir() and all(any(dst.glob(p)) for p in MODEL_FILES[:2])
+        if not (empty or model):
+            raise FileExistsError(
+                f"{dst} is not a model folder (config.json and model*.safetensors): "
+                "--overwrite replaces only a model folder or an empty one"
+            )
+    check_writable(dst)
 
 
 def _build(config: dict[str, Any], weights: dict[str, mx.array]) -> nn.Module:
@@ -257,29 +280,6 @@ def _check_quantization(config: dict[str, Any], quantize: bool) -> None:
         )
 
 
-def _rope_both_forms(config: dict[str, Any]) -> dict[str, Any]:
-    """`rope_parameters` (transformers 5) plus `rope_theta`/`rope_scaling` (mlx-lm, older HF)."""
-    config = dict(config)
-    params = rope_parameters(config)
-    config["rope_parameters"] = params
-    config["rope_theta"] = params["rope_theta"]
-    rope_type = params["rope_type"]
-    if rope_type == "default":
-        config["rope_scaling"] = None
-    else:
-        legacy = {
-            k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")
-        }
-        config["rope_scaling"] = {**legacy, "type": rope_type, "rope_type": rope_type}
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        config.setdefault("partial_rotary_factor", params["partial_rotary_factor"])
-    if "original_max_position_embeddings" in params:
-        config.setdefault(
-            "original_max_position_embeddings", params["original_max_position_embeddings"]
-        )
-    return config
-
-
 def _copy_tokenizer(src: Path, out: Path) -> None:
     files = [src / name for name in TOKENIZER_FILES if (src / name).is_file()]
     files += sorted(p for p in src.glob("*.jinja") if p.is_file())
@@ -289,32 +289,9 @@ def _copy_tokenizer(src: Path, out: Path) -> None:
         print(f"warning: no tokenizer files in {src}; add them to the output", file=sys.stderr)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _move_into_place(tmp: Path, dst: Path) -> None:
-    """Renames `tmp` to `dst`; an existing `dst` is moved aside first and removed after."""
-    old = None
-    if dst.exists() or dst.is_symlink():
-        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-", dir=dst.parent)) / "old"
-        dst.rename(old)
-    try:
-        tmp.rename(dst)
-    except BaseException:
-        if old is not None:
-            old.rename(dst)
-            shutil.rmtree(old.parent, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old.parent, ignore_errors=True)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m mlx_speculate.convert",
+        prog=cli.prog("mlx_speculate.convert"),
         description=(
             "Convert a Hugging Face checkpoint (local folder or hub id) or a Llama GGUF file "
             "into an mlx-lm model folder, optionally quantized (MLX affine quantization). "
@@ -362,7 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"{GGUF_DEFAULT_DTYPE} for GGUF, whose scales are float16 in the file). "
         "MLX's CPU backend computes much faster in float32 than in float16",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace DST if it is a model folder or empty"
+    )
     parser.add_argument(
         "--medusa-path",
         metavar="HEADS",
@@ -391,10 +370,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             medusa_path=args.medusa_path,
             eagle_path=args.eagle_path,
         )
+    except KeyboardInterrupt:  # nothing is left behind: the staging folder is removed
+        return cli.INTERRUPTED
     except (ValueError, OSError, ImportError) as e:  # ImportError: a .pt checkpoint, no torch
-        message = " ".join(str(e).split())
-        print(f"error: {message}", file=sys.stderr)
-        return 2
+        return cli.fail(e)
     return 0
 
 

@@ -24,6 +24,7 @@ host work overlaps the next forward.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -97,7 +98,7 @@ class Decoder:
                 f"the prompt has {len(prompt)} tokens, more than the model's context of "
                 f"{self.max_context}"
             )
-        prompt = list(prompt)
+        prompt = self._check_ids(prompt)
         kept = self.reusable(prompt)
         self.cache.truncate(kept)
         if self.drafter is not None:
@@ -121,6 +122,21 @@ class Decoder:
         while kept < most and cached[kept] == prompt[kept]:
             kept += 1
         return kept
+
+    def _check_ids(self, prompt: Sequence[int]) -> list[int]:
+        """The ids as ints, each inside the vocabulary: the embedding would read past its end
+        (garbage, or a crash) otherwise."""
+        try:
+            ids = [operator.index(t) for t in prompt]
+        except TypeError:
+            raise ValueError("token ids must be integers") from None
+        vocab = self.model.args.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(
+                f"token id {bad} is outside the model's vocabulary (0 to {vocab - 1})"
+            )
+        return ids
 
     def room(self) -> int:
         """How many draft tokens the next step may use; -1 when no step is left. A step writes

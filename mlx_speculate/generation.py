@@ -9,6 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .chat import plain_tokens
 from .decode import Decoder
 from .drafters import Drafter, DrafterSpec, make_drafter, spec_from_keywords
 from .models.base import CausalLM
@@ -55,7 +56,8 @@ class GenerationResponse:
     # On the last response: "stop" (EOS or a stop string), "length" (max_tokens) or
     # "context" (the model's context is full).
     finish_reason: str | None = None
-    stats: SpeculativeStats | None = None  # on the last response
+    # So far: up to this response's token, the drafts of its whole step (final on the last).
+    stats: SpeculativeStats | None = None
     cached_tokens: int = 0  # prompt tokens whose cache carried over from the previous prompt
 
 
@@ -144,7 +146,7 @@ class Session:
     ) -> Iterator[GenerationResponse]:
         """Yields one response per emitted token, as `stream_generate` does."""
         tokenizer, decoder = self.tokenizer, self.decoder
-        tokens = list(tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        tokens = plain_tokens(tokenizer, [prompt]) if isinstance(prompt, str) else list(prompt)
         if policy is None and self.drafter is not None:
             policy = default_policy(self.drafter)
         mx.reset_peak_memory()
@@ -203,9 +205,7 @@ class Session:
                     generation_tps=(emitted - 1) / elapsed if emitted > 1 else 0.0,
                     peak_memory=mx.get_peak_memory() / 1e9,
                     finish_reason=finish,
-                    stats=(
-                        SpeculativeStats(drafted, accepted, forwards, generated) if finish else None
-                    ),
+                    stats=SpeculativeStats(drafted, accepted, forwards, generated),
                     cached_tokens=cached,
                 )
                 if finish is not None:

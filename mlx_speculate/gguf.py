@@ -9,12 +9,12 @@ exactly. The header (metadata, tensor types) is parsed here, the tensor data rea
 
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import re
 import struct
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,25 +94,6 @@ def read_gguf(path: str | Path, *, keep_quantization: bool = False) -> GGUFCheck
     )
 
 
-def write_gguf_tokenizer(path: str | Path, out_dir: str | Path) -> None:
-    """Write the GGUF's tokenizer as HF tokenizer files plus generation_config.json."""
-    from transformers import AutoTokenizer
-
-    path, out_dir = Path(path), Path(out_dir)
-    if not path.is_file():
-        raise FileNotFoundError(f"no GGUF file at {path}")
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    tokenizer.save_pretrained(out_dir)
-    if tokenizer.chat_template is not None:
-        # transformers 5 saves the template only to chat_template.jinja; older loaders read it here.
-        config_path = out_dir / "tokenizer_config.json"
-        config = json.loads(config_path.read_text())
-        config.setdefault("chat_template", tokenizer.chat_template)
-        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-    generation = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-
-
 # -- the header ----------------------------------------------------------------------------------
 # gguf.GGUFReader takes seconds on a real file (it builds a numpy view per vocabulary entry);
 # walking the header here takes milliseconds. Layout (little-endian, version 2 or 3): magic,
@@ -129,7 +110,7 @@ class _Tensor:
 
 @dataclass(frozen=True)
 class _Header:
-    metadata: dict[str, Any]  # scalars and strings; arrays (the vocabulary) are skipped
+    metadata: dict[str, Any]  # scalars and strings; arrays only when asked for by key
     tensors: list[_Tensor]
 
 
@@ -150,19 +131,25 @@ _STRING, _ARRAY = gguf.GGUFValueType.STRING, gguf.GGUFValueType.ARRAY
 _DEFAULT_ALIGNMENT = 32
 
 
-def _read_header(path: Path) -> _Header:
+def read_metadata(path: str | Path, arrays: Collection[str] = ()) -> dict[str, Any]:
+    """The file's metadata: scalars and strings, plus the arrays named (a vocabulary, say)."""
+    return _read_header(Path(path), arrays).metadata
+
+
+def _read_header(path: Path, arrays: Collection[str] = ()) -> _Header:
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
     try:
         with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return _HeaderParser(data).parse()
+            return _HeaderParser(data, arrays).parse()
     except (ValueError, struct.error, UnicodeDecodeError) as e:  # bad magic, truncation, ...
         raise ValueError(f"{path} is not a valid GGUF file: {e}") from e
 
 
 class _HeaderParser:
-    def __init__(self, data: mmap.mmap) -> None:
+    def __init__(self, data: mmap.mmap, arrays: Collection[str] = ()) -> None:
         self.data, self.pos = data, 0
+        self.arrays = set(arrays)  # keys whose array values are kept; others are skipped
 
     def parse(self) -> _Header:
         magic = bytes(self.data[:4])
@@ -176,7 +163,7 @@ class _HeaderParser:
         metadata = {}
         for _ in range(n_metadata):
             key = self.string()
-            value = self.value(gguf.GGUFValueType(self.unpack("<I")))
+            value = self.value(gguf.GGUFValueType(self.unpack("<I")), key in self.arrays)
             if value is not None:
                 metadata[key] = value
         infos = []
@@ -210,12 +197,19 @@ class _HeaderParser:
         self.pos += n
         return raw.decode("utf-8")
 
-    def value(self, kind: gguf.GGUFValueType) -> Any:
+    def value(self, kind: gguf.GGUFValueType, keep: bool = False) -> Any:
         if kind == _STRING:
             return self.string()
         if kind != _ARRAY:
             return self.unpack(_SCALAR_FORMATS[kind])
         item, count = gguf.GGUFValueType(self.unpack("<I")), self.unpack("<Q")
+        if keep and item == _STRING:
+            return [self.string() for _ in range(count)]
+        if keep and item in _SCALAR_FORMATS:
+            fmt = f"<{count}{_SCALAR_FORMATS[item][1:]}"
+            values = list(struct.unpack_from(fmt, self.data, self.pos))
+            self.pos += struct.calcsize(fmt)
+            return values
         if item in _SCALAR_FORMATS:
             self.pos += count * struct.calcsize(_SCALAR_FORMATS[item])
         elif item == _STRING:

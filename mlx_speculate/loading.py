@@ -2,6 +2,11 @@
 
 Reads HF checkpoints (single or sharded safetensors) and mlx-lm / mlx-community folders
 (`quantization` in config.json, per-module overrides included).
+
+The compute dtype follows the device: MLX's CPU backend runs float16/bfloat16 arithmetic
+(quantized matmuls with such scales included) about 45x slower than float32, so on the CPU
+every floating-point tensor, quantization scales and biases included, is loaded as float32;
+on the GPU (Metal) the checkpoint's own dtypes are kept. `load(..., dtype=)` overrides both.
 """
 
 from __future__ import annotations
@@ -24,17 +29,28 @@ from .checkpoint import load_into, read_weights
 from .models import MODEL_TYPES
 from .models.base import CausalLM
 
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 _DOWNLOAD_PATTERNS = ["*.json", "model*.safetensors", "*.jinja", "tokenizer.model", "*.txt"]
 
 
 def resolve_path(path_or_hub_id: str | Path, allow_patterns: list[str] | None = None) -> Path:
-    """A local folder as is; otherwise a hub id fetched with `huggingface_hub`."""
+    """A local path as is; otherwise a hub id (`owner/name`) fetched with `huggingface_hub`.
+
+    What looks like a path is one, so a mistyped path is reported missing rather than looked
+    up on the hub: a `Path`, anything starting with `.`, `/` or `~` (no hub id does), and
+    `dir/name` where `dir` exists here.
+    """
     path = Path(path_or_hub_id).expanduser()
     if path.exists():
         return path
     name = str(path_or_hub_id)
-    if not _HUB_ID.match(name):
+    looks_local = (
+        isinstance(path_or_hub_id, Path)
+        or name.startswith((".", "/", "~"))
+        or Path(name.split("/")[0]).is_dir()
+    )
+    if looks_local or not _HUB_ID.match(name):
         raise FileNotFoundError(f"model path {name!r} does not exist")
     from huggingface_hub import snapshot_download
 
@@ -57,6 +73,12 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def load_config(path: Path) -> dict[str, Any]:
+    if path.is_file() and path.suffix == ".gguf":
+        raise ValueError(
+            f"{path} is a GGUF file, not a model folder: convert it first with "
+            f"python -m mlx_speculate.convert --hf-path {path} --mlx-path "
+            f"{path.with_suffix('')}-mlx -q (-q keeps a quantized GGUF's own quantization)"
+        )
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a folder")
     config_file = path / "config.json"
@@ -141,23 +163,63 @@ def _detokenizer_class(path: Path):
     return NaiveStreamingDetokenizer
 
 
+# One of these makes a tokenizer transformers can load (tokenizer.model: SentencePiece,
+# vocab.json: BPE with merges.txt; tiktoken files for some Qwen releases).
+TOKENIZER_SOURCES = ("tokenizer.json", "tokenizer.model", "vocab.json", "*.tiktoken")
+
+
+def check_tokenizer_files(path: Path) -> None:
+    if not any(any(path.glob(pattern)) for pattern in TOKENIZER_SOURCES):
+        raise FileNotFoundError(
+            f"no tokenizer in {path} (expected one of {', '.join(TOKENIZER_SOURCES)})"
+        )
+
+
 def load_tokenizer(path: Path, eos_ids: list[int] | None = None) -> TokenizerWrapper:
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    # tokenizer.json is the full truth; AutoTokenizer may pick a class by model_type that
-    # rebuilds the pipeline differently (transformers 5.x does so for qwen2 folders).
-    if (path / "tokenizer.json").exists():
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return TokenizerWrapper(tokenizer, _detokenizer_class(path), eos_token_ids=eos_ids)
+    check_tokenizer_files(path)
+    detokenizer = _detokenizer_class(path)
+    try:
+        # tokenizer.json is the full truth; AutoTokenizer may pick a class by model_type that
+        # rebuilds the pipeline differently (transformers 5.x does so for qwen2 folders).
+        if (path / "tokenizer.json").exists():
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # tokenizers and transformers raise plain Exception for bad files
+        raise ValueError(f"cannot read the tokenizer in {path}: {e}") from e
+    return TokenizerWrapper(tokenizer, detokenizer, eos_token_ids=eos_ids)
+
+
+def token_count(tokenizer) -> int:
+    """Highest token id + 1, added tokens included (len() is not forwarded by wrappers)."""
+    return max(tokenizer.get_vocab().values()) + 1
+
+
+def default_dtype() -> mx.Dtype | None:
+    """float32 on the CPU backend; None (the checkpoint's own dtypes) on the GPU."""
+    return mx.float32 if mx.default_device() == mx.cpu else None
 
 
 def load(
     path_or_hub_id: str | Path, *, dtype: mx.Dtype | None = None
 ) -> tuple[CausalLM, TokenizerWrapper]:
-    """Loads a model and its tokenizer from a local folder or a Hugging Face hub id."""
+    """Loads a model and its tokenizer from a local folder or a Hugging Face hub id.
+
+    `dtype` casts every floating-point tensor, quantization scales and biases included; by
+    default float32 on the CPU backend and the checkpoint's own dtypes on the GPU.
+    """
     path = resolve_path(path_or_hub_id)
-    model, config = load_model(path, dtype)
-    model.tokenizer = load_tokenizer(path, eos_token_ids(path, config))
-    return model, model.tokenizer
+    if path.is_dir():  # what is quick to check first: a model's config, then the tokenizer
+        model_class(load_config(path))
+        check_tokenizer_files(path)
+    model, config = load_model(path, dtype or default_dtype())
+    tokenizer = load_tokenizer(path, eos_token_ids(path, config))
+    if (count := token_count(tokenizer)) > model.args.vocab_size:
+        raise ValueError(
+            f"the tokenizer in {path} has {count} token ids but the model's vocabulary has "
+            f"{model.args.vocab_size}: they do not belong together"
+        )
+    model.tokenizer = tokenizer
+    return model, tokenizer

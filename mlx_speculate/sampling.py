@@ -10,7 +10,9 @@ import mlx.core as mx
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling settings; temperature 0 means greedy decoding."""
+    """Sampling settings; temperature 0 means greedy decoding, where top_p, top_k and min_p
+    have no effect (the CLI refuses them there; the API takes them, as OpenAI clients send
+    them along)."""
 
     temperature: float = 0.0
     top_p: float = 1.0

@@ -13,16 +13,14 @@ import pytest
 from mlx.utils import tree_flatten, tree_map
 
 from mlx_speculate.decode import Decoder
+from mlx_speculate.default_model import gguf_path
 from mlx_speculate.loading import build_model, model_class
 from mlx_speculate.sampling import SamplingParams
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
-SMOLLM2_GGUF = Path(
-    os.environ.get(
-        "MLX_SPECULATE_SMOLLM2_GGUF",
-        Path.home() / ".cache" / "mlx_speculate" / "SmolLM2-135M-Instruct.Q4_1.gguf",
-    )
-)
+# Where the package's own fetch keeps it ($MLX_SPECULATE_SMOLLM2_GGUF, else the user cache);
+# .ci/run verifies it first. Tests never download it.
+SMOLLM2_GGUF = gguf_path()
 # Batched and one-token forwards may round differently: greedy comparisons assert this top-2 gap.
 MIN_MARGIN = 1e-3
 

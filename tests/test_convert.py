@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ import mlx.nn as nn
 import pytest
 
 import mlx_speculate.convert as convert_module
+from mlx_speculate import atomic
 from mlx_speculate.convert import convert, main
 from mlx_speculate.loading import build_model, load, load_tokenizer
 
@@ -40,12 +43,12 @@ SMALL = {
 ARCHS = ("llama", "qwen2", "phi3")
 
 
-def save_tokenizer(out: Path) -> None:
-    """A 512-word WordLevel tokenizer, so these tests need nothing from ../shared."""
+def save_tokenizer(out: Path, size: int = 512) -> None:
+    """A WordLevel tokenizer of `size` words, so these tests need nothing from ../shared."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 512)}}
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, size)}}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(
@@ -110,7 +113,7 @@ def test_dtype_cast_equals_loading_with_that_dtype(hf_folder, tmp_path, dtype):
     dst = convert(hf_folder, tmp_path / "mlx", dtype=dtype)
     assert all(v.dtype == getattr(mx, dtype) for v in stored(dst).values())
     expected = load(hf_folder, dtype=getattr(mx, dtype))[0](TOKENS).logits
-    assert mx.array_equal(logits(dst), expected).item()
+    assert mx.array_equal(load(dst, dtype=getattr(mx, dtype))[0](TOKENS).logits, expected).item()
     assert json.loads((dst / "config.json").read_text())["torch_dtype"] == dtype
 
 
@@ -270,8 +273,7 @@ def test_failed_overwrite_keeps_the_old_folder(tmp_path, monkeypatch):
 
 def test_overwrite(tmp_path, capsys):
     src = save_hf_model(tmp_path / "hf")
-    dst = tmp_path / "mlx"
-    dst.mkdir()
+    dst = convert(src, tmp_path / "mlx")  # a model folder: --overwrite may replace it
     (dst / "stale.txt").write_text("old")
     with pytest.raises(FileExistsError, match="--overwrite"):
         convert(src, dst)
@@ -416,14 +418,16 @@ def tiny_gguf(path: Path, monkeypatch, quant: str, embedding: str = "Q8_0") -> P
     often stores it wider). The file has no tokenizer: conversion writes ours instead."""
     import gguf
 
-    from mlx_speculate import gguf as gguf_module
+    from mlx_speculate import gguf_tokenizer
 
-    from .test_gguf import hf_state_dict, write_gguf
+    from .test_gguf import VOCAB, hf_state_dict, write_gguf
 
     Q = gguf.GGMLQuantizationType
     overrides = {"model.embed_tokens.weight": Q[embedding]}
     write_gguf(path, hf_state_dict(tied=False), quant=Q[quant], quant_overrides=overrides)
-    monkeypatch.setattr(gguf_module, "write_gguf_tokenizer", lambda src, out: save_tokenizer(out))
+    monkeypatch.setattr(
+        gguf_tokenizer, "write_gguf_tokenizer", lambda src, out: save_tokenizer(out, VOCAB)
+    )
     return path
 
 
@@ -508,22 +512,14 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory) -> SmolLM2:
-    """Three conversions of the GGUF. write_gguf_tokenizer parses the 49k-entry vocabulary in
-    Python (~5 s here), so its output is memoised across them."""
+    """Three conversions of the GGUF."""
     from mlx_speculate import gguf
 
     path = smollm2_path()
     tmp = tmp_path_factory.mktemp("smollm2")
-    gguf.write_gguf_tokenizer(path, tmp / "tokenizer")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(
-            gguf,
-            "write_gguf_tokenizer",
-            lambda p, out: shutil.copytree(tmp / "tokenizer", out, dirs_exist_ok=True),
-        )
-        float16 = convert(path, tmp / "f16")
-        q4 = convert(path, tmp / "q4", quantize=True)
-        q4_float32 = convert(path, tmp / "q4-f32", quantize=True, dtype="float32")
+    float16 = convert(path, tmp / "f16")
+    q4 = convert(path, tmp / "q4", quantize=True)
+    q4_float32 = convert(path, tmp / "q4-f32", quantize=True, dtype="float32")
     tokenizer = load_tokenizer(float16)
     chat = [{"role": "user", "content": QUESTION}]
     text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
@@ -608,8 +604,193 @@ def test_gguf_q4_loads_in_mlx_lm(smollm2):
 
 
 def test_gguf_float16_native_forward(smollm2):
-    model, _ = load(smollm2.float16)
+    model, _ = load(smollm2.float16, dtype=mx.float16)
     assert model.model.embed_tokens.weight.dtype == mx.float16
     got = model(mx.array([smollm2.prompt])).logits.astype(mx.float32)
     assert relative_rms(got, smollm2.reference_logits) < 1e-2
     assert mx.array_equal(got.argmax(-1), smollm2.reference_logits.argmax(-1)).item()
+
+
+# -- (10) leftovers, overwrite, unwritable destinations, interrupts -----------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def leftover(dst: Path, kind: str, writer: dict | None) -> Path:
+    folder = dst.parent / f".{dst.name}.{kind}-{len(list(dst.parent.iterdir()))}"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"partial")
+    if writer is not None:
+        (folder / atomic.MARKER).write_text(json.dumps(writer))
+    return folder
+
+
+def test_leftovers_of_dead_writers_are_removed(tmp_path):
+    src = save_hf_model(tmp_path / "hf")
+    dst = tmp_path / "out" / "mlx"
+    dst.parent.mkdir()
+    host = socket.gethostname()
+    dead = leftover(dst, "tmp", {"host": host, "pid": dead_pid()})
+    alive = leftover(dst, "tmp", {"host": host, "pid": os.getpid()})
+    elsewhere = leftover(dst, "tmp", {"host": host + "-other", "pid": dead_pid()})
+    unmarked = leftover(dst, "tmp", None)
+    convert(src, dst)
+    assert not dead.exists()
+    assert alive.exists() and elsewhere.exists() and unmarked.exists()
+    assert mx.array_equal(logits(dst), logits(src)).item()
+
+
+def test_a_replaced_folder_left_aside_by_a_dead_writer_is_put_back(tmp_path):
+    dst = tmp_path / "mlx"
+    aside = leftover(dst, "old", {"host": socket.gethostname(), "pid": dead_pid()})
+    (aside / "old").mkdir()
+    (aside / "old" / "config.json").write_text("{}")
+    assert atomic.remove_leftovers(dst) == [aside]
+    assert (dst / "config.json").read_text() == "{}" and not aside.exists()
+
+
+def test_kill_9_during_convert_leaves_a_leftover_the_next_run_removes(tmp_path):
+    src = save_hf_model(tmp_path / "hf")
+    dst = tmp_path / "mlx"
+    script = (
+        "import os, signal, sys\n"
+        "import mlx_speculate.convert as c\n"
+        "def die(path, shard):\n"
+        "    path.write_bytes(b'partial')\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "c._write_shard = die\n"
+        "sys.exit(c.main(sys.argv[1:]))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, "--hf-path", str(src), "--mlx-path", str(dst)],
+        cwd=ROOT, capture_output=True, timeout=300,
+    )
+    assert result.returncode == -signal.SIGKILL
+    (killed,) = tmp_path.glob(".mlx.tmp-*")
+    assert (killed / atomic.MARKER).is_file() and not dst.exists()
+    convert(src, dst)
+    assert not killed.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mlx"]
+
+
+@pytest.mark.parametrize("kind", ["notes", "file", "config only"])
+def test_overwrite_replaces_only_a_model_folder(tmp_path, capsys, kind):
+    src = save_hf_model(tmp_path / "hf")
+    dst = tmp_path / "dst"
+    if kind == "file":
+        dst.write_text("a file")
+    else:
+        dst.mkdir()
+        (dst / ("config.json" if kind == "config only" else "notes.txt")).write_text("{}")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    capsys.readouterr()  # the source's own progress output
+    assert main(["--hf-path", str(src), "--mlx-path", str(dst), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a model folder" in err, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_empty_folder_may_be_overwritten(tmp_path):
+    src = save_hf_model(tmp_path / "hf")
+    (tmp_path / "mlx").mkdir()
+    assert mx.array_equal(logits(convert(src, tmp_path / "mlx", overwrite=True)), logits(src))
+
+
+def test_converting_a_folder_onto_itself_keeps_its_other_files(tmp_path):
+    src = save_hf_model(tmp_path / "hf")
+    (src / "README.md").write_text("my notes")
+    (src / "medusa").mkdir()
+    (src / "medusa" / "config.json").write_text("{}")
+    convert(src, src, quantize=True, q_group_size=32, overwrite=True)
+    assert (src / "README.md").read_text() == "my notes"
+    assert (src / "medusa" / "config.json").read_text() == "{}"
+    assert json.loads((src / "config.json").read_text())["quantization"]["bits"] == 4
+    assert load(src)[0].model.layers[0].mlp.gate_proj.bits == 4
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]
+
+
+def test_full_disk_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    src = save_hf_model(tmp_path / "hf")
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def full(path, *args, **kwargs):  # what MLX raises when the disk is full
+        raise RuntimeError("[write] Unable to write 2951520 bytes to file.")
+
+    monkeypatch.setattr(mx, "save_safetensors", full)
+    capsys.readouterr()  # the source's own progress output
+    assert main(["--hf-path", str(src), "--mlx-path", str(out / "mlx")]) == 2
+    bar, error, end = capsys.readouterr().err.split("\n")  # the progress bar, then one line
+    assert bar.startswith("\rwriting: ") and end == ""
+    assert error.startswith("error: cannot write ") and error.endswith(
+        "(is the disk full?): [write] Unable to write 2951520 bytes to file."
+    )
+    assert list(out.iterdir()) == []
+
+
+def test_too_little_space_is_found_before_writing(tmp_path, capsys, monkeypatch):
+    src = save_hf_model(tmp_path / "hf")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1, 1, 1000))
+    capsys.readouterr()  # the source's own progress output
+    assert main(["--hf-path", str(src), "--mlx-path", str(tmp_path / "mlx")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "0 MB free" in err and "MB are needed" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_unwritable_destination_fails_before_the_source_is_read(tmp_path, capsys, monkeypatch):
+    # Tests run as root in CI, where a read-only mode does not stop writes: the probe fails as
+    # the file system would.
+    src = save_hf_model(tmp_path / "hf")
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    def read(*args):
+        raise AssertionError("the source was read before the destination was checked")
+
+    monkeypatch.setattr(atomic.tempfile, "mkdtemp", denied)
+    monkeypatch.setattr(convert_module, "load_weights", read)
+    capsys.readouterr()  # the source's own progress output
+    assert main(["--hf-path", str(src), "--mlx-path", str(tmp_path / "ro" / "mlx")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: cannot write in {tmp_path}: Permission denied\n"
+
+
+def test_a_file_as_parent_of_the_destination(tmp_path, capsys):
+    src = save_hf_model(tmp_path / "hf")
+    (tmp_path / "notes.txt").write_text("x")
+    dst = tmp_path / "notes.txt" / "sub" / "mlx"
+    capsys.readouterr()  # the source's own progress output
+    assert main(["--hf-path", str(src), "--mlx-path", str(dst)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: cannot create {dst}: {tmp_path / 'notes.txt'} is a file, not a folder\n"
+
+
+def test_ctrl_c_exits_130_quietly_and_leaves_nothing(tmp_path):
+    src = save_hf_model(tmp_path / "hf")
+    script = (
+        "import sys, time\n"
+        "import mlx_speculate.convert as c\n"
+        "def slow(path, shard):\n"
+        "    print('writing', flush=True)\n"
+        "    time.sleep(60)\n"
+        "c._write_shard = slow\n"
+        "sys.exit(c.main(sys.argv[1:]))\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", script, "--hf-path", str(src), "--mlx-path", str(tmp_path / "m")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    while "writing" not in process.stdout.readline():
+        pass
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]

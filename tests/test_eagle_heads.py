@@ -469,8 +469,9 @@ def test_cli_eagle_beside_a_converted_model_prints_the_plain_text(shared_models,
         captured = capsys.readouterr()
         assert captured.out == plain
         assert "tokens per target forward" in captured.err
-    assert generate_main([*args, "--tree-top-k", "4"]) == 2
-    assert "apply to --eagle only" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        generate_main([*args, "--tree-top-k", "4"])
+    assert exited.value.code == 2 and "apply to --eagle only" in capsys.readouterr().err
     misfit = tmp_path / "misfit"
     small = eagle_config(tiny_config(), 1)
     save_heads(build_eagle(small, random_eagle_weights(small)), misfit, small.to_json())

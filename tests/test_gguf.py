@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from mlx_speculate.gguf import GGUFCheckpoint, read_gguf, write_gguf_tokenizer
+from mlx_speculate.gguf import GGUFCheckpoint, read_gguf
+from mlx_speculate.gguf_tokenizer import build_tokenizer, write_gguf_tokenizer
 
 from .helpers import SHARED, SMOLLM2_GGUF, require
 
@@ -342,9 +343,11 @@ def test_tensor_without_hf_counterpart_is_refused(tmp_path: Path) -> None:
         read_gguf(tmp_path / "m.gguf")
 
 
-def test_saved_tokenizer_passes_llama_cpp_test_vectors(tmp_path: Path) -> None:
+# SentencePiece (phi-3, llama-spm) and byte-level BPE with two split rules (llama-bpe, qwen2).
+@pytest.mark.parametrize("name", ["phi-3", "llama-spm", "llama-bpe", "qwen2"])
+def test_saved_tokenizer_passes_llama_cpp_test_vectors(tmp_path: Path, name: str) -> None:
     vocab = require(
-        SHARED_TOKENIZERS / "ggml-vocab-phi-3.gguf", "../shared ships beside the checkout"
+        SHARED_TOKENIZERS / f"ggml-vocab-{name}.gguf", "../shared ships beside the checkout"
     )
     write_gguf_tokenizer(vocab, tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
@@ -447,3 +450,39 @@ def test_smollm2_tokenizer(
         "bos_token_id": config["bos_token_id"],
         "eos_token_id": config["eos_token_id"],
     }
+
+
+@pytest.mark.parametrize(
+    "metadata, message",
+    [
+        ({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]}, "model 'bert'"),
+        (
+            {
+                "tokenizer.ggml.model": "gpt2",
+                "tokenizer.ggml.pre": "kimi-k2",
+                "tokenizer.ggml.tokens": ["a"],
+            },
+            "pre-tokenizer 'kimi-k2' is not supported",
+        ),
+        ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": []}, "no tokenizer vocabulary"),
+    ],
+)
+def test_unsupported_tokenizers_are_named(metadata: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_tokenizer(metadata, Path("m.gguf"))
+
+
+def test_tokenizer_write_error_is_an_os_error(tmp_path: Path, monkeypatch) -> None:
+    """tokenizers reports a full disk as a plain Exception; the converter needs an OSError."""
+    import transformers
+
+    vocab = require(
+        SHARED_TOKENIZERS / "ggml-vocab-llama-spm.gguf", "../shared ships beside the checkout"
+    )
+
+    def full(self, *args, **kwargs):
+        raise Exception("No space left on device (os error 28)")
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerFast, "save_pretrained", full)
+    with pytest.raises(OSError, match="cannot write the tokenizer into .*os error 28"):
+        write_gguf_tokenizer(vocab, tmp_path)

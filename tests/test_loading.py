@@ -12,6 +12,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
+from mlx_speculate import loading
 from mlx_speculate.loading import build_model, load, load_model
 
 from .helpers import random_weights, tiny_config
@@ -244,3 +245,109 @@ def test_eos_ids_from_config_generation_config_and_tokenizer(folder):
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 7]}))
     _, tokenizer = load(folder)
     assert tokenizer.eos_token_ids == {2, 5, 7}
+
+
+# -- the compute dtype follows the device -------------------------------------------------------
+
+
+@pytest.fixture
+def bfloat16_quantized(tmp_path: Path) -> Path:
+    """An mlx-community style folder: 4-bit weights with bfloat16 scales, bfloat16 norms."""
+    config = tiny_config()
+    model = build_model(config, random_weights(config))
+    nn.quantize(model, 32, 4)
+    weights = {
+        k: v.astype(mx.bfloat16) if mx.issubdtype(v.dtype, mx.floating) else v
+        for k, v in tree_flatten(model.parameters())
+    }
+    quantization = {"group_size": 32, "bits": 4}
+    return write_folder(tmp_path / "q", config | {"quantization": quantization}, weights)
+
+
+def floating_dtypes(model: nn.Module) -> set[mx.Dtype]:
+    return {v.dtype for _, v in tree_flatten(model.parameters()) if v.dtype != mx.uint32}
+
+
+def test_cpu_loads_bfloat16_scales_as_float32(bfloat16_quantized):
+    """On the CPU backend every floating tensor, quantization scales and biases included, is
+    float32 by default (MLX's CPU bfloat16/float16 kernels are ~45x slower); dtype= overrides."""
+    assert mx.default_device() == mx.cpu
+    model, _ = load(bfloat16_quantized)
+    assert floating_dtypes(model) == {mx.float32}
+    assert model.compute_dtype == mx.float32
+    assert model(TOKENS).logits.dtype == mx.float32
+    explicit, _ = load(bfloat16_quantized, dtype=mx.float32)
+    assert mx.array_equal(model(TOKENS).logits, explicit(TOKENS).logits)
+    kept, _ = load(bfloat16_quantized, dtype=mx.bfloat16)
+    assert floating_dtypes(kept) == {mx.bfloat16} and kept.compute_dtype == mx.bfloat16
+
+
+def test_gpu_keeps_the_checkpoint_dtype(bfloat16_quantized, monkeypatch):
+    monkeypatch.setattr(mx, "default_device", lambda: mx.gpu)
+    model, _ = load(bfloat16_quantized)
+    assert floating_dtypes(model) == {mx.bfloat16}
+
+
+# -- bad folders and paths ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value", [("hidden_size", "64"), ("rms_norm_eps", "1e-5"), ("vocab_size", 97.0)]
+)
+def test_config_value_of_the_wrong_type(folder, field, value):
+    (folder / "config.json").write_text(json.dumps(tiny_config(**{field: value})))
+    with pytest.raises(ValueError) as error:
+        load(folder)
+    assert_one_line(error, f"'{field}'", repr(value))
+
+
+@pytest.mark.parametrize("content", ['{"model": {"type": "Nonsense"}}', "{not json", ""])
+def test_corrupt_tokenizer_json(folder, content):
+    (folder / "tokenizer.json").write_text(content)
+    with pytest.raises(ValueError) as error:
+        load(folder)
+    assert_one_line(error, str(folder))
+
+
+def test_folder_without_tokenizer_files_fails_before_the_weights(folder, monkeypatch):
+    for file in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / file).unlink()
+
+    def weights_read(*args):
+        raise AssertionError("the weights were read before the tokenizer was checked")
+
+    monkeypatch.setattr(loading, "load_weights", weights_read)
+    with pytest.raises(FileNotFoundError) as error:
+        load(folder)
+    assert_one_line(error, f"no tokenizer in {folder}", "tokenizer.json")
+    assert "sentencepiece" not in str(error.value).lower()
+
+
+def test_tokenizer_with_more_ids_than_the_embedding(tmp_path):
+    """A tokenizer of 97 ids beside a 64-row embedding would index past it: refused at load."""
+    config = tiny_config(vocab_size=64)
+    folder = write_folder(tmp_path / "small", config, random_weights(config))
+    with pytest.raises(ValueError) as error:
+        load(folder)
+    assert_one_line(error, "97 token ids", "vocabulary has 64")
+
+
+@pytest.mark.parametrize("name", ["./nope", "../nope", "~/nope-mlx-speculate", "models/nope"])
+def test_mistyped_paths_are_not_hub_ids(tmp_path, monkeypatch, name):
+    """`models/nope` is a path when `models/` exists here; `.`, `..` and `~` start only paths."""
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_download)
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as error:
+        load(name)
+    assert_one_line(error, f"model path {name!r} does not exist")
+
+
+def test_gguf_file_suggests_convert(tmp_path):
+    gguf = tmp_path / "model.Q4_0.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ValueError) as error:
+        load(gguf)
+    assert_one_line(
+        error, "is a GGUF file", f"mlx_speculate.convert --hf-path {gguf} --mlx-path", " -q"
+    )

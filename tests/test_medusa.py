@@ -582,3 +582,12 @@ def test_medusa_true_finds_heads_beside_the_converted_model(tmp_path):
     responses = list(stream_generate(loaded, tokenizer, prompt, max_tokens=30, medusa=True))
     assert [r.token for r in responses] == plain
     assert responses[-1].stats.drafted > 0
+
+
+def test_heads_compute_in_the_models_dtype(tmp_path):
+    folder = write_published(tmp_path / "heads", published_weights())  # float32 tensors
+    model = tiny_model("llama")
+    model.set_dtype(mx.bfloat16)
+    heads = load_medusa_heads(folder, model)
+    assert heads.heads[0][-1].weight.dtype == heads.heads[0][0].linear.bias.dtype == mx.bfloat16
+    assert load_medusa_heads(folder, tiny_model("llama")).heads[0][-1].weight.dtype == mx.float32

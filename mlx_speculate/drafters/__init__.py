@@ -74,8 +74,12 @@ def spec_from_keywords(
         if value is not None and not set(names) & set(methods):
             raise ValueError(f"{option} applies to {' or '.join(methods)} only")
     if not names:
-        if num_draft_tokens is not None or typical_acceptance:
-            raise ValueError("num_draft_tokens and typical_acceptance need a speculative method")
+        given = [name for name, value in common.items() if value not in (None, False)]
+        if given:
+            raise ValueError(
+                f"{' and '.join(given)} set, but such settings need a speculative method "
+                f"({' or '.join(chosen)})"
+            )
         return None
     if names == ["draft_model"]:
         return DraftModelSpec(model=draft_model, tokenizer=draft_tokenizer, **common)

@@ -9,6 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..loading import token_count
 from ..models.base import CausalLM
 from ..sampling import SamplingParams, pick
 from ..tree import Tree
@@ -25,11 +26,6 @@ PROBES = (
     "naïve café, Grüße, 東京, emoji 🙂",
     "UPPER lower MiXeD snake_case kebab-case CamelCase",
 )
-
-
-def _token_count(tokenizer) -> int:
-    """Highest token id + 1, added tokens included (len() is not forwarded by wrappers)."""
-    return max(tokenizer.get_vocab().values()) + 1
 
 
 def check_vocabularies(
@@ -63,9 +59,9 @@ def check_vocabularies(
                 )
     if target_vocab_size == draft_vocab_size:
         return shared
-    used = None if target_tokenizer is None else _token_count(target_tokenizer)
+    used = None if target_tokenizer is None else token_count(target_tokenizer)
     if draft_tokenizer is not None:
-        used = max(used or 0, _token_count(draft_tokenizer))
+        used = max(used or 0, token_count(draft_tokenizer))
     if used is None or used > shared:
         raise ValueError(
             f"draft vocabulary {draft_vocab_size} does not match target {target_vocab_size}"

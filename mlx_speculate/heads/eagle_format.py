@@ -149,8 +149,7 @@ def check_fits(head: EagleHead, target: CausalLM) -> tuple[int, ...]:
 def load_eagle_heads(path: str | Path, target: CausalLM | None = None) -> EagleHead:
     """Heads from any layout (see the module docstring); with `target`, checked to fit it."""
     config, weights, raw = read_eagle(path)
-    # They compute in the target's dtype (its norms are never quantized).
-    dtype = None if target is None else target.model.norm.weight.dtype
+    dtype = None if target is None else target.compute_dtype  # they compute in its dtype
     head = build_eagle(config, weights, raw.get("quantization"), dtype)
     if target is not None:
         check_fits(head, target)

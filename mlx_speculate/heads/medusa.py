@@ -144,7 +144,9 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, Any], dict[str, mx.arra
     return config, sanitize(read_weights([file]))
 
 
-def build_heads(config: dict[str, Any], weights: dict[str, mx.array]) -> MedusaHeads:
+def build_heads(
+    config: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype | None = None
+) -> MedusaHeads:
     """Heads shaped by the tensors; a config stating another head or layer count gets a warning."""
     num_heads, num_layers, hidden, vocab = _shape(weights)
     hidden = hidden or config.get("hidden_size")
@@ -161,16 +163,21 @@ def build_heads(config: dict[str, Any], weights: dict[str, mx.array]) -> MedusaH
             )
     heads = MedusaHeads(hidden, vocab, num_heads, num_layers)
     return load_into(
-        heads, weights, quantization=config.get("quantization"), what="their own Medusa shapes"
+        heads,
+        weights,
+        quantization=config.get("quantization"),
+        dtype=dtype,
+        what="their own Medusa shapes",
     )
 
 
 def load_medusa_heads(path: str | Path, model: nn.Module | None = None) -> MedusaHeads:
     """Heads from a heads folder, a published Medusa-1 folder, or a model folder with `medusa/`.
 
-    With `model`, the heads must read its hidden size and predict its vocabulary.
+    With `model`, the heads must read its hidden size and predict its vocabulary, and compute
+    in its dtype.
     """
-    heads = build_heads(*read_checkpoint(path))
+    heads = build_heads(*read_checkpoint(path), None if model is None else model.compute_dtype)
     if model is not None:
         heads.check_fits(model.args.hidden_size, model.args.vocab_size)
     return heads

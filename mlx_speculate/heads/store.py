@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from ..checkpoint import quantize_model
+from ..checkpoint import quantize_model, write_safetensors
 from ..loading import read_json, resolve_path
 
 MLX_WEIGHTS = "weights.safetensors"
@@ -76,7 +76,6 @@ def save_heads(module: nn.Module, folder: str | Path, config: dict[str, Any]) ->
     """Writes `config.json` and `weights.safetensors` (MLX layout) into `folder`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    weights = dict(tree_flatten(module.parameters()))
-    mx.save_safetensors(str(folder / MLX_WEIGHTS), weights, metadata={"format": "mlx"})
+    write_safetensors(folder / MLX_WEIGHTS, dict(tree_flatten(module.parameters())))
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return folder

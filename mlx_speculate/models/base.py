@@ -15,6 +15,8 @@ taps layers 2, L//2 and L-3); `hidden`, the final-norm output, is always there.
 from __future__ import annotations
 
 import inspect
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,8 +63,19 @@ class BaseModelArgs:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> BaseModelArgs:
+        """The fields `config` sets; ValueError naming a field whose value has the wrong type
+        (`"hidden_size": "64"`), before it can reach an array shape."""
         names = inspect.signature(cls).parameters
-        return cls(**{k: v for k, v in config.items() if k in names and k != "extra"})
+        values = {k: v for k, v in config.items() if k in names and k != "extra"}
+        hints = typing.get_type_hints(cls)
+        for name, value in values.items():
+            allowed = _allowed_types(hints[name])
+            if allowed and not (
+                isinstance(value, allowed) and (bool in allowed or not isinstance(value, bool))
+            ):
+                kinds = " or ".join(t.__name__ for t in allowed if t is not type(None))
+                raise ValueError(f"config field {name!r} must be {kinds}, got {value!r}")
+        return cls(**values)
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
@@ -84,6 +97,19 @@ class BaseModelArgs:
     def sliding_layers(self) -> tuple[bool, ...]:
         """Which layers attend within `sliding_window` (HF semantics per family)."""
         return (False,) * self.num_hidden_layers
+
+
+def _allowed_types(hint: Any) -> tuple[type, ...]:
+    """Runtime types a field annotated `hint` accepts (an int where a float is due); () for
+    annotations it does not check."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    allowed: list[type] = []
+    for option in options:
+        option = typing.get_origin(option) or option  # dict[str, Any] -> dict
+        if option is Any:
+            return ()
+        allowed += [float, int] if option is float else [option]
+    return tuple(allowed)
 
 
 @dataclass(frozen=True)
@@ -265,6 +291,11 @@ class CausalLM(nn.Module):
     @property
     def layers(self) -> list[nn.Module]:
         return self.model.layers
+
+    @property
+    def compute_dtype(self) -> mx.Dtype:
+        """The dtype of its activations: what the embedding yields (a quantized one's scales)."""
+        return self.model.embed_tokens(mx.array([0])).dtype
 
     def make_cache(self) -> KVCache:
         return KVCache(len(self.model.layers))

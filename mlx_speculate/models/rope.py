@@ -42,6 +42,30 @@ def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
+def rope_both_forms(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with its rope settings in both forms: `rope_parameters` (transformers 5) and
+    `rope_theta`/`rope_scaling` (mlx-lm, older transformers), as converted folders carry them."""
+    config = dict(config)
+    params = rope_parameters(config)
+    config["rope_parameters"] = params
+    config["rope_theta"] = params["rope_theta"]
+    rope_type = params["rope_type"]
+    if rope_type == "default":
+        config["rope_scaling"] = None
+    else:
+        legacy = {
+            k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor")
+        }
+        config["rope_scaling"] = {**legacy, "type": rope_type, "rope_type": rope_type}
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        config.setdefault("partial_rotary_factor", params["partial_rotary_factor"])
+    if "original_max_position_embeddings" in params:
+        config.setdefault(
+            "original_max_position_embeddings", params["original_max_position_embeddings"]
+        )
+    return config
+
+
 class RotaryEmbedding:
     """Applies RoPE (HF rotate-half layout) to the first `dims` features of (B, H, L, D) inputs."""
 

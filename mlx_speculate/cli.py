@@ -1,0 +1,89 @@
+"""What every command-line entry point shares: its name, flag value types that name the flag in
+their errors, UTF-8 text from argv and stdin, and one-line errors.
+
+Text policy: prompts must be UTF-8. Bytes that are not (on Linux, argv carries them as
+surrogate escapes) are an error naming the flag, the byte and its offset, never replaced
+silently: a prompt that is not what the user meant would still generate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+def prog(module: str) -> str:
+    """The name usage lines show: the console script's own name (`mlx_speculate-generate`),
+    else `python -m <module>`."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return name if name.startswith("mlx_speculate-") else f"python -m {module}"
+
+
+def bounded(cast: Callable[[str], float], test: Callable[[float], bool], rule: str):
+    """An argparse type: `cast`, then `test`; errors say `rule` (argparse adds the flag)."""
+    def parse(text: str):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    return parse
+
+
+positive_int = bounded(int, lambda v: v >= 1, ">= 1")
+non_negative_int = bounded(int, lambda v: v >= 0, ">= 0")
+temperature = bounded(float, lambda v: 0 <= v < float("inf"), "finite and >= 0")
+top_p = bounded(float, lambda v: 0 < v <= 1, "in (0, 1]")
+min_p = bounded(float, lambda v: 0 <= v < 1, "in [0, 1)")
+
+
+def utf8_argument(text: str | None, flag: str) -> str | None:
+    """`text` from argv, checked to be UTF-8 (ValueError naming `flag` otherwise)."""
+    if text is None:
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        decode(os.fsencode(text), flag)  # raises, with the byte offset
+    return text
+
+
+def read_stdin(what: str = "stdin") -> str:
+    """All of stdin as UTF-8 text (ValueError with the byte offset otherwise)."""
+    return decode(sys.stdin.buffer.read(), what)
+
+
+def decode(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{what} is not valid UTF-8: byte 0x{data[e.start]:02x} at offset {e.start} "
+            "(prompts must be UTF-8 text)"
+        ) from None
+
+
+def one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
+
+
+def fail(error: BaseException) -> int:
+    """Prints `error: ...` on one line; the exit status of a user error."""
+    print(f"error: {one_line(error)}", file=sys.stderr)
+    return 2
+
+
+INTERRUPTED = 130  # the shell's status for a process ended by SIGINT
+
+
+def stdout_gone() -> int:
+    """The reader of stdout left (`| head`): stop quietly, with the status of a process ended
+    by SIGPIPE. stdout now points at /dev/null, so Python's final flush cannot fail either."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
