@@ -79,12 +79,12 @@ def stream_generate(
     """Yields one response per emitted token.
 
     `drafter` is a method's spec (`LookupSpec()`, `DraftModelSpec(model=...)`, `MedusaSpec()`,
-    ...) or a ready `Drafter`; `policy` chooses the draft length each step (default: the spec's
+    `EagleSpec()`, ...) or a ready `Drafter`; `policy` chooses the draft length each step (default: the spec's
     `num_draft_tokens`, else chosen from measured costs and acceptance, possibly none).
     `options` are sampling settings (temperature, top_p, top_k, min_p, seed) when `sampling`
     is not given, and mlx-lm style shortcuts for a spec: `draft_model=` (with
-    `draft_tokenizer=`), `prompt_lookup=True` (with `max_ngram=`), `medusa=` (with `tree=`), and
-    `num_draft_tokens=`, `typical_acceptance=` (LOSSY, opt-in).
+    `draft_tokenizer=`), `prompt_lookup=True` (with `max_ngram=`), `medusa=` and `eagle=` (with
+    `tree=`), and `num_draft_tokens=`, `typical_acceptance=` (LOSSY, opt-in).
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
