@@ -79,8 +79,9 @@ def stream_generate(
     """Yields one response per emitted token.
 
     `drafter` is a method's spec (`LookupSpec()`, `DraftModelSpec(model=...)`, `MedusaSpec()`,
-    `EagleSpec()`, ...) or a ready `Drafter`; `policy` chooses the draft length each step (default: the spec's
-    `num_draft_tokens`, else chosen from measured costs and acceptance, possibly none).
+    `EagleSpec()`, ...) or a ready `Drafter`; `policy` chooses the draft length each step
+    (default: the spec's `num_draft_tokens`, else chosen from measured costs and acceptance,
+    possibly none).
     `options` are sampling settings (temperature, top_p, top_k, min_p, seed) when `sampling`
     is not given, and mlx-lm style shortcuts for a spec: `draft_model=` (with
     `draft_tokenizer=`), `prompt_lookup=True` (with `max_ngram=`), `medusa=` and `eagle=` (with
