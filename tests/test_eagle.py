@@ -3,9 +3,6 @@ tiny targets of every family, prefix reuse, and sampling that follows the target
 
 from __future__ import annotations
 
-import math
-from types import SimpleNamespace
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -15,9 +12,8 @@ from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters import EagleSpec, EagleTree, TargetFeatures, make_drafter
 from mlx_speculate.drafters.eagle import EagleDrafter
 from mlx_speculate.generation import Session
-from mlx_speculate.models.base import ModelOutput
 from mlx_speculate.policy import FixedPolicy
-from mlx_speculate.sampling import SamplingParams, log_probs
+from mlx_speculate.sampling import SamplingParams
 
 from .helpers import (
     assert_clear_argmax,
@@ -27,6 +23,7 @@ from .helpers import (
     tiny_config,
     tiny_model,
 )
+from .markov import MarkovLM, StubTokenizer, assert_markov
 
 GREEDY = SamplingParams()
 PROMPT = [1, 5, 9, 33, 7, 2, 60]
@@ -181,23 +178,6 @@ def test_misfit_and_missing_heads_are_refused():
         EagleTree(total=1)
 
 
-class StubTokenizer:
-    """Token ids as text: enough for stream_generate."""
-
-    eos_token_ids = ()
-
-    def __init__(self):
-        self.detokenizer = SimpleNamespace(
-            reset=lambda: setattr(self.detokenizer, "text", ""),
-            add_token=lambda t: setattr(self.detokenizer, "text", self.detokenizer.text + f"{t} "),
-            finalize=lambda: None,
-            text="",
-        )
-
-    def encode(self, text):
-        return [int(t) for t in text.split()]
-
-
 # Sampling: tree rejection keeps the target's distribution with EAGLE trees. The target is a
 # Markov chain (logits = table[previous token]) whose hidden state is the token's one-hot, so
 # the head reads real features and the emitted sequence must follow the table's transitions.
@@ -205,50 +185,8 @@ class StubTokenizer:
 V = 6
 
 
-class MarkovLM:
-    def __init__(self, table):
-        self.table = mx.array(table, dtype=mx.float32)  # (V, V)
-        self.args = SimpleNamespace(
-            vocab_size=V, hidden_size=V, num_hidden_layers=6, max_position_embeddings=1 << 20
-        )
-        self.model = SimpleNamespace(embed_tokens=lambda tokens: mx.eye(V)[tokens])
-        self.source = None
-
-    def make_cache(self):
-        return KVCache(1)
-
-    def __call__(self, tokens, cache=None, *, positions=None, mask=None, taps=()):
-        if cache is not None:
-            cache.advance(tokens.shape[1])
-        hidden = mx.eye(V)[tokens]  # (B, L, V)
-        return ModelOutput(self.project(hidden), hidden, tuple(hidden for _ in taps))
-
-    def project(self, hidden):
-        return hidden @ self.table
-
-
 TABLE = np.random.default_rng(0).normal(scale=1.5, size=(V, V))
 SAMPLED = 2500
-
-
-def chi_square_limit(df: int, z: float = 4.75) -> float:
-    """Upper chi-square quantile (Wilson-Hilferty); z = 4.75 leaves about 1e-6 in the tail."""
-    c = 2 / (9 * df)
-    return df * (1 - c + z * math.sqrt(c)) ** 3
-
-
-def assert_markov(tokens: list[int], sampling: SamplingParams) -> None:
-    """Transition counts follow the target's processed rows (Pearson, visited rows pooled)."""
-    probs = np.exp(np.asarray(log_probs(mx.array(TABLE, mx.float32), sampling), np.float64))
-    counts = np.zeros((V, V))
-    np.add.at(counts, (tokens[:-1], tokens[1:]), 1)
-    assert counts[probs == 0].sum() == 0, "a token the target's filters remove was emitted"
-    seen = counts.sum(axis=1) > 0
-    live = (probs > 0) & seen[:, None]
-    expected = counts.sum(axis=1, keepdims=True) * probs
-    statistic = (((counts - expected)[live]) ** 2 / expected[live]).sum()
-    df = int(live.sum()) - int(seen.sum())
-    assert statistic < chi_square_limit(df), (statistic, chi_square_limit(df))
 
 
 @pytest.mark.parametrize("version", [1, 3])
@@ -273,4 +211,4 @@ def test_sampling_follows_target(version, sampling):
     # Both outcomes are exercised: accepted nodes, and rejected siblings / whole levels.
     assert sum(s.accepted for s in steps) > 200
     assert sum(s.accepted < s.drafted for s in steps) > 200
-    assert_markov([0, *tokens], sampling)
+    assert_markov([0, *tokens], TABLE, sampling)

@@ -23,8 +23,8 @@ from mlx_speculate.loading import load
 from mlx_speculate.policy import FixedPolicy
 
 from .helpers import decode, greedy_reference, random_weights, tiny_config, tiny_model
+from .markov import StubTokenizer
 from .test_loading import write_folder
-from .test_medusa import StubTokenizer
 from .test_speculative import assert_clear_argmax
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -260,7 +260,7 @@ def test_huge_token_id_is_an_error_not_a_crash(tmp_path):
     script = (
         "from mlx_speculate.generation import generate\n"
         "from tests.helpers import tiny_model\n"
-        "from tests.test_medusa import StubTokenizer\n"
+        "from tests.markov import StubTokenizer\n"
         "try:\n"
         "    generate(tiny_model('llama'), StubTokenizer(), [1, 2**20], max_tokens=2)\n"
         "except ValueError as e:\n"

@@ -2,16 +2,13 @@
 
 import functools
 import json
-import math
 import sys
-from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_speculate.cache import KVCache
 from mlx_speculate.convert import convert
 from mlx_speculate.convert import main as convert_main
 from mlx_speculate.drafters import TargetFeatures
@@ -27,7 +24,6 @@ from mlx_speculate.heads.medusa import (
     save_medusa_heads,
 )
 from mlx_speculate.loading import load, load_model
-from mlx_speculate.models.base import ModelOutput
 from mlx_speculate.policy import FixedPolicy
 from mlx_speculate.sampling import SamplingParams, log_probs
 from mlx_speculate.train.medusa import fit_medusa_heads
@@ -42,6 +38,7 @@ from .helpers import (
     tiny_config,
     tiny_model,
 )
+from .markov import MarkovLM, StubTokenizer, assert_markov, markov_statistic
 
 GREEDY = SamplingParams()
 FAMILIES = ("llama", "qwen2", "phi3")
@@ -52,24 +49,6 @@ PROMPT = [1, 5, 9, 33, 7, 2, 60]
 # Seeds whose greedy continuations of PROMPT keep that margin (asserted, not assumed).
 TARGET_SEED = {"llama": 0, "qwen2": 1, "phi3": 3}
 FULL_TREE = len(MEDUSA_TREES["mc_sim_7b_63"])
-
-
-class StubTokenizer:
-    """Token ids as text: enough for stream_generate."""
-
-    eos_token_ids = ()
-
-    def __init__(self):
-        self.detokenizer = SimpleNamespace(
-            reset=lambda: setattr(self.detokenizer, "text", ""),
-            add_token=lambda t: setattr(self.detokenizer, "text", self.detokenizer.text + f"{t} "),
-            finalize=lambda: None,
-            text="",
-        )
-
-    def encode(self, text):
-        return [int(t) for t in text.split()]
-
 
 
 def random_heads(hidden, vocab, num_heads=4, num_layers=1, seed=0):
@@ -290,26 +269,6 @@ def test_stories_cli_with_converted_heads(shared_models, tmp_path, capsys):
 V = 6
 
 
-class MarkovLM:
-    """A stand-in target: logits = table[previous token], final hidden state = one-hot."""
-
-    def __init__(self, table):
-        self.table = mx.array(table, dtype=mx.float32)  # (V, V)
-        self.args = SimpleNamespace(vocab_size=V, hidden_size=V, max_position_embeddings=1 << 20)
-
-    def make_cache(self):
-        return KVCache(1)
-
-    def __call__(self, tokens, cache=None, *, positions=None, mask=None, taps=()):
-        if cache is not None:
-            cache.advance(tokens.shape[1])
-        hidden = mx.eye(V)[tokens]  # (B, L, V)
-        return ModelOutput(self.project(hidden), hidden)
-
-    def project(self, hidden):
-        return hidden @ self.table
-
-
 TABLE = np.random.default_rng(0).normal(scale=1.5, size=(V, V))
 SAMPLED = 3000
 
@@ -322,33 +281,6 @@ def markov_heads(sampling: SamplingParams, num_heads: int = 3) -> MedusaHeads:
         ahead = np.linalg.matrix_power(probs, k + 2)  # (V, V)
         head[-1].weight = mx.array(np.log(np.maximum(ahead, 1e-30)).T, dtype=mx.float32)
     return heads
-
-
-def chi_square_limit(df: int, z: float = 4.75) -> float:
-    """Upper chi-square quantile (Wilson-Hilferty); z = 4.75 leaves about 1e-6 in the tail."""
-    c = 2 / (9 * df)
-    return df * (1 - c + z * math.sqrt(c)) ** 3
-
-
-def markov_statistic(tokens: list[int], sampling: SamplingParams) -> tuple[float, float]:
-    """Pearson's statistic of the transition counts against the target's processed rows (rows
-    pooled), and its 1e-6 upper quantile. Tokens the target's filters remove count as infinite."""
-    probs = np.exp(np.asarray(log_probs(mx.array(TABLE, mx.float32), sampling), np.float64))
-    counts = np.zeros((V, V))
-    np.add.at(counts, (tokens[:-1], tokens[1:]), 1)
-    if counts[probs == 0].sum() > 0:
-        return math.inf, 0.0
-    seen = counts.sum(axis=1) > 0  # (V,) rows that were visited
-    live = (probs > 0) & seen[:, None]
-    expected = counts.sum(axis=1, keepdims=True) * probs
-    statistic = (((counts - expected)[live]) ** 2 / expected[live]).sum()
-    df = int(live.sum()) - int(seen.sum())
-    return statistic, chi_square_limit(df)
-
-
-def assert_markov(tokens: list[int], sampling: SamplingParams) -> None:
-    statistic, limit = markov_statistic(tokens, sampling)
-    assert statistic < limit, (statistic, limit)
 
 
 @pytest.mark.parametrize(
@@ -368,7 +300,7 @@ def test_tree_rejection_sampling_follows_target(sampling, k):
     # Both outcomes are exercised: accepted nodes, and rejected siblings / whole levels.
     assert sum(s.accepted for s in steps) > 300
     assert sum(s.accepted < s.drafted for s in steps) > 300
-    assert_markov([0, *tokens], sampling)
+    assert_markov([0, *tokens], TABLE, sampling)
 
 
 def test_typical_acceptance_is_lossy():
@@ -380,7 +312,7 @@ def test_typical_acceptance_is_lossy():
         target, [0], SAMPLED, drafter, FixedPolicy(FULL_TREE), sampling, typical_acceptance=True
     )
     assert sum(s.accepted for s in steps) > 300
-    statistic, limit = markov_statistic([0, *tokens], sampling)
+    statistic, limit = markov_statistic([0, *tokens], TABLE, sampling)
     assert statistic > 10 * limit
 
 

@@ -1,10 +1,11 @@
-import math
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlx_speculate.sampling import SamplingParams, log_probs, sample
+
+from .markov import chi_square_limit
 
 
 def reference_log_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -29,12 +30,6 @@ def reference_log_probs(logits: np.ndarray, params: SamplingParams) -> np.ndarra
         finite = row[np.isfinite(row)]
         out.append(row - (finite.max() + np.log(np.exp(finite - finite.max()).sum())))
     return np.array(out).reshape(logits.shape)
-
-
-def chi_square_limit(df: int, z: float = 4.75) -> float:
-    """Upper chi-square quantile (Wilson-Hilferty); z = 4.75 leaves about 1e-6 in the tail."""
-    c = 2 / (9 * df)
-    return df * (1 - c + z * math.sqrt(c)) ** 3
 
 
 @pytest.mark.parametrize(

@@ -7,16 +7,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_speculate.cache import KVCache
 from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters.draft_model import DraftModelDrafter, check_vocabularies
 from mlx_speculate.drafters.lookup import LookupDrafter
 from mlx_speculate.loading import load
-from mlx_speculate.models.base import ModelOutput
 from mlx_speculate.policy import FixedPolicy
 from mlx_speculate.sampling import SamplingParams, log_probs
 
 from .helpers import assert_clear_argmax, decode, greedy_reference, tiny_model
+from .markov import MarkovLM, assert_markov
 
 GREEDY = SamplingParams()
 PROMPT = [1, 5, 9, 33, 7, 2, 60]
@@ -190,49 +189,10 @@ def test_cache_consistent_after_many_rejections():
 V = 6
 
 
-class MarkovLM:
-    """A stand-in model: final hidden state = one-hot of the token, logits = table[token]."""
-
-    def __init__(self, table):
-        self.table = mx.array(table, dtype=mx.float32)  # (V, V)
-        self.args = type("Args", (), {"vocab_size": V, "max_position_embeddings": 1 << 20})()
-
-    def make_cache(self):
-        return KVCache(1)
-
-    def __call__(self, tokens, cache=None, *, positions=None, mask=None, taps=()):
-        if cache is not None:
-            cache.advance(tokens.shape[1])
-        hidden = mx.eye(V)[tokens]  # (B, L, V)
-        return ModelOutput(self.project(hidden), hidden)
-
-    def project(self, hidden):
-        return hidden @ self.table
-
-
 TARGET_TABLE = np.random.default_rng(0).normal(scale=1.5, size=(V, V))
 # A loosely related draft: its filtered rows keep tokens that the target's filters remove.
 DRAFT_TABLE = 0.5 * TARGET_TABLE + np.random.default_rng(1).normal(scale=1.5, size=(V, V))
 SAMPLED = 3000
-
-
-def chi_square_limit(df: int, z: float = 4.75) -> float:
-    """Upper chi-square quantile (Wilson-Hilferty); z = 4.75 leaves about 1e-6 in the tail."""
-    c = 2 / (9 * df)
-    return df * (1 - c + z * math.sqrt(c)) ** 3
-
-
-def assert_markov(tokens: list[int], sampling: SamplingParams) -> None:
-    """Transition counts follow the target's processed rows (Pearson, all rows pooled)."""
-    probs = np.exp(np.asarray(log_probs(mx.array(TARGET_TABLE, mx.float32), sampling), np.float64))
-    counts = np.zeros((V, V))
-    np.add.at(counts, (tokens[:-1], tokens[1:]), 1)
-    assert counts[probs == 0].sum() == 0, "a token the target's filters remove was emitted"
-    expected = counts.sum(axis=1, keepdims=True) * probs
-    live = probs > 0
-    statistic = (((counts - expected)[live]) ** 2 / expected[live]).sum()
-    df = int(live.sum()) - V
-    assert statistic < chi_square_limit(df), (statistic, chi_square_limit(df))
 
 
 @pytest.mark.parametrize(
@@ -260,7 +220,7 @@ def test_sampling_follows_target(sampling, drafter_kind):
     # Both branches of the rule are exercised: many acceptances and many rejections.
     assert sum(s.accepted for s in steps) > 200
     assert sum(s.accepted < s.drafted for s in steps) > 200
-    assert_markov(tokens, sampling)
+    assert_markov(tokens, TARGET_TABLE, sampling)
 
 
 @pytest.mark.parametrize("mix", [1.0, 0.2])
@@ -276,7 +236,7 @@ def test_sampling_check_has_power(mix):
     for i in range(SAMPLED):
         tokens.append(draws[tokens[-1]][i])
     with pytest.raises(AssertionError):
-        assert_markov(tokens, sampling)
+        assert_markov(tokens, TARGET_TABLE, sampling)
 
 
 # Vocabulary agreement.

@@ -1,4 +1,3 @@
-import math
 
 import mlx.core as mx
 import numpy as np
@@ -8,6 +7,8 @@ from mlx_speculate.heads.medusa import MC_SIM_7B_63, medusa_tree
 from mlx_speculate.sampling import SamplingParams, log_probs, sample
 from mlx_speculate.tree import Tree
 from mlx_speculate.verify import Acceptance, greedy_accept, rejection_accept, typical_accept
+
+from .markov import chi_square_limit
 
 V = 6
 FILTERED = SamplingParams(temperature=1.0, top_k=4, top_p=0.9)
@@ -38,16 +39,14 @@ def chi_square(tokens: np.ndarray, logprobs: mx.array) -> float:
     return float((((counts[probs > 0] - expected) ** 2) / expected).sum())
 
 
-def chi_square_limit(logprobs: mx.array, z: float = 4.75) -> float:
-    """Upper chi-square quantile (Wilson-Hilferty); z = 4.75 leaves about 1e-6 in the tail."""
-    df = int(np.isfinite(np.asarray(logprobs)).sum()) - 1
-    c = 2 / (9 * df)
-    return df * (1 - c + z * math.sqrt(c)) ** 3
+def limit(logprobs: mx.array) -> float:
+    """The chi-square test's 1e-6 quantile for draws from one row (its live tokens)."""
+    return chi_square_limit(int(np.isfinite(np.asarray(logprobs)).sum()) - 1)
 
 
 def assert_follows(tokens: np.ndarray, logprobs: mx.array) -> None:
     assert tokens.size > 1000
-    assert chi_square(tokens, logprobs) < chi_square_limit(logprobs)
+    assert chi_square(tokens, logprobs) < limit(logprobs)
 
 
 def logits_with_argmax(best: list[int], seed: int) -> mx.array:
@@ -248,9 +247,9 @@ def test_tree_rejection_naive_rule_on_top_k_children_is_biased():
     p = log_probs(mx.array([[0.0, 0.0, 0.0, 2.0, -9.0, -9.0]] * len(PARENTS)), top4)
     q = log_probs(mx.array([[2.0, 1.7, 1.4, 0.0, -9.0, -9.0]] * len(PARENTS)), PLAIN)
     naive, _ = run_tree(p, q, sampled_children=False, pass_q=True, n=3_000, seed=10)
-    assert chi_square(naive, p[0]) > 10 * chi_square_limit(p[0])
+    assert chi_square(naive, p[0]) > 10 * limit(p[0])
     right, _ = run_tree(p, q, sampled_children=False, pass_q=False, n=3_000, seed=10)
-    assert chi_square(right, p[0]) < chi_square_limit(p[0])
+    assert chi_square(right, p[0]) < limit(p[0])
 
 
 def test_tree_rejection_accept_with_greedy_target_walks_the_argmax():

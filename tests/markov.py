@@ -1,0 +1,87 @@
+"""Sampling checks: a Markov-chain stand-in target, whose emitted sequences must follow its
+transition table, the chi-square test that checks they do, and a token-id tokenizer."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_speculate.cache import KVCache
+from mlx_speculate.models.base import ModelOutput
+from mlx_speculate.sampling import SamplingParams, log_probs
+
+
+class MarkovLM:
+    """logits = table[previous token]; its hidden state (and every tap) is the token's one-hot,
+    and its embedding too, so that heads read real features."""
+
+    def __init__(self, table):
+        self.table = mx.array(table, dtype=mx.float32)  # (V, V)
+        vocab = self.table.shape[0]
+        self.args = SimpleNamespace(
+            vocab_size=vocab,
+            hidden_size=vocab,
+            num_hidden_layers=6,
+            max_position_embeddings=1 << 20,
+        )
+        self.model = SimpleNamespace(embed_tokens=lambda tokens: mx.eye(vocab)[tokens])
+        self.source = None
+
+    def make_cache(self):
+        return KVCache(1)
+
+    def __call__(self, tokens, cache=None, *, positions=None, mask=None, taps=()):
+        if cache is not None:
+            cache.advance(tokens.shape[1])
+        hidden = self.model.embed_tokens(tokens)  # (B, L, V)
+        return ModelOutput(self.project(hidden), hidden, tuple(hidden for _ in taps))
+
+    def project(self, hidden):
+        return hidden @ self.table
+
+
+def chi_square_limit(df: int, z: float = 4.75) -> float:
+    """Upper chi-square quantile (Wilson-Hilferty); z = 4.75 leaves about 1e-6 in the tail."""
+    c = 2 / (9 * df)
+    return df * (1 - c + z * math.sqrt(c)) ** 3
+
+
+def markov_statistic(tokens: list[int], table, sampling: SamplingParams) -> tuple[float, float]:
+    """Pearson's statistic of the transition counts against `table`'s processed rows (visited
+    rows pooled), and its 1e-6 upper quantile. A token the filters remove counts as infinite."""
+    probs = np.exp(np.asarray(log_probs(mx.array(table, mx.float32), sampling), np.float64))
+    vocab = probs.shape[0]
+    counts = np.zeros((vocab, vocab))
+    np.add.at(counts, (tokens[:-1], tokens[1:]), 1)
+    if counts[probs == 0].sum() > 0:
+        return math.inf, 0.0
+    seen = counts.sum(axis=1) > 0  # (V,) rows that were visited
+    live = (probs > 0) & seen[:, None]
+    expected = counts.sum(axis=1, keepdims=True) * probs
+    statistic = (((counts - expected)[live]) ** 2 / expected[live]).sum()
+    return statistic, chi_square_limit(int(live.sum()) - int(seen.sum()))
+
+
+def assert_markov(tokens: list[int], table, sampling: SamplingParams) -> None:
+    statistic, limit = markov_statistic(tokens, table, sampling)
+    assert statistic < limit, (statistic, limit)
+
+
+class StubTokenizer:
+    """Token ids as text: enough for stream_generate."""
+
+    eos_token_ids = ()
+
+    def __init__(self):
+        self.detokenizer = SimpleNamespace(
+            reset=lambda: setattr(self.detokenizer, "text", ""),
+            add_token=lambda t: setattr(self.detokenizer, "text", self.detokenizer.text + f"{t} "),
+            finalize=lambda: None,
+            text="",
+        )
+
+    def encode(self, text):
+        return [int(t) for t in text.split()]
