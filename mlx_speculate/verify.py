@@ -39,6 +39,10 @@ def greedy_accept(tree: Tree, draft: mx.array, target_logits: mx.array) -> Accep
     best = mx.argmax(target_logits, axis=-1).astype(mx.int32)  # (..., N)
     if tree.num_nodes == 1:
         return _root_only(best[..., 0])
+    if tree.is_chain:  # the accepted path is the leading run of matches: fewer ops per step
+        num_accepted = _leading_run(draft.astype(mx.int32) == best[..., :-1])
+        path = mx.broadcast_to(mx.arange(tree.num_nodes, dtype=mx.int32), best.shape)
+        return Acceptance(path, best, num_accepted)
     expected = mx.take(best, tree.parent_index[1:], axis=-1)  # (..., N - 1)
     match = _with_root(draft.astype(mx.int32) == expected)  # (..., N)
     path, num_accepted = _path(tree, _deepest(tree, _all_ancestors(tree, match)))
@@ -147,6 +151,11 @@ def typical_accept(
 def _root_only(token: mx.array) -> Acceptance:
     zeros = mx.zeros(token.shape, dtype=mx.int32)
     return Acceptance(zeros[..., None], token.astype(mx.int32)[..., None], zeros)
+
+
+def _leading_run(ok: mx.array) -> mx.array:
+    """Length of the leading run of True along the last axis: (..., k) -> (...) int32."""
+    return mx.sum(mx.cumprod(ok.astype(mx.int32), axis=-1), axis=-1).astype(mx.int32)
 
 
 def _with_root(values: mx.array, fill: bool | float = True) -> mx.array:

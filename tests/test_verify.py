@@ -283,3 +283,20 @@ def test_typical_accept_thresholds_and_ties():
     # With node 5 rejected too, nodes 1 and 2 tie on depth: the likelier token (p=.5) wins.
     result = typical_accept(TREE, mx.array([1, 0, 3, 0, 0, 0]), mx.array(rows))
     assert walked(result) == ((0, 2), 5)
+
+
+def test_greedy_chain_shortcut_agrees_with_the_tree_walk():
+    """A chain takes the leading-run shortcut; the general walk over the same chain plus a
+    sibling of node 1 that never matches (so not a chain) accepts the same path and token."""
+    rng = np.random.default_rng(3)
+    for k in (1, 2, 5):
+        chain = Tree.chain(k)
+        branched = Tree((*chain.parents, 0))
+        for _ in range(20):
+            best = rng.integers(0, V, size=k + 2)  # the argmax after each node
+            draft = np.where(rng.random(k) < 0.7, best[:k], (best[:k] + 1) % V)
+            logits = logits_with_argmax(best.tolist(), seed=int(rng.integers(1 << 30)))
+            shortcut = greedy_accept(chain, mx.array(draft), logits[: k + 1])
+            sibling = (best[0] + 1) % V  # never the target's first token
+            general = greedy_accept(branched, mx.array([*draft.tolist(), int(sibling)]), logits)
+            assert walked(shortcut) == walked(general)
