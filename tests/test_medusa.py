@@ -170,7 +170,15 @@ def test_stream_generate_with_medusa_heads(fitted):
     prompt = " ".join(map(str, PROMPT))
     plain = [r.token for r in stream_generate(target, tokenizer, prompt, max_tokens=50)]
     responses = list(
-        stream_generate(target, tokenizer, prompt, max_tokens=50, medusa=heads, tree="mc_sim_7b_63")
+        stream_generate(
+            target,
+            tokenizer,
+            prompt,
+            max_tokens=50,
+            medusa=heads,
+            tree="mc_sim_7b_63",
+            num_draft_tokens=FULL_TREE,  # the adaptive policy may not draft on a noisy machine
+        )
     )
     assert [r.token for r in responses] == plain
     assert any(r.from_draft for r in responses)
