@@ -261,48 +261,39 @@ def test_sampling_is_seeded(server):
         assert text(3, method) != text(4, method)
 
 
+def served_greedy_usage(model, tokenizer, spec) -> dict:
+    """Serves `spec` alone; its greedy text, whole and streamed, equals plain `generate`'s.
+    Returns the whole answer's speculative usage."""
+    prompt = "Once upon a time"
+    want = expected(model, tokenizer, list(tokenizer.encode(prompt)), 40)
+    with serve(model, tokenizer, spec) as running:
+        client = running.client()
+        args = dict(model="stories", prompt=prompt, max_tokens=40, temperature=0)
+        completion = client.completions.create(**args)
+        assert completion.choices[0].text == want
+        chunks = client.completions.create(**args, stream=True)
+        assert "".join(c.choices[0].text for c in chunks) == want
+    return completion.usage.speculative
+
+
 def test_medusa_greedy_equals_generate(stories):
     from .test_medusa import FULL_TREE, stories_with_heads
 
     model, tokenizer, heads = stories_with_heads(SHARED / "models" / "stories260K-llama")
-    prompt = "Once upon a time"
-    tokens = list(tokenizer.encode(prompt))
-    want = expected(model, tokenizer, tokens, 40)
     # A fixed tree: the adaptive policy may fall back to plain steps on a slow, noisy machine.
-    spec = MedusaSpec(heads=heads, num_draft_tokens=FULL_TREE)
-    with serve(model, tokenizer, spec) as running:
-        client = running.client()
-        completion = client.completions.create(
-            model="stories", prompt=prompt, max_tokens=40, temperature=0
-        )
-        assert completion.choices[0].text == want
-        spec = completion.usage.speculative
-        assert spec["method"] == "medusa" and spec["tokens_per_target_forward"] > 1.5
-        chunks = client.completions.create(
-            model="stories", prompt=prompt, max_tokens=40, temperature=0, stream=True
-        )
-        assert "".join(c.choices[0].text for c in chunks) == want
+    usage = served_greedy_usage(
+        model, tokenizer, MedusaSpec(heads=heads, num_draft_tokens=FULL_TREE)
+    )
+    assert usage["method"] == "medusa" and usage["tokens_per_target_forward"] > 1.5
 
 
 def test_eagle_greedy_equals_generate(stories):
     model, tokenizer = stories
     config = json.loads((SHARED / "models" / "stories260K-llama" / "config.json").read_text())
     head = random_eagle_head(config, 1, seed=3)  # random weights: lossless, rarely right
-    prompt = "Once upon a time"
-    want = expected(model, tokenizer, list(tokenizer.encode(prompt)), 40)
     spec = EagleSpec(heads=head, tree=EagleTree(16, 4, 4), num_draft_tokens=15)
-    with serve(model, tokenizer, spec) as running:
-        client = running.client()
-        completion = client.completions.create(
-            model="stories", prompt=prompt, max_tokens=40, temperature=0
-        )
-        assert completion.choices[0].text == want
-        usage = completion.usage.speculative
-        assert usage["method"] == "eagle" and usage["drafted_tokens"] > 0
-        chunks = client.completions.create(
-            model="stories", prompt=prompt, max_tokens=40, temperature=0, stream=True
-        )
-        assert "".join(c.choices[0].text for c in chunks) == want
+    usage = served_greedy_usage(model, tokenizer, spec)
+    assert usage["method"] == "eagle" and usage["drafted_tokens"] > 0
 
 
 def test_metrics_count_what_happened(server):
