@@ -22,7 +22,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import QWEN25_05B, add_blas_argument, header, median, setup_blas  # noqa: E402
+from common import (  # noqa: E402
+    QWEN25_05B,
+    add_blas_argument,
+    header,
+    median,
+    random_model,
+    setup_blas,
+)
 
 SMOLLM2_135M = {
     "model_type": "llama",
@@ -60,21 +67,12 @@ LLAMA31_8B = {
 MODELS = {"smollm2": SMOLLM2_135M, "qwen05b": QWEN25_05B, "llama8b": LLAMA31_8B}
 
 
-def random_model(config: dict, dtype, bits: int | None):
+def quantized_model(config: dict, dtype, bits: int | None):
+    """Random weights in `config`'s shapes, quantized to `bits` when given, evaluated."""
     import mlx.core as mx
     import mlx.nn as nn
-    from mlx.utils import tree_flatten, tree_unflatten
 
-    from mlx_speculate.loading import model_class
-
-    module = model_class(config)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    mx.random.seed(0)
-    weights = [
-        (name, (0.02 * mx.random.normal(p.shape)).astype(dtype))
-        for name, p in tree_flatten(model.parameters())
-    ]
-    model.update(tree_unflatten(weights))
+    model = random_model(config, dtype)
     if bits:
         nn.quantize(model, group_size=64, bits=bits)
     mx.eval(model.parameters())
@@ -166,7 +164,7 @@ def main(argv=None) -> None:
     dtype = getattr(mx, args.dtype or ("float32" if cpu else "float16"))
     rows = sorted({1, *(int(r) for r in args.rows.split(","))})
     for name in args.models.split(","):
-        model = random_model(MODELS[name], dtype, args.bits)
+        model = quantized_model(MODELS[name], dtype, args.bits)
         seconds = curve(model, rows, args.prompt, args.runs)
         weights = f"{args.bits}-bit" if args.bits else str(dtype).split(".")[-1]
         print(f"\n## {name} ({weights}), after a {args.prompt}-token prompt")

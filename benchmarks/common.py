@@ -78,25 +78,35 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def random_model(config: dict, dtype=None, seed: int = 0):
+    """A model of `config`'s shapes with N(0, 0.02) weights in `dtype` (float32), in memory."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from mlx_speculate.loading import model_class
+
+    module = model_class(config)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    mx.random.seed(seed)
+    weights = [
+        (name, (0.02 * mx.random.normal(p.shape)).astype(dtype or mx.float32))
+        for name, p in tree_flatten(model.parameters())
+    ]
+    model.update(tree_unflatten(weights))
+    return model
+
+
 def write_random_model(folder: Path, config: dict, seed: int = 0) -> Path:
     """A float32 folder with random weights in HF names, plus the Qwen2 tokenizer."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-
-    from mlx_speculate.loading import model_class
 
     if (folder / "model.safetensors").exists():
         return folder
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    module = model_class(config)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    mx.random.seed(seed)
-    weights = {
-        name: (0.02 * mx.random.normal(p.shape)).astype(mx.float32)
-        for name, p in tree_flatten(model.parameters())
-    }
+    weights = dict(tree_flatten(random_model(config, seed=seed).parameters()))
     mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     write_qwen2_tokenizer(tmp)
