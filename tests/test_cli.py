@@ -320,7 +320,7 @@ def test_a_flag_error_in_a_fresh_process():
     )
 
 
-@pytest.mark.parametrize("command", ["generate", "convert"])
+@pytest.mark.parametrize("command", ["generate", "convert", "server"])
 def test_console_scripts_name_themselves_in_usage(command):
     script = Path(sys.executable).parent / f"mlx_speculate-{command}"
     assert script.exists(), "pip install -e . installs the console scripts"

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from .. import cli
 from ..drafters import cli as drafter_cli
 from .app import MAX_BODY, create_app
 from .metrics import Metrics
@@ -24,7 +25,7 @@ from .worker import Worker
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m mlx_speculate.server",
+        prog=cli.prog("mlx_speculate.server"),
         description="OpenAI-compatible HTTP server with lossless speculative decoding.",
     )
     parser.add_argument(
@@ -77,8 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = drafter_cli.spec_from_args(args)
         source = model_source(args.model)
     except (ValueError, FileNotFoundError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli.fail(e)
 
     def load() -> SessionPool:
         from ..loading import load as load_model
