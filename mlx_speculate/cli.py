@@ -24,6 +24,7 @@ def prog(module: str) -> str:
 
 def bounded(cast: Callable[[str], float], test: Callable[[float], bool], rule: str):
     """An argparse type: `cast`, then `test`; errors say `rule` (argparse adds the flag)."""
+
     def parse(text: str):
         try:
             value = cast(text)
@@ -38,7 +39,8 @@ def bounded(cast: Callable[[str], float], test: Callable[[float], bool], rule: s
 
 positive_int = bounded(int, lambda v: v >= 1, ">= 1")
 non_negative_int = bounded(int, lambda v: v >= 0, ">= 0")
-temperature = bounded(float, lambda v: 0 <= v < float("inf"), "finite and >= 0")
+non_negative_float = bounded(float, lambda v: 0 <= v < float("inf"), "finite and >= 0")
+temperature = non_negative_float
 top_p = bounded(float, lambda v: 0 < v <= 1, "in (0, 1]")
 min_p = bounded(float, lambda v: 0 <= v < 1, "in [0, 1)")
 

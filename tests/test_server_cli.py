@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from mlx_speculate.chat import apply_chat_template
 from mlx_speculate.generation import generate
@@ -125,6 +126,26 @@ def test_bad_flags_exit_2(capsys, shared_models):
     target = str(shared_models / "stories260K-llama")
     assert main(["--model", target, "--prompt-lookup", "--draft-model", target]) == 2
     assert "error: choose one speculative method" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag, value, why",
+    [
+        ("--max-queue", "0", "must be >= 1, got 0"),
+        ("--prompt-cache-size", "0", "must be >= 1, got 0"),
+        ("--port", "-5", "must be in [0, 65535], got -5"),
+        ("--port", "x", "expected a number, got 'x'"),
+        ("--max-body-bytes", "-1", "must be >= 1, got -1"),
+        ("--shutdown-timeout", "-1", "must be finite and >= 0, got -1"),
+    ],
+)
+def test_bad_values_exit_2_before_loading(capsys, flag, value, why):
+    """Each once ended in a traceback, or in a server that could not work, after loading."""
+    with pytest.raises(SystemExit) as exit:
+        main(["--model", "never/loaded", flag, value])
+    assert exit.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith(f"error: argument {flag}: {why}")
 
 
 def test_no_model_serves_the_default_model(monkeypatch):

@@ -22,6 +22,8 @@ from .metrics import Metrics
 from .sessions import SessionPool
 from .worker import Worker
 
+PORT = cli.bounded(int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -32,22 +34,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default=None, help="local folder or hub id (default: the default model)"
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
+    parser.add_argument("--port", type=PORT, default=8080, help="port (0: any free one)")
     parser.add_argument(
         "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*"
     )
     parser.add_argument(
-        "--max-queue", type=int, default=16, help="requests waiting at most (then 429)"
+        "--max-queue", type=cli.positive_int, default=16, help="requests waiting at most (then 429)"
     )
     parser.add_argument(
         "--prompt-cache-size",
-        type=int,
+        type=cli.positive_int,
         default=4,
         metavar="N",
         help="conversations whose KV cache is kept for the next turn (memory: N contexts)",
     )
-    parser.add_argument("--max-body-bytes", type=int, default=MAX_BODY)
-    parser.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS")
+    parser.add_argument("--max-body-bytes", type=cli.positive_int, default=MAX_BODY)
+    parser.add_argument(
+        "--shutdown-timeout", type=cli.non_negative_float, default=10.0, metavar="SECONDS"
+    )
     parser.add_argument(
         "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
     )
