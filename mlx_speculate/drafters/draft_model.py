@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 
@@ -75,8 +76,27 @@ class DraftModelSpec(DrafterSpec):
     """Speculation with a draft model: a loaded model or its folder / hub id. Its tokenizer
     (given, or the one `load` gave it) must agree with the target's."""
 
+    keywords: ClassVar[dict[str, str | None]] = {
+        "draft_model": "model",
+        "draft_tokenizer": "tokenizer",
+    }
+    flags: ClassVar[dict[str, str]] = {"draft_model": "--draft-model"}
+
     model: CausalLM | str | Path
     tokenizer: Any = None
+
+    @classmethod
+    def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--draft-model",
+            default=None,
+            metavar="M",
+            help="draft model folder or hub id (must share the model's tokenizer)",
+        )
+
+    @classmethod
+    def keywords_from_args(cls, args: argparse.Namespace) -> dict[str, Any]:
+        return {"draft_model": args.draft_model}
 
     def resolve(self, target: CausalLM) -> DraftModelSpec:
         if not isinstance(self.model, str | Path):
