@@ -28,7 +28,7 @@ from mlx_lm.tokenizer_utils import (
 from . import config_checks
 from .checkpoint import load_into, read_weights
 from .models import MODEL_TYPES
-from .models.base import CausalLM
+from .models.base import CausalLM, Origin
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -116,20 +116,28 @@ def build_model(
     except TypeError as e:  # a required size is absent
         raise ValueError(f"{config.get('model_type')} config is incomplete: {e}") from e
     model = module.Model(args)
+    quantization = config.get("quantization")
+    if isinstance(quantization, dict):  # per-module overrides are keyed by checkpoint paths
+        quantization = {
+            new: v for k, v in quantization.items() if (new := model.rename(k)) is not None
+        }
     return load_into(
         model,
         model.sanitize(weights),
-        quantization=config.get("quantization"),
+        quantization=quantization,
         dtype=dtype,
         what=f"the {config.get('model_type')} config",
     )
 
 
-def load_model(path: Path, dtype: mx.Dtype | None = None) -> tuple[CausalLM, dict[str, Any]]:
+def load_model(
+    path: Path, dtype: mx.Dtype | None = None, tokenizer: Any = None
+) -> tuple[CausalLM, dict[str, Any]]:
+    """The model in the folder `path`, its `origin` recording the folder and `tokenizer`."""
     config = load_config(path)
     model_class(config)
     model = build_model(config, load_weights(path), dtype)
-    model.source = path
+    model.origin = Origin(path, tokenizer)
     return model, config
 
 
@@ -239,5 +247,5 @@ def load(
             f"the tokenizer in {path} has {count} token ids but the model's vocabulary has "
             f"{model.args.vocab_size}: they do not belong together"
         )
-    model.tokenizer = tokenizer
+    model.origin = Origin(path, tokenizer)
     return model, tokenizer
