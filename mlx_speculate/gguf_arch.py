@@ -80,6 +80,7 @@ def _gemma3(meta: dict[str, Any], config: dict[str, Any], path: Path) -> dict[st
     scaling = config.get("rope_scaling") or {"rope_type": "default"}
     return {
         "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": hidden // heads if layers == 62 else config["head_dim"],
         "sliding_window": _required(meta, "gemma3.attention.sliding_window", path),
         "layer_types": layer_types,
@@ -198,6 +199,8 @@ def hf_config(
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
+    if "tokenizer.ggml.padding_token_id" in meta:
+        config["pad_token_id"] = meta["tokenizer.ggml.padding_token_id"]
     if rope_dim != head_dim:
         if arch_name != "phi3":
             raise ValueError(
@@ -224,8 +227,8 @@ def _rope_scaling(
             raise ValueError(f"{path}: tensor {sorted(missing)[0]!r} is missing (longrope)")
         return {
             "rope_type": "longrope",
-            "long_factor": [float(x) for x in side["rope_factors_long.weight"]],
-            "short_factor": [float(x) for x in side["rope_factors_short.weight"]],
+            "long_factor": [_float32(x) for x in side["rope_factors_long.weight"]],
+            "short_factor": [_float32(x) for x in side["rope_factors_short.weight"]],
         }
     kind = meta.get(f"{arch_name}.rope.scaling.type", "none")
     if kind == "none":
