@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
@@ -13,7 +12,13 @@ import mlx.core as mx
 from . import arguments
 from .chat import plain_tokens
 from .decode import Decoder
-from .drafters import Drafter, DrafterSpec, make_drafter, spec_from_keywords
+from .drafters import (
+    Drafter,
+    DrafterSpec,
+    make_drafter,
+    spec_from_keywords,
+    speculative_keywords,
+)
 from .models.base import CausalLM
 from .policy import Policy, default_policy
 from .sampling import SamplingParams
@@ -64,7 +69,6 @@ class GenerationResponse:
 
 
 _SAMPLING_KEYS = {f.name for f in fields(SamplingParams)}
-_SPEC_KEYS = set(inspect.signature(spec_from_keywords).parameters)
 
 
 def stream_generate(
@@ -93,7 +97,7 @@ def stream_generate(
     arguments.check_prompt(prompt)
     arguments.check_max_tokens(max_tokens)
     stop = arguments.check_stop(stop)
-    arguments.check_keywords(options, _SAMPLING_KEYS | _SPEC_KEYS)
+    arguments.check_keywords(options, _SAMPLING_KEYS | set(speculative_keywords()))
     sampling_options = {k: v for k, v in options.items() if k in _SAMPLING_KEYS}
     if sampling is not None and sampling_options:
         raise ValueError(f"give sampling or {', '.join(sampling_options)}, not both")

@@ -35,6 +35,7 @@ __all__ = [
     "TargetFeatures",
     "make_drafter",
     "spec_from_keywords",
+    "speculative_keywords",
 ]
 
 COMMON = ("num_draft_tokens",)  # keywords every method takes
@@ -45,6 +46,12 @@ def make_drafter(spec: DrafterSpec, target: CausalLM, tokenizer=None) -> Drafter
     if not isinstance(spec, DrafterSpec):
         raise TypeError(f"expected a DrafterSpec, got {type(spec).__name__}")
     return spec.build(target, tokenizer)
+
+
+def speculative_keywords() -> tuple[str, ...]:
+    """Every `stream_generate` keyword some method owns, and those every method takes."""
+    owned = dict.fromkeys(k for spec in METHODS.values() for k in spec.keywords)
+    return (*owned, *COMMON)
 
 
 def spec_from_keywords(**keywords: Any) -> DrafterSpec | None:
