@@ -109,7 +109,7 @@ def step_costs(model, prompt: int, runs: int) -> dict[str, float]:
 
     from mlx_speculate.decode import Decoder
     from mlx_speculate.drafters import EagleSpec, EagleTree, make_drafter
-    from mlx_speculate.heads.eagle import EagleConfig, EagleHead
+    from mlx_speculate.heads.eagle import Eagle1Head, EagleConfig
     from mlx_speculate.policy import FixedPolicy
     from mlx_speculate.sampling import SamplingParams
 
@@ -123,7 +123,7 @@ def step_costs(model, prompt: int, runs: int) -> dict[str, float]:
         "rms_norm_eps": args.rms_norm_eps,
         "num_hidden_layers": 1,
     }
-    head = EagleHead(EagleConfig(version=1, layer=layer))
+    head = Eagle1Head(EagleConfig(version=1, layer=layer))
     head.set_dtype(model.compute_dtype)
     settings = {
         "plain": None,

@@ -170,9 +170,9 @@ def eagle_config(target: dict[str, Any], version: int, draft_vocab: int | None =
 def random_eagle_weights(config, seed: int = 0, qk_std: float = 0.3) -> dict[str, mx.array]:
     """Random float32 weights in the head's parameter names; EAGLE-3's d2t maps the draft
     vocabulary onto a random sorted subset of the target's."""
-    from mlx_speculate.heads.eagle import EagleHead
+    from mlx_speculate.heads.eagle import eagle_head
 
-    params = tree_flatten(EagleHead(config).parameters())
+    params = tree_flatten(eagle_head(config).parameters())
     keys = mx.random.split(mx.random.key(seed), len(params) + 1)
     weights = {}
     for k, (name, value) in zip(keys[1:], params, strict=True):

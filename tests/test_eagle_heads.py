@@ -14,7 +14,7 @@ from safetensors.numpy import save_file
 from mlx_speculate.convert import convert
 from mlx_speculate.convert import main as convert_main
 from mlx_speculate.heads.eagle import NORM_FLAGS, EagleConfig, EagleHead
-from mlx_speculate.heads.eagle_format import build_eagle, check_fits, load_eagle_heads
+from mlx_speculate.heads.eagle_format import build_eagle, load_eagle_heads
 from mlx_speculate.loading import load_model
 
 from .helpers import (
@@ -295,7 +295,7 @@ def test_published_layouts_read_back_exactly(tmp_path, layout):
     steps = random_steps(head, from_target=5, own=2)
     assert mx.array_equal(run_head(head, steps, 5), run_head(expected, steps, 5))
     if head.config.version == 3:
-        assert check_fits(head, target) == (2, 4, 5)
+        assert head.check_fits(target) == (2, 4, 5)
 
 
 def test_a_model_folder_name_finds_its_heads_and_hub_ids_are_fetched(tmp_path, monkeypatch):
@@ -340,7 +340,7 @@ def test_misfit_heads_are_refused(tmp_path, change, target, message):
     config = eagle_config(tiny_config(**change), 3, draft_vocab=40, taps=(2, 4, 5))
     head = build_eagle(config, random_eagle_weights(config))
     with pytest.raises(ValueError, match=message):
-        check_fits(head, tiny_model("llama", **(DEEP | target)))
+        head.check_fits(tiny_model("llama", **(DEEP | target)))
 
 
 def test_d2t_past_the_vocabulary_is_refused():
@@ -348,7 +348,7 @@ def test_d2t_past_the_vocabulary_is_refused():
     weights = random_eagle_weights(config)
     weights["d2t"] = mx.full((40,), 90, dtype=mx.int64)  # 39 + 90 >= 97
     with pytest.raises(ValueError, match="past the target's vocabulary"):
-        check_fits(build_eagle(config, weights), tiny_model("llama", **DEEP))
+        build_eagle(config, weights).check_fits(tiny_model("llama", **DEEP))
 
 
 @pytest.mark.parametrize(

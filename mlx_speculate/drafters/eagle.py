@@ -28,7 +28,7 @@ import numpy as np
 
 from ..cli import bounded, non_negative_int, positive_int
 from ..heads.eagle import EagleHead
-from ..heads.eagle_format import EAGLE_DIR, check_fits, load_eagle_heads
+from ..heads.eagle_format import EAGLE_DIR, load_eagle_heads
 from ..models.base import CausalLM, additive_mask
 from ..sampling import SamplingParams
 from ..tree import Tree
@@ -144,7 +144,7 @@ class EagleSpec(DrafterSpec):
 
     def build(self, target: CausalLM, tokenizer=None) -> EagleDrafter:
         heads = self.resolve(target).heads
-        drafter = EagleDrafter(heads, target, check_fits(heads, target), self.tree)
+        drafter = EagleDrafter(heads, target, heads.check_fits(target), self.tree)
         if self.num_draft_tokens is not None:
             drafter.max_draft = min(drafter.max_draft, self.num_draft_tokens)
         return drafter
@@ -164,11 +164,7 @@ class EagleDrafter:
         self._last: mx.array | None = None  # (h,) the head's output at position _fed - 1
 
     def extend(self, features: TargetFeatures) -> None:
-        rows = (
-            features.hidden
-            if self.head.config.version == 1
-            else mx.concatenate(features.taps, axis=-1)
-        )
+        rows = self.head.inputs(features.hidden, features.taps)
         self._pending.append(rows)
         self._known += rows.shape[0]
 
@@ -251,11 +247,7 @@ class EagleDrafter:
     def _best(self, out: mx.array, k: int) -> tuple[mx.array, mx.array]:
         """(n, h) head outputs -> the k likeliest next tokens of each, best first: (n, k)
         log-probabilities and (n, k) target ids."""
-        if self.head.config.version == 1:
-            logits = self.target.project(out)
-        else:
-            logits = self.head.draft_logits(out)  # over the draft vocabulary
-        logits = logits.astype(mx.float32)
+        logits = self.head.logits(out, self.target).astype(mx.float32)  # the head's vocabulary
         ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
         scores = mx.take_along_axis(logits, ids, axis=-1)  # (n, k), normalised below
         scores = scores - mx.logsumexp(logits, axis=-1, keepdims=True)

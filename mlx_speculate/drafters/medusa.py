@@ -118,7 +118,7 @@ class MedusaSpec(DrafterSpec):
 
     def build(self, target: CausalLM, tokenizer=None) -> MedusaDrafter:
         heads = self.resolve(target).heads
-        heads.check_fits(target.args.hidden_size, target.args.vocab_size)
+        heads.check_fits(target)
         drafter = MedusaDrafter(heads, DEFAULT_TREE if self.tree is None else self.tree)
         if self.num_draft_tokens is not None:
             drafter.max_draft = min(drafter.max_draft, self.num_draft_tokens)
@@ -175,7 +175,7 @@ class MedusaDrafter:
         return self._plans[k]
 
     def extend(self, features: TargetFeatures) -> None:
-        self._hidden = features.hidden[-1]
+        self._hidden = self.heads.inputs(features.hidden, features.taps)[-1]
         self._length += features.hidden.shape[0]
 
     def rewind(self, length: int) -> None:

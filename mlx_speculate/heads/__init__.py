@@ -1,7 +1,9 @@
-"""Draft heads that read the target's own hidden states: Medusa (`medusa.py`).
+"""Draft heads that read the target's own hidden states, one family behind one protocol
+(`base.DraftHead`): EAGLE-1 and EAGLE-3 (`eagle.py`, checkpoints in `eagle_format.py`) and
+Medusa (`medusa.py`).
 
-Each module holds one head family: its MLX module in the official parameter names, the
-published checkpoint formats, and conversion to the MLX heads folder written beside a converted
+Each head module holds its MLX module in the official parameter names; the format modules read
+and write the published checkpoint layouts and the MLX heads folder written beside a converted
 model. Weights are read by `checkpoint.read_weights` and loaded by `checkpoint.load_into`, as
 models are.
 """

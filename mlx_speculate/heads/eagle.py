@@ -18,6 +18,7 @@ the speculators layout into them).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ import mlx.nn as nn
 
 from ..cache import KVCache
 from ..models import llama, qwen2
-from ..models.base import ForwardContext, build_context
+from ..models.base import CausalLM, ForwardContext, build_context
 from ..models.rope import RotaryEmbedding
 
 # Speculators' normalisation options for EAGLE-3 (all off in SafeAILab's heads).
@@ -130,27 +131,141 @@ class Eagle3Layer(nn.Module):
 
 
 class EagleHead(nn.Module):
-    """One EAGLE draft head; `__call__` runs it over positions with its own KV cache."""
+    """What both EAGLE heads share: one level over positions with the head's own KV cache
+    (`__call__`), the feedback a next level reads, logits and their ids on the target's
+    vocabulary. `Eagle1Head` and `Eagle3Head` differ only behind these methods."""
+
+    layer_prefix: str  # the draft layer's key prefix in official checkpoints
 
     def __init__(self, config: EagleConfig):
         super().__init__()
         self.config = config
         args = config.args
         self.args = args
-        h = args.hidden_size
         self._rope = RotaryEmbedding(
             args.head_dim, args.rope_config(), args.max_position_embeddings
         )
-        if config.version == 1:
-            self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
-            self.layers = [
-                Eagle1Layer(args, self._rope, first=i == 0) for i in range(args.num_hidden_layers)
-            ]
-            return
+
+    @property
+    def num_layers(self) -> int:
+        raise NotImplementedError
+
+    def make_cache(self) -> KVCache:
+        return KVCache(self.num_layers)
+
+    def __call__(
+        self,
+        embeds: mx.array,
+        hidden: mx.array,
+        cache: KVCache,
+        *,
+        from_target: bool,
+        positions: mx.array | None = None,
+        mask: mx.array | None = None,
+    ) -> mx.array:
+        """(B, L, h) embeddings of x_{t+1} and (B, L, F) states of position t -> (B, L, h) the
+        head's output (its next hidden). `from_target`: `hidden` is what `inputs` made of the
+        target's features, else the head's own `feedback`."""
+        ctx = build_context(
+            self._rope, cache, embeds.shape[1], positions, mask, None, (False,), embeds.dtype
+        )
+        x = self._level(embeds, hidden, ctx, from_target)
+        cache.advance(embeds.shape[1])
+        return x
+
+    def _level(
+        self, embeds: mx.array, hidden: mx.array, ctx: ForwardContext, from_target: bool
+    ) -> mx.array:
+        raise NotImplementedError
+
+    def taps(self, num_layers: int) -> tuple[int, ...]:
+        """The target layers whose entering states `inputs` reads, for a target this deep."""
+        return ()
+
+    def inputs(self, hidden: mx.array, taps: Sequence[mx.array]) -> mx.array:
+        """(n, F) the rows a first level reads from the target's final states and taps."""
+        raise NotImplementedError
+
+    def feedback(self, out: mx.array) -> mx.array:
+        """What the next level reads as its hidden."""
+        return out
+
+    def logits(self, out: mx.array, target: CausalLM) -> mx.array:
+        """(..., h) outputs -> (..., V) logits over the head's vocabulary."""
+        raise NotImplementedError
+
+    def to_target(self, ids: mx.array) -> mx.array:
+        """Ids of the head's vocabulary -> the target's."""
+        return ids
+
+    def check_fits(self, target: CausalLM) -> tuple[int, ...]:
+        """Raises ValueError unless the head reads the target's states and speaks its
+        vocabulary; returns the target layers it taps."""
+        args = target.args
+        if self.args.hidden_size != args.hidden_size:
+            raise ValueError(
+                f"EAGLE heads read hidden size {self.args.hidden_size}, the target's is "
+                f"{args.hidden_size}"
+            )
+        if self.args.vocab_size != args.vocab_size:
+            raise ValueError(
+                f"EAGLE heads predict a vocabulary of {self.args.vocab_size}, the target's is "
+                f"{args.vocab_size}"
+            )
+        return self._check_taps(args.num_hidden_layers, args.hidden_size, args.vocab_size)
+
+    def _check_taps(self, layers: int, hidden: int, vocab: int) -> tuple[int, ...]:
+        return ()
+
+
+class Eagle1Head(EagleHead):
+    """EAGLE-1/2 (`cnets1.Model`): fc over cat(embed, feature), decoder layers, the target's
+    lm_head."""
+
+    layer_prefix = "layers.0"
+
+    def __init__(self, config: EagleConfig):
+        super().__init__(config)
+        args = self.args
+        h = args.hidden_size
+        self.fc = nn.Linear(2 * h, h, bias=config.fc_bias)
+        self.layers = [
+            Eagle1Layer(args, self._rope, first=i == 0) for i in range(args.num_hidden_layers)
+        ]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def _level(
+        self, embeds: mx.array, hidden: mx.array, ctx: ForwardContext, from_target: bool
+    ) -> mx.array:
+        x = self.fc(mx.concatenate([embeds, hidden], axis=-1))
+        for i, layer in enumerate(self.layers):
+            x = layer(x, ctx, i)
+        return x
+
+    def inputs(self, hidden: mx.array, taps: Sequence[mx.array]) -> mx.array:
+        return hidden
+
+    def logits(self, out: mx.array, target: CausalLM) -> mx.array:
+        return target.project(out)
+
+
+class Eagle3Head(EagleHead):
+    """EAGLE-3 (`cnets.Model`): fc over the concatenated taps, one midlayer, its own norm and
+    lm_head over the draft vocabulary, `d2t` onto the target's."""
+
+    layer_prefix = "midlayer"
+
+    def __init__(self, config: EagleConfig):
+        super().__init__(config)
+        args = self.args
         if args.num_hidden_layers != 1:
             raise ValueError(
                 f"EAGLE-3 heads have one midlayer; this one has {args.num_hidden_layers} layers"
             )
+        h = args.hidden_size
         taps = 3 if config.taps is None else len(config.taps)
         flags = set(config.flags)
         if "norm_before_fc" in flags:
@@ -167,37 +282,14 @@ class EagleHead(nn.Module):
 
     @property
     def num_layers(self) -> int:
-        return len(self.layers) if self.config.version == 1 else 1
+        return 1
 
-    def make_cache(self) -> KVCache:
-        return KVCache(self.num_layers)
-
-    def __call__(
-        self,
-        embeds: mx.array,
-        hidden: mx.array,
-        cache: KVCache,
-        *,
-        from_target: bool,
-        positions: mx.array | None = None,
-        mask: mx.array | None = None,
+    def _level(
+        self, embeds: mx.array, hidden: mx.array, ctx: ForwardContext, from_target: bool
     ) -> mx.array:
-        """(B, L, h) embeddings of x_{t+1} and (B, L, F) states of position t -> (B, L, h) the
-        head's output (its next hidden). `from_target`: `hidden` holds the target's features
-        (EAGLE-3: the concatenated taps, through `fc`), else the head's own earlier output."""
-        ctx = build_context(
-            self._rope, cache, embeds.shape[1], positions, mask, None, (False,), embeds.dtype
-        )
-        if self.config.version == 1:
-            x = self.fc(mx.concatenate([embeds, hidden], axis=-1))
-            for i, layer in enumerate(self.layers):
-                x = layer(x, ctx, i)
-        else:
-            if from_target:
-                hidden = self._fuse(hidden)
-            x = self.midlayer(embeds, hidden, ctx)
-        cache.advance(embeds.shape[1])
-        return x
+        if from_target:
+            hidden = self._fuse(hidden)
+        return self.midlayer(embeds, hidden, ctx)
 
     def _fuse(self, taps: mx.array) -> mx.array:
         """(..., n * h) concatenated target states -> (..., h)."""
@@ -208,16 +300,52 @@ class EagleHead(nn.Module):
             taps = mx.concatenate([n(p) for n, p in zip(self.fc_norm, parts, strict=True)], -1)
         return self.fc(taps)
 
+    def taps(self, num_layers: int) -> tuple[int, ...]:
+        # The official taps: the states entering layers 2, L//2 and L-3 (each once), in order.
+        return self.config.taps or tuple(sorted({2, num_layers // 2, num_layers - 3}))
+
+    def inputs(self, hidden: mx.array, taps: Sequence[mx.array]) -> mx.array:
+        return mx.concatenate(list(taps), axis=-1)
+
     def feedback(self, out: mx.array) -> mx.array:
-        """What the next level reads as its hidden: the output, normed with `norm_output`."""
         return self.norm(out) if "norm_output" in self.config.flags else out
 
+    def logits(self, out: mx.array, target: CausalLM) -> mx.array:
+        return self.draft_logits(out)
+
     def draft_logits(self, out: mx.array) -> mx.array:
-        """EAGLE-3: (..., h) -> (..., draft vocabulary) logits of its own lm_head."""
+        """(..., h) -> (..., draft vocabulary) logits of its own lm_head."""
         return self.lm_head(self.norm(out))
 
-    def to_target(self, draft_ids: mx.array) -> mx.array:
-        """EAGLE-3 draft ids -> target ids."""
+    def to_target(self, ids: mx.array) -> mx.array:
         if "d2t" not in self:
-            return draft_ids
-        return draft_ids + self.d2t[draft_ids].astype(draft_ids.dtype)
+            return ids
+        return ids + self.d2t[ids].astype(ids.dtype)
+
+    def _check_taps(self, layers: int, hidden: int, vocab: int) -> tuple[int, ...]:
+        taps = self.taps(layers)
+        if any(not 0 <= t < layers for t in taps):
+            raise ValueError(f"EAGLE-3 heads tap layers {list(taps)}; the target has {layers}")
+        fc = self.fc  # a quantized layer packs its input dimension
+        width = fc.scales.shape[-1] * fc.group_size if "scales" in fc else fc.weight.shape[-1]
+        if width != len(taps) * hidden:
+            raise ValueError(
+                f"EAGLE-3 heads read {width // hidden} target states, the config taps "
+                f"{len(taps)} layers ({list(taps)})"
+            )
+        if "d2t" in self:
+            ids = mx.arange(self.d2t.shape[0])
+            top = mx.max(ids + self.d2t).item()
+            if mx.min(ids + self.d2t).item() < 0 or top >= vocab:
+                raise ValueError(
+                    f"EAGLE-3 d2t maps draft ids to {top}, past the target's vocabulary"
+                )
+        return tuple(taps)
+
+
+HEADS: dict[int, type[EagleHead]] = {1: Eagle1Head, 3: Eagle3Head}
+
+
+def eagle_head(config: EagleConfig) -> EagleHead:
+    """An untrained head of the config's version."""
+    return HEADS[config.version](config)

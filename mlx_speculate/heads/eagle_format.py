@@ -9,6 +9,8 @@
 - vllm-project/speculators (`speculators_model_type: eagle3`): `layers.0.*` for the midlayer,
   the layer config nested in `transformer_layer_config`, taps in
   `eagle_aux_hidden_state_layer_ids`, and its normalisation flags.
+- What `save_official` writes (trained heads): the SafeAILab layouts above, `config.json` +
+  `model.safetensors`, EAGLE-3 with `d2t` and `t2d` and its taps in the config.
 - MLX (what `convert --eagle-path` writes, `eagle/` beside a converted model): `config.json` in
   `EagleConfig.to_json` form (+ mlx-lm's `quantization`) and `weights.safetensors`.
 
@@ -18,15 +20,18 @@ omits it, so configs are not trusted for it).
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
-from ..checkpoint import load_into, read_weights
+from ..atomic import move_into_place, staging_folder
+from ..checkpoint import load_into, read_weights, write_safetensors
 from ..models.base import CausalLM
-from .eagle import NORM_FLAGS, EagleConfig, EagleHead
+from .eagle import HEADS, NORM_FLAGS, EagleConfig, EagleHead
 from .store import MLX_WEIGHTS, find_checkpoint, prepare, save_heads
 
 EAGLE_DIR = "eagle"  # heads folder inside a converted model folder
@@ -73,11 +78,11 @@ def read_eagle(path: str | Path) -> tuple[EagleConfig, dict[str, mx.array], dict
     taps = raw_config.get("eagle_aux_hidden_state_layer_ids") or (
         raw_config.get("eagle_config") or {}
     ).get("eagle_aux_hidden_state_layer_ids")
-    draft_vocab = raw_config.get("draft_vocab_size") if version == 3 else None
+    draft_vocab = raw_config.get("draft_vocab_size")
     if draft_vocab == layer.get("vocab_size"):
         draft_vocab = None  # the official loader drops d2t then: ids are the target's
         weights.pop("d2t", None)
-    layer |= _biases(weights, "midlayer" if version == 3 else "layers.0")
+    layer |= _biases(weights, HEADS[version].layer_prefix)
     config = EagleConfig(
         version=version,
         layer=layer,
@@ -106,44 +111,9 @@ def build_eagle(
     quantization: dict[str, Any] | None = None,
     dtype: mx.Dtype | None = None,
 ) -> EagleHead:
-    head = EagleHead(config)
+    head = HEADS[config.version](config)
     what = f"EAGLE-{config.version} heads"
     return load_into(head, weights, quantization=quantization, dtype=dtype, what=what)
-
-
-def check_fits(head: EagleHead, target: CausalLM) -> tuple[int, ...]:
-    """Raises ValueError unless the head reads the target's states and speaks its vocabulary;
-    returns the target layers it taps (EAGLE-3; none for EAGLE-1)."""
-    args, config, layers = target.args, head.config, target.args.num_hidden_layers
-    if head.args.hidden_size != args.hidden_size:
-        raise ValueError(
-            f"EAGLE heads read hidden size {head.args.hidden_size}, the target's is "
-            f"{args.hidden_size}"
-        )
-    if head.args.vocab_size != args.vocab_size:
-        raise ValueError(
-            f"EAGLE heads predict a vocabulary of {head.args.vocab_size}, the target's is "
-            f"{args.vocab_size}"
-        )
-    if config.version == 1:
-        return ()
-    # The official taps: the states entering layers 2, L//2 and L-3 (each once), in order.
-    taps = config.taps or tuple(sorted({2, layers // 2, layers - 3}))
-    if any(not 0 <= t < layers for t in taps):
-        raise ValueError(f"EAGLE-3 heads tap layers {list(taps)}; the target has {layers}")
-    fc = head.fc  # a quantized layer packs its input dimension
-    width = fc.scales.shape[-1] * fc.group_size if "scales" in fc else fc.weight.shape[-1]
-    if width != len(taps) * args.hidden_size:
-        raise ValueError(
-            f"EAGLE-3 heads read {width // args.hidden_size} target states, the config taps "
-            f"{len(taps)} layers ({list(taps)})"
-        )
-    if "d2t" in head:
-        ids = mx.arange(head.d2t.shape[0])
-        top = mx.max(ids + head.d2t).item()
-        if mx.min(ids + head.d2t).item() < 0 or top >= args.vocab_size:
-            raise ValueError(f"EAGLE-3 d2t maps draft ids to {top}, past the target's vocabulary")
-    return tuple(taps)
 
 
 def load_eagle_heads(path: str | Path, target: CausalLM | None = None) -> EagleHead:
@@ -152,7 +122,7 @@ def load_eagle_heads(path: str | Path, target: CausalLM | None = None) -> EagleH
     dtype = None if target is None else target.compute_dtype  # they compute in its dtype
     head = build_eagle(config, weights, raw.get("quantization"), dtype)
     if target is not None:
-        check_fits(head, target)
+        head.check_fits(target)
     return head
 
 
@@ -174,8 +144,38 @@ def convert_eagle_heads(
         raise ValueError(f"EAGLE heads at {eagle_path} are already quantized")
     head = build_eagle(config, weights)
     if target is not None:
-        taps = check_fits(head, target)
-        if config.version == 3:
-            config = replace(config, taps=taps)
+        config = replace(config, taps=head.check_fits(target) or None)
     extra = prepare(head, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size, dtype=dtype)
     return save_heads(head, out, {**config.to_json(), **extra})
+
+
+# The architectures official configs name; SafeAILab's loader reads `bias` for fc's bias.
+_ARCHITECTURES = {1: "LlamaForCausalLM", 3: "LlamaForCausalLMEagle3"}
+
+
+def save_official(head: EagleHead, out: str | Path) -> Path:
+    """Writes `head` into a new folder `out` in SafeAILab's layout (`cnets1` keys for EAGLE-1,
+    the native EAGLE-3 keys with `d2t` and `t2d`): what the official code, SpecForge and this
+    package's loaders read. Atomic: `out` appears whole or not at all."""
+    config = head.config
+    weights = dict(tree_flatten(head.parameters()))
+    raw = {**config.layer, "architectures": [_ARCHITECTURES[config.version]],
+           "model_type": "llama", "bias": config.fc_bias,
+           "torch_dtype": "float32"}  # fmt: skip
+    if "lm_head.weight" in weights:  # EAGLE-3: its own vocabulary, ids mapped by d2t
+        vocab, draft = head.args.vocab_size, weights["lm_head.weight"].shape[0]
+        d2t = weights.get("d2t", mx.zeros((draft,), dtype=mx.int64))
+        t2d = mx.zeros((vocab,), dtype=mx.bool_)
+        t2d[mx.arange(draft) + d2t] = True
+        weights |= {"d2t": d2t, "t2d": t2d}
+        raw |= {"draft_vocab_size": draft, **({} if config.taps is None else
+                {"eagle_aux_hidden_state_layer_ids": list(config.taps)})}  # fmt: skip
+    out = Path(out)
+    tmp = staging_folder(out)
+    floats = {
+        k: v.astype(mx.float32) for k, v in weights.items() if mx.issubdtype(v.dtype, mx.floating)
+    }
+    write_safetensors(tmp / "model.safetensors", weights | floats)
+    (tmp / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    move_into_place(tmp, out)
+    return out

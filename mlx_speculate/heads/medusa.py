@@ -4,6 +4,8 @@ Published layout (FasterDecoding/Medusa): `config.json` (`medusa_num_heads`, `me
 `base_model_name_or_path`) + `medusa_lm_head.safetensors` or `medusa_lm_head.pt`, keys
 `{k}.{j}.linear.weight`, `{k}.{j}.linear.bias`, `{k}.{num_layers}.weight`.
 
+`save_medusa1` writes trained heads in the published layout (`medusa_lm_head.safetensors`).
+
 MLX layout (what `convert_medusa_heads` writes, `medusa/` beside a converted model): the same
 config fields plus `hidden_size`, `vocab_size` and, when quantized, mlx-lm's `quantization`;
 `weights.safetensors` holding this module's parameter names.
@@ -11,6 +13,7 @@ config fields plus `hidden_size`, `vocab_size` and, when quantized, mlx-lm's `qu
 
 from __future__ import annotations
 
+import json
 import re
 import warnings
 from collections.abc import Sequence
@@ -19,8 +22,11 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
-from ..checkpoint import load_into, read_weights
+from ..atomic import move_into_place, staging_folder
+from ..checkpoint import load_into, read_weights, write_safetensors
+from ..models.base import CausalLM
 from ..tree import Tree
 from .store import MLX_WEIGHTS, find_checkpoint, prepare, save_heads
 
@@ -80,7 +86,24 @@ class MedusaHeads(nn.Module):
             "vocab_size": self.vocab_size,
         }
 
-    def check_fits(self, hidden_size: int, vocab_size: int) -> None:
+    # The draft head protocol (heads/base.py): Medusa reads the final state and keeps no cache.
+    def taps(self, num_layers: int) -> tuple[int, ...]:
+        return ()
+
+    def inputs(self, hidden: mx.array, taps: Sequence[mx.array]) -> mx.array:
+        return hidden
+
+    def make_cache(self) -> None:
+        return None
+
+    def to_target(self, ids: mx.array) -> mx.array:
+        return ids
+
+    def check_fits(self, target: CausalLM) -> tuple[int, ...]:
+        self.check_sizes(target.args.hidden_size, target.args.vocab_size)
+        return ()
+
+    def check_sizes(self, hidden_size: int, vocab_size: int) -> None:
         if self.hidden_size != hidden_size:
             raise ValueError(
                 f"Medusa heads read hidden size {self.hidden_size}, the target's is {hidden_size}"
@@ -171,7 +194,7 @@ def build_heads(
     )
 
 
-def load_medusa_heads(path: str | Path, model: nn.Module | None = None) -> MedusaHeads:
+def load_medusa_heads(path: str | Path, model: CausalLM | None = None) -> MedusaHeads:
     """Heads from a heads folder, a published Medusa-1 folder, or a model folder with `medusa/`.
 
     With `model`, the heads must read its hidden size and predict its vocabulary, and compute
@@ -179,7 +202,7 @@ def load_medusa_heads(path: str | Path, model: nn.Module | None = None) -> Medus
     """
     heads = build_heads(*read_checkpoint(path), None if model is None else model.compute_dtype)
     if model is not None:
-        heads.check_fits(model.args.hidden_size, model.args.vocab_size)
+        heads.check_fits(model)
     return heads
 
 
@@ -188,6 +211,21 @@ def save_medusa_heads(
 ) -> Path:
     """Writes `config.json` and `weights.safetensors` (MLX layout) into `folder`."""
     return save_heads(heads, folder, {**(extra_config or {}), **heads.config()})
+
+
+def save_medusa1(heads: MedusaHeads, out: str | Path, base_model: str = "") -> Path:
+    """Writes `heads` into a new folder `out` in the published Medusa-1 layout (keys
+    `{k}.{j}.linear.weight`, ...; float32); atomic: `out` appears whole or not at all."""
+    out = Path(out)
+    weights = {
+        k.removeprefix("heads."): v.astype(mx.float32) for k, v in tree_flatten(heads.parameters())
+    }
+    config = {**heads.config(), "base_model_name_or_path": base_model}
+    tmp = staging_folder(out)
+    write_safetensors(tmp / "medusa_lm_head.safetensors", weights)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    move_into_place(tmp, out)
+    return out
 
 
 def convert_medusa_heads(
@@ -210,7 +248,7 @@ def convert_medusa_heads(
         raise ValueError(f"Medusa heads at {medusa_path} are already quantized")
     heads = build_heads(config, weights)
     if model_config is not None:
-        heads.check_fits(model_config["hidden_size"], model_config["vocab_size"])
+        heads.check_sizes(model_config["hidden_size"], model_config["vocab_size"])
     extra = {k: config[k] for k in ("base_model_name_or_path",) if k in config}
     extra |= prepare(
         heads, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size, dtype=dtype
