@@ -471,7 +471,7 @@ def test_cli_eagle_beside_a_converted_model_prints_the_plain_text(shared_models,
         assert "tokens per target forward" in captured.err
     with pytest.raises(SystemExit) as exited:
         generate_main([*args, "--tree-top-k", "4"])
-    assert exited.value.code == 2 and "apply to --eagle only" in capsys.readouterr().err
+    assert exited.value.code == 2 and "applies to --eagle only" in capsys.readouterr().err
     misfit = tmp_path / "misfit"
     small = eagle_config(tiny_config(), 1)
     save_heads(build_eagle(small, random_eagle_weights(small)), misfit, small.to_json())
