@@ -304,6 +304,25 @@ def test_gemma3_rope_forms_agree(name):
     assert ours.local_rope_config() == theirs.local_rope_config()
 
 
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        ({"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"layer_types": ["full_attention"]}, "layer_types names 1 layers, the model has 2"),
+        (
+            {"rope_parameters": {"sliding_attention": {"rope_type": "dynamic", "factor": 2.0}}},
+            "sliding_attention rope_type 'dynamic' is not supported",
+        ),
+    ],
+)
+def test_gemma3_configs_it_cannot_run_are_one_line_errors(overrides, needle):
+    config = tiny_config("gemma3_text", **overrides)
+    with pytest.raises(ValueError, match=needle) as error:
+        build_model(config, random_weights(tiny_config("gemma3_text")))
+    assert "\n" not in str(error.value)
+
+
 def test_rope_theta_inside_rope_parameters_is_used(tmp_path):
     """Only `rope_parameters.rope_theta` (no top-level key, mlx-lm 0.32 reads 1e4) sets the base."""
     config = tiny_config()
