@@ -152,7 +152,7 @@ class Model(CausalLM):
         local = RotaryEmbedding(
             args.head_dim, args.local_rope_config(), args.max_position_embeddings
         )
-        if local.depends_on_length:  # the forward computes positions for the global rope only
+        if local.depends_on_length:  # the forward finds the largest position for the global one
             raise ValueError(f"sliding_attention rope_type {local.rope_type!r} is not supported")
         sliding = args.sliding_layers()
 
