@@ -323,6 +323,22 @@ def test_gemma3_configs_it_cannot_run_are_one_line_errors(overrides, needle):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("name", ["qwen3-yarn", "gemma3-linear"])
+def test_transformers_folder_converts_to_the_same_logits(tmp_path, name):
+    """A folder transformers saved (Gemma 3's rope nested per layer type) converts to an MLX
+    folder that gives transformers' logits."""
+    from mlx_speculate.convert import convert
+
+    config = variant_config(VARIANTS[name], "rope_parameters")
+    weights = random_weights(config)
+    ref = hf_model(config, weights)
+    ref.float().save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "mlx")
+    tokens = prompt(12)
+    ours = load_model(tmp_path / "mlx")[0](mx.array(tokens)).logits
+    assert_close(ours, hf_forward(ref.double(), tokens).logits)
+
+
 def test_rope_theta_inside_rope_parameters_is_used(tmp_path):
     """Only `rope_parameters.rope_theta` (no top-level key, mlx-lm 0.32 reads 1e4) sets the base."""
     config = tiny_config()
