@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -14,6 +15,8 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_speculate.loading import build_model, load, load_model
+from mlx_speculate.models import gemma3
+from mlx_speculate.models.rope import rope_both_forms
 
 from .helpers import TINY, greedy_reference, random_weights, tiny_config, tree_inputs, tree_path
 
@@ -285,6 +288,55 @@ def test_gemma3_folder_loads_its_language_model(tmp_path, prefix):
     assert isinstance(loaded.model.layers[0].mlp.down_proj, nn.Linear)
     tokens = mx.array(prompt(12))
     assert mx.array_equal(loaded(tokens).logits, model(tokens).logits)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma3-linear"])
+def test_gemma3_rope_forms_agree(name):
+    """Gemma 3's nested rope_parameters and the legacy keys convert writes beside them (what
+    mlx-lm reads) give the same global and local RoPE."""
+    nested = variant_config(VARIANTS[name], "rope_parameters")
+    legacy = rope_both_forms(nested)
+    assert legacy["rope_parameters"] == nested["rope_parameters"]
+    del legacy["rope_parameters"]
+    assert legacy == variant_config(VARIANTS[name], "legacy") | {"rope_scaling": ANY}
+    ours, theirs = gemma3.ModelArgs.from_dict(nested), gemma3.ModelArgs.from_dict(legacy)
+    assert ours.rope_config() == theirs.rope_config()
+    assert ours.local_rope_config() == theirs.local_rope_config()
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        ({"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"layer_types": ["full_attention"]}, "layer_types names 1 layers, the model has 2"),
+        (
+            {"rope_parameters": {"sliding_attention": {"rope_type": "dynamic", "factor": 2.0}}},
+            "sliding_attention rope_type 'dynamic' is not supported",
+        ),
+    ],
+)
+def test_gemma3_configs_it_cannot_run_are_one_line_errors(overrides, needle):
+    config = tiny_config("gemma3_text", **overrides)
+    with pytest.raises(ValueError, match=needle) as error:
+        build_model(config, random_weights(tiny_config("gemma3_text")))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("name", ["qwen3-yarn", "gemma3-linear"])
+def test_transformers_folder_converts_to_the_same_logits(tmp_path, name):
+    """A folder transformers saved (Gemma 3's rope nested per layer type) converts to an MLX
+    folder that gives transformers' logits."""
+    from mlx_speculate.convert import convert
+
+    config = variant_config(VARIANTS[name], "rope_parameters")
+    weights = random_weights(config)
+    ref = hf_model(config, weights)
+    ref.float().save_pretrained(tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "mlx")
+    tokens = prompt(12)
+    ours = load_model(tmp_path / "mlx")[0](mx.array(tokens)).logits
+    assert_close(ours, hf_forward(ref.double(), tokens).logits)
 
 
 def test_rope_theta_inside_rope_parameters_is_used(tmp_path):

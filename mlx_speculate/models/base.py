@@ -195,7 +195,7 @@ def attend(
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm decoder block shared by Llama, Qwen2 and Phi-3 (HF parameter names)."""
+    """Pre-norm decoder block shared by Llama, Qwen2, Qwen3 and Phi-3 (HF parameter names)."""
 
     def __init__(self, args: BaseModelArgs, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()

@@ -17,7 +17,7 @@ import mlx.nn as nn
 
 from . import llama, qwen3
 from .base import BaseModelArgs, CausalLM, ForwardContext
-from .rope import RotaryEmbedding, rope_parameters
+from .rope import LAYER_TYPES, RotaryEmbedding, rope_parameters
 
 # Checkpoint prefixes of the language model inside `gemma3` folders (transformers >= 4.52, then
 # older transformers and mlx-vlm) and the parts of those folders that are not text.
@@ -78,7 +78,7 @@ class ModelArgs(BaseModelArgs):
     def _nested_rope(self, layer_type: str) -> dict[str, Any] | None:
         """transformers 5's per-layer-type `rope_parameters`, if the config has that form."""
         nested = self.rope_parameters or {}
-        if not {"full_attention", "sliding_attention"} & nested.keys():
+        if not LAYER_TYPES & nested.keys():
             return None
         return nested.get(layer_type) or {}
 
@@ -152,7 +152,7 @@ class Model(CausalLM):
         local = RotaryEmbedding(
             args.head_dim, args.local_rope_config(), args.max_position_embeddings
         )
-        if local.depends_on_length:  # the forward computes positions for the global rope only
+        if local.depends_on_length:  # the forward finds the largest position for the global one
             raise ValueError(f"sliding_attention rope_type {local.rope_type!r} is not supported")
         sliding = args.sliding_layers()
 

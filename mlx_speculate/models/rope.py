@@ -15,6 +15,8 @@ from typing import Any
 import mlx.core as mx
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+# transformers 5 nests `rope_parameters` by these layer types where they differ (Gemma 3).
+LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
@@ -48,6 +50,9 @@ def rope_both_forms(config: dict[str, Any]) -> dict[str, Any]:
     """`config` with its rope settings in both forms: `rope_parameters` (transformers 5) and
     `rope_theta`/`rope_scaling` (mlx-lm, older transformers), as converted folders carry them."""
     config = dict(config)
+    nested = config.get("rope_parameters") or {}
+    if LAYER_TYPES & nested.keys():
+        return _nested_both_forms(config, nested)
     params = rope_parameters(config)
     config["rope_parameters"] = params
     config["rope_theta"] = params["rope_theta"]
@@ -65,6 +70,23 @@ def rope_both_forms(config: dict[str, Any]) -> dict[str, Any]:
         config.setdefault(
             "original_max_position_embeddings", params["original_max_position_embeddings"]
         )
+    return config
+
+
+def _nested_both_forms(config: dict[str, Any], nested: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's per-layer-type `rope_parameters` (transformers 5) kept, plus the legacy form:
+    `rope_theta` and `rope_scaling` of the global layers, `rope_local_base_freq` of the local."""
+    full = nested.get("full_attention") or {}
+    sliding = nested.get("sliding_attention") or {}
+    if "rope_theta" in full:
+        config["rope_theta"] = full["rope_theta"]
+    if "rope_theta" in sliding:
+        config["rope_local_base_freq"] = sliding["rope_theta"]
+    rope_type = full.get("rope_type", full.get("type", "default"))
+    config["rope_scaling"] = None
+    if rope_type != "default":
+        legacy = {k: v for k, v in full.items() if k != "rope_theta"}
+        config["rope_scaling"] = {**legacy, "type": rope_type, "rope_type": rope_type}
     return config
 
 
