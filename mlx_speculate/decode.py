@@ -36,6 +36,7 @@ from .drafters.base import Draft, Drafter, TargetFeatures
 from .models.base import CausalLM
 from .policy import FixedPolicy, Policy
 from .sampling import SamplingParams, log_probs
+from .step import verify
 from .tree import ROOT, Tree
 from .verify import Acceptance, greedy_accept, rejection_accept, typical_accept
 
@@ -236,18 +237,22 @@ class _Queue:
             if draft is not None:
                 draft = draft.limited(decoder.room())
         tree = ROOT if draft is None else draft.tree
-        inputs = pending if draft is None else mx.concatenate([pending, draft.tokens])
         offset = decoder.cache.offset
-        positions = mask = None
-        if not tree.is_chain:  # a chain needs no more than the causal default
-            positions, mask = tree.positions(offset), tree.attention_mask(offset)
-        out = decoder.model(
-            inputs[None], decoder.cache, positions=positions, mask=mask, taps=decoder.taps
+        verified = verify(
+            decoder.model,
+            decoder.cache,
+            pending,
+            tree,
+            None if draft is None else draft.tokens,
+            None if draft is None else draft.logprobs,
+            self.sampling,
+            taps=decoder.taps,
+            typical=self.typical,
         )
-        logits = out.logits[0]  # (N, V)
-        acceptance = self.accept(tree, inputs[1:], logits, draft)
-        features = TargetFeatures(out.hidden[0], tuple(t[0] for t in out.taps))
-        return _Pending(offset, tree, acceptance, logits, features)
+        acceptance = verified.acceptance
+        mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
+        features = TargetFeatures(verified.hidden, verified.taps)
+        return _Pending(offset, tree, acceptance, verified.logits, features)
 
     def accept(
         self, tree: Tree, tokens: mx.array, logits: mx.array, draft: Draft | None

@@ -123,7 +123,7 @@ class RotaryEmbedding:
         return self._freqs
 
     def __call__(
-        self, x: mx.array, offset: int, positions: mx.array | None, freqs: mx.array
+        self, x: mx.array, offset: int | mx.array, positions: mx.array | None, freqs: mx.array
     ) -> mx.array:
         if self._scale is not None:
             x = x * self._scale.astype(x.dtype)
