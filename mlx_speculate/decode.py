@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .cache import KVCache
+from .device import GENERATION_STREAM
 from .drafters.base import Draft, Drafter, TargetFeatures
 from .models.base import CausalLM
 from .policy import FixedPolicy, Policy
@@ -104,14 +105,16 @@ class Decoder:
         self.cache.truncate(kept)
         if self.drafter is not None:
             self.drafter.rewind(kept)
-        for start in range(kept, len(prompt), PREFILL_STEP):
-            chunk = prompt[start : start + PREFILL_STEP]
-            out = self.model(mx.array([chunk]), self.cache, taps=self.taps)
-            if self.drafter is not None:
-                self.drafter.extend(TargetFeatures(out.hidden[0], tuple(t[0] for t in out.taps)))
-            mx.eval(self.cache.state)
-        # Only the last row is projected (the prefill's own logits are never evaluated).
-        self._prompt_logits = self.model.project(out.hidden[0, -1:])
+        with mx.stream(GENERATION_STREAM):
+            for start in range(kept, len(prompt), PREFILL_STEP):
+                chunk = prompt[start : start + PREFILL_STEP]
+                out = self.model(mx.array([chunk]), self.cache, taps=self.taps)
+                if self.drafter is not None:
+                    features = TargetFeatures(out.hidden[0], tuple(t[0] for t in out.taps))
+                    self.drafter.extend(features)
+                mx.eval(self.cache.state)
+            # Only the last row is projected (the prefill's own logits are never evaluated).
+            self._prompt_logits = self.model.project(out.hidden[0, -1:])
         self.context = prompt
         return kept
 
@@ -229,6 +232,10 @@ class _Queue:
         self.typical = typical  # Medusa's typical acceptance when sampling: LOSSY, opt-in
 
     def __call__(self, pending: mx.array, k: int) -> _Pending:
+        with mx.stream(GENERATION_STREAM):
+            return self._queue(pending, k)
+
+    def _queue(self, pending: mx.array, k: int) -> _Pending:
         decoder = self.decoder
         draft: Draft | None = None
         if decoder.drafter is not None and k > 0 and decoder.room() > 0:

@@ -81,7 +81,7 @@ def verify(
 ) -> Verified:
     """Queues one verify step (lazy): `pending` (1,) and `draft` (N - 1,) tokens of `tree`.
 
-    Fixed shapes: every array is padded to the row bucket of N (q rows to bucket - 1) and the
+    Fixed shapes: every array is padded to the row bucket of N (the q rows too) and the
     cache is read whole; no host sync. Writes the padded rows from the cache offset and
     advances the offset by N."""
     n = tree.num_nodes
@@ -97,7 +97,7 @@ def verify(
     if sampled_q:
         m = draft_logprobs.shape[0]
         q = draft_logprobs.astype(mx.float32)
-        args.append(mx.concatenate([q, mx.zeros((rows - 1 - m, q.shape[-1]), mx.float32)]))
+        args.append(mx.concatenate([q, mx.zeros((rows - m, q.shape[-1]), mx.float32)]))
     shape = (rows, padded.is_chain, padded.depth, padded.width)
     key = ("verify", shape, sampled_q, sampling, typical, taps)
     fn = _compiled(
