@@ -14,7 +14,8 @@ def apply_chat_template(
     tokenizer's chat template with a generation prompt; `system` goes first when given.
 
     A tokenizer without a chat template gets the messages' text as is, one after another.
-    Text that is not valid Unicode is a ValueError.
+    Text that is not valid Unicode, and a template that fails or does not parse, are a
+    ValueError.
     """
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system:
@@ -23,7 +24,12 @@ def apply_chat_template(
         check_text(message["content"], f"the {message['role']} message")
     if not has_chat_template(tokenizer):
         return plain_tokens(tokenizer, [m["content"] for m in messages])
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    from jinja2 import TemplateError
+
+    try:
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    except TemplateError as e:  # raise_exception(...) in the template, or it does not parse
+        raise ValueError(f"the tokenizer's chat template failed: {e}") from None
 
 
 def plain_tokens(tokenizer, texts: Sequence[str]) -> list[int]:

@@ -43,6 +43,7 @@ non_negative_float = bounded(float, lambda v: 0 <= v < float("inf"), "finite and
 temperature = non_negative_float
 top_p = bounded(float, lambda v: 0 < v <= 1, "in (0, 1]")
 min_p = bounded(float, lambda v: 0 <= v < 1, "in [0, 1)")
+seed = bounded(int, lambda v: 0 <= v < 2**64, "in [0, 2**64)")  # MLX's generator: uint64
 
 
 def utf8_argument(text: str | None, flag: str) -> str | None:

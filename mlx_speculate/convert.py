@@ -1,4 +1,4 @@
-"""HF folder, hub id or Llama GGUF -> an mlx-lm model folder, optionally quantized.
+"""HF folder, hub id or GGUF file -> an mlx-lm model folder, optionally quantized.
 
     python -m mlx_speculate.convert --hf-path SRC --mlx-path DST [-q] [--q-bits 4] ...
 
@@ -10,8 +10,11 @@ The folder is staged beside DST and renamed into place (`atomic.py`); DST is che
 writable before the source is read, and `--overwrite` replaces only a model folder (or an
 empty one.
 
-A GGUF source converted with -q keeps llama.cpp's own Q4_0/Q4_1/Q8_0 tensors bit for bit (MLX's
-affine quantization at group size 32 represents them exactly): no second rounding.
+A GGUF source (llama, qwen2, qwen3, phi3, gemma3) converted with -q keeps llama.cpp's own
+Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/TQ1_0/TQ2_0 tensors bit for bit (MLX's affine quantization at
+group size 32 represents them exactly) and quantizes the others (Q2_K, Q3_K, Q6_K, IQ*, *FP4)
+again at group size 32 with their bits; it says per type which it did. A mixed file (Q4_K_M)
+gives per-module bits in config.json, as mlx-lm reads them.
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_unflatten
 from tqdm import tqdm
 
 from . import cli
 from .atomic import carry_over, check_space, check_writable, move_into_place, staging_folder
 from .checkpoint import quantize_model, write_safetensors
+from .gguf_arch import ARCHITECTURES
 from .loading import DTYPES, build_model, load_config, load_weights, resolve_path
+from .models import MODEL_TYPES
 from .models.rope import rope_both_forms
 
 GGUF_DEFAULT_DTYPE = "float16"
@@ -40,7 +45,7 @@ Q_BITS = (2, 3, 4, 5, 6, 8)
 Q_GROUP_SIZES = (32, 64, 128)
 DEFAULT_BITS = 4
 DEFAULT_GROUP_SIZE = 64
-GGUF_GROUP_SIZE = 32  # llama.cpp's Q4_0/Q4_1/Q8_0 block size
+GGUF_GROUP_SIZE = 32  # llama.cpp's block size (K-quants: their sub-block size)
 MAX_SHARD_BYTES = 5 << 30  # mlx-lm's shard limit (5 GiB)
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -71,10 +76,10 @@ def convert(
     """Converts `hf_path` into an mlx-lm folder at `mlx_path` and returns that path.
 
     `dtype` casts every floating-point tensor, quantization scales and biases included; None
-    keeps the checkpoint's own dtypes (float16 for GGUF: its quantization scales are float16 in
-    the file, so they stay exact; F32 norms are rounded, and bfloat16 would round the scales).
-    `quantize` with a GGUF source keeps the file's own Q4_0/Q4_1/Q8_0 tensors exactly (their
-    bits, group size 32) and leaves its float tensors float; `q_bits` and `q_group_size` apply
+    keeps the checkpoint's own dtypes (for GGUF: float16, but for quantization scales and biases,
+    which stay as read, float16 where that is exact, else float32; F32 norms are rounded).
+    `quantize` with a GGUF source keeps the file's quantization (exactly where MLX can, see
+    gguf_tensors.py) and leaves its float tensors float; `q_bits` and `q_group_size` apply
     only to a GGUF holding no quantized tensor. `q_bits` defaults to 4; `q_group_size` to 64,
     and to 32 for GGUF (llama.cpp's block size).
     `medusa_path` / `eagle_path`: Medusa or EAGLE heads converted alongside (same dtype and
@@ -104,7 +109,8 @@ def convert(
         print(f"reading {src}")
         checkpoint = read_gguf(src, keep_quantization=quantize)
         config, weights = dict(checkpoint.config), checkpoint.weights
-        dtype = dtype or GGUF_DEFAULT_DTYPE
+        for kind, fate in (checkpoint.types or {}).items():
+            print(f"  GGUF {kind} tensors: {fate}")
         kept = checkpoint.quantization
         if kept is not None:
             config["quantization"] = kept  # build_model quantizes the modules to fit
@@ -127,15 +133,20 @@ def convert(
 
     model = _build(config, weights)
     del weights
-    config = rope_both_forms(config)
-    if dtype is not None:
+    if "sliding_attention" not in (config.get("rope_parameters") or {}):  # Gemma 3: per kind
+        config = rope_both_forms(config)
+    if dtype is not None or gguf:
+        # A GGUF's scales and biases stay as read unless a dtype is asked for: exact.
+        keep_scales = dtype is None
+        dtype = dtype or GGUF_DEFAULT_DTYPE
         target = DTYPES[dtype]
-        model.update(
-            tree_map(
-                lambda a: a.astype(target) if mx.issubdtype(a.dtype, mx.floating) else a,
-                model.parameters(),
-            )
-        )
+
+        def cast(name: str, a: mx.array) -> mx.array:
+            if not mx.issubdtype(a.dtype, mx.floating):
+                return a
+            return a if keep_scales and name.endswith((".scales", ".biases")) else a.astype(target)
+
+        model.update(tree_unflatten([(k, cast(k, v)) for k, v in tree_flatten(model.parameters())]))
         config["torch_dtype"] = config["dtype"] = dtype
     if kept is not None:
         config["quantization_config"] = dict(kept)
@@ -293,9 +304,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=cli.prog("mlx_speculate.convert"),
         description=(
-            "Convert a Hugging Face checkpoint (local folder or hub id) or a Llama GGUF file "
+            "Convert a Hugging Face checkpoint (local folder or hub id) or a GGUF file "
             "into an mlx-lm model folder, optionally quantized (MLX affine quantization). "
-            "Supported model types: llama, qwen2, phi3."
+            f"Supported model types: {', '.join(MODEL_TYPES)}; "
+            f"GGUF architectures: {', '.join(ARCHITECTURES)}."
         ),
     )
     parser.add_argument(
@@ -315,8 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--quantize",
         action="store_true",
         help="quantize Linear/Embedding layers whose input dimension is a multiple of the "
-        "group size; other layers stay float. A GGUF keeps its own Q4_0/Q4_1/Q8_0 tensors "
-        "exactly (4/4/8 bits, group 32) instead of being quantized again",
+        "group size; other layers stay float. A GGUF keeps its own quantization instead: "
+        "exactly where MLX's affine form holds the type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, "
+        "Q5_K, TQ1_0, TQ2_0; group 32), otherwise quantized again at group 32 with the type's "
+        "bits (Q2_K, Q3_K, Q6_K, IQ*, MXFP4, NVFP4); it says which per type",
     )
     parser.add_argument(
         "--q-bits",

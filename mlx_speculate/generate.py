@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--top-k", type=cli.non_negative_int, default=None, help="0: off; needs --temp > 0"
     )
     parser.add_argument("--min-p", type=cli.min_p, default=None, help="needs --temp > 0")
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=cli.seed, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--system-prompt", default=None)
     parser.add_argument(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
@@ -9,6 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from . import arguments
 from .chat import plain_tokens
 from .decode import Decoder
 from .device import wired_limit
@@ -63,6 +65,7 @@ class GenerationResponse:
 
 
 _SAMPLING_KEYS = {f.name for f in fields(SamplingParams)}
+_SPEC_KEYS = set(inspect.signature(spec_from_keywords).parameters)
 
 
 def stream_generate(
@@ -88,8 +91,10 @@ def stream_generate(
     `draft_tokenizer=`), `prompt_lookup=True` (with `max_ngram=`), `medusa=` and `eagle=` (with
     `tree=`), and `num_draft_tokens=`, `typical_acceptance=` (LOSSY, opt-in).
     """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    arguments.check_prompt(prompt)
+    arguments.check_max_tokens(max_tokens)
+    stop = arguments.check_stop(stop)
+    arguments.check_keywords(options, _SAMPLING_KEYS | _SPEC_KEYS)
     sampling_options = {k: v for k, v in options.items() if k in _SAMPLING_KEYS}
     if sampling is not None and sampling_options:
         raise ValueError(f"give sampling or {', '.join(sampling_options)}, not both")

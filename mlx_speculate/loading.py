@@ -25,9 +25,10 @@ from mlx_lm.tokenizer_utils import (
     TokenizerWrapper,
 )
 
+from . import config_checks
 from .checkpoint import load_into, read_weights
 from .models import MODEL_TYPES
-from .models.base import CausalLM
+from .models.base import CausalLM, Origin
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -108,38 +109,50 @@ def build_model(
 ) -> CausalLM:
     """A model with `weights` loaded; shapes are checked against `config`."""
     module = model_class(config)
+    config_checks.check_sizes(config)
+    config_checks.check_quantization(config, weights)
     try:
         args = module.ModelArgs.from_dict(config)
     except TypeError as e:  # a required size is absent
         raise ValueError(f"{config.get('model_type')} config is incomplete: {e}") from e
     model = module.Model(args)
+    quantization = config.get("quantization")
+    if isinstance(quantization, dict):  # per-module overrides are keyed by checkpoint paths
+        quantization = {
+            new: v for k, v in quantization.items() if (new := model.rename(k)) is not None
+        }
     return load_into(
         model,
         model.sanitize(weights),
-        quantization=config.get("quantization"),
+        quantization=quantization,
         dtype=dtype,
         what=f"the {config.get('model_type')} config",
     )
 
 
-def load_model(path: Path, dtype: mx.Dtype | None = None) -> tuple[CausalLM, dict[str, Any]]:
+def load_model(
+    path: Path, dtype: mx.Dtype | None = None, tokenizer: Any = None
+) -> tuple[CausalLM, dict[str, Any]]:
+    """The model in the folder `path`, its `origin` recording the folder and `tokenizer`."""
     config = load_config(path)
     model_class(config)
     model = build_model(config, load_weights(path), dtype)
-    model.source = path
+    model.origin = Origin(path, tokenizer)
     return model, config
 
 
-def eos_token_ids(path: Path, config: dict[str, Any]) -> list[int]:
-    """EOS ids from config.json and generation_config.json (the tokenizer adds its own)."""
+def eos_token_ids(path: Path, config: dict[str, Any], vocab_size: int) -> list[int]:
+    """EOS ids from config.json and generation_config.json (the tokenizer adds its own);
+    ValueError for one that is not a token id of the vocabulary."""
     ids: list[int] = []
     sources = [config]
     if (path / "generation_config.json").exists():
         sources.append(read_json(path / "generation_config.json"))
-    for source in sources:
-        eos = source.get("eos_token_id")
-        for i in eos if isinstance(eos, list) else [eos]:
-            if isinstance(i, int) and i not in ids:
+    for source, where in zip(sources, ("config.json", "generation_config.json"), strict=False):
+        if source.get("eos_token_id") is None:
+            continue
+        for i in config_checks.check_eos(source["eos_token_id"], vocab_size, where):
+            if i not in ids:
                 ids.append(i)
     return ids
 
@@ -202,24 +215,37 @@ def default_dtype() -> mx.Dtype | None:
     return mx.float32 if mx.default_device() == mx.cpu else None
 
 
+def compute_dtype(dtype: mx.Dtype | str | None) -> mx.Dtype | None:
+    """`dtype` as an MLX dtype: one of DTYPES, by value or by name."""
+    if dtype is None or dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(
+        f"dtype must be one of {', '.join(DTYPES)} (a name or mlx.core's dtype), got {dtype!r}"
+    )
+
+
 def load(
-    path_or_hub_id: str | Path, *, dtype: mx.Dtype | None = None
+    path_or_hub_id: str | Path, *, dtype: mx.Dtype | str | None = None
 ) -> tuple[CausalLM, TokenizerWrapper]:
     """Loads a model and its tokenizer from a local folder or a Hugging Face hub id.
 
-    `dtype` casts every floating-point tensor, quantization scales and biases included; by
-    default float32 on the CPU backend and the checkpoint's own dtypes on the GPU.
+    `dtype` (an MLX dtype or its name: "float32", "float16", "bfloat16") casts every
+    floating-point tensor, quantization scales and biases included; by default float32 on the
+    CPU backend and the checkpoint's own dtypes on the GPU.
     """
+    dtype = compute_dtype(dtype)
     path = resolve_path(path_or_hub_id)
     if path.is_dir():  # what is quick to check first: a model's config, then the tokenizer
         model_class(load_config(path))
         check_tokenizer_files(path)
     model, config = load_model(path, dtype or default_dtype())
-    tokenizer = load_tokenizer(path, eos_token_ids(path, config))
+    tokenizer = load_tokenizer(path, eos_token_ids(path, config, model.args.vocab_size))
     if (count := token_count(tokenizer)) > model.args.vocab_size:
         raise ValueError(
             f"the tokenizer in {path} has {count} token ids but the model's vocabulary has "
             f"{model.args.vocab_size}: they do not belong together"
         )
-    model.tokenizer = tokenizer
+    model.origin = Origin(path, tokenizer)
     return model, tokenizer

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+MAX_SEED = 2**64 - 1  # MLX's generator takes an unsigned 64-bit seed
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,13 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p"):
+            _check_type(name, getattr(self, name), numbers.Real, "a number")
+        _check_type("top_k", self.top_k, numbers.Integral, "an integer")
+        if self.seed is not None:
+            _check_type("seed", self.seed, numbers.Integral, "an integer or None")
+            if not 0 <= self.seed <= MAX_SEED:
+                raise ValueError(f"seed must be in [0, 2**64 - 1], got {self.seed}")
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -33,6 +43,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _check_type(name: str, value: object, kind: type, what: str) -> None:
+    # bool is an int to Python, but `top_k=True` is a mistake, not a 1.
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise TypeError(f"{name} must be {what}, got {value!r}")
 
 
 def log_probs(logits: mx.array, params: SamplingParams) -> mx.array:

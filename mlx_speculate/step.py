@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from .cache import KVCache
 from .models.base import CausalLM
+from .models.rope import LENGTH_DEPENDENT
 from .sampling import SamplingParams, log_probs, pick
 from .tree import PaddedTree, Tree
 from .verify import Acceptance, greedy_accept, rejection_accept, typical_accept
@@ -40,7 +41,9 @@ def bucket(n: int) -> int:
 
 def compilable(model) -> bool:
     """Whether a forward's graph can be independent of the host offset."""
-    return not (isinstance(model, CausalLM) and model.model.rope.depends_on_length)
+    if not isinstance(model, CausalLM):
+        return True
+    return model.args.rope_config()["rope_type"] not in LENGTH_DEPENDENT
 
 
 def _compiled(model, key: tuple, build: Callable[[], Callable]) -> Callable:

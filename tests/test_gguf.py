@@ -312,8 +312,9 @@ def test_missing_file_raises_file_not_found(tmp_path: Path) -> None:
 
 
 def test_other_architecture_is_named_in_the_error(tmp_path: Path) -> None:
-    write_gguf(tmp_path / "m.gguf", hf_state_dict(tied=True), arch="qwen2")
-    with pytest.raises(ValueError, match="'qwen2' is not supported.*'llama'"):
+    write_gguf(tmp_path / "m.gguf", hf_state_dict(tied=True), arch="mamba")
+    supported = "'mamba' is not supported (supported: llama, qwen2, qwen3, phi3, gemma3)"
+    with pytest.raises(ValueError, match=re.escape(supported)):
         read_gguf(tmp_path / "m.gguf")
 
 
@@ -325,14 +326,6 @@ def test_truncated_file_raises_value_error_with_path(tmp_path: Path, fraction: f
     path.write_bytes(data[: int(len(data) * fraction)])
     with pytest.raises(ValueError, match=re.escape(str(path))):
         read_gguf(path)
-
-
-@pytest.mark.parametrize("quant", [Q.Q5_0, Q.BF16])
-def test_unreadable_tensor_type_is_named_in_the_error(tmp_path: Path, quant: Q) -> None:
-    # mx.load fails on Q5_0 and silently rounds BF16 through float16: both must be refused.
-    write_gguf(tmp_path / "m.gguf", hf_state_dict(tied=True), quant=quant)
-    with pytest.raises(ValueError, match=f"'token_embd.weight' has GGUF type {quant.name}"):
-        read_gguf(tmp_path / "m.gguf")
 
 
 def test_tensor_without_hf_counterpart_is_refused(tmp_path: Path) -> None:

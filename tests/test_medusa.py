@@ -191,9 +191,9 @@ def test_stream_generate_rejects_bad_combinations(fitted):
     tokenizer = StubTokenizer()
     with pytest.raises(ValueError, match="one speculative method"):
         next(stream_generate(target, tokenizer, "1 2", medusa=heads, prompt_lookup=True))
-    with pytest.raises(ValueError, match="need a speculative method"):
+    with pytest.raises(ValueError, match="typical_acceptance applies to medusa only"):
         next(stream_generate(target, tokenizer, "1 2", typical_acceptance=True))
-    with pytest.raises(ValueError, match="tree applies to medusa"):
+    with pytest.raises(ValueError, match="tree applies to eagle or medusa only"):
         next(stream_generate(target, tokenizer, "1 2", tree="mc_sim_7b_63"))
     with pytest.raises(ValueError, match="need a model loaded from a folder"):
         next(stream_generate(target, tokenizer, "1 2", medusa=True))

@@ -4,23 +4,26 @@
 
 `make_drafter` validates that the method fits the target and returns a fresh `Drafter`; the
 decoding loop, `stream_generate`, the CLI and the server all go through it. A new method is a
-new module here with a `DrafterSpec` subclass and its drafter.
+new module here with a `DrafterSpec` subclass (its keywords, flags and settings) and its
+drafter, imported below: defining the spec registers it in `METHODS`, from which
+`spec_from_keywords` and the CLI flags (`drafters/cli.py`) are resolved.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from ..models.base import CausalLM
-from .base import MAX_DRAFT, Draft, Drafter, DrafterSpec, TargetFeatures
+from .base import MAX_DRAFT, METHODS, Draft, Drafter, DrafterSpec, TargetFeatures
 from .draft_model import DraftModelSpec
 from .eagle import EagleSpec, EagleTree
 from .lookup import LookupSpec
 from .medusa import MedusaSpec
 
 __all__ = [
+    "COMMON",
     "MAX_DRAFT",
+    "METHODS",
     "Draft",
     "DraftModelSpec",
     "Drafter",
@@ -34,6 +37,8 @@ __all__ = [
     "spec_from_keywords",
 ]
 
+COMMON = ("num_draft_tokens",)  # keywords every method takes
+
 
 def make_drafter(spec: DrafterSpec, target: CausalLM, tokenizer=None) -> Drafter:
     """A fresh drafter for `target`, checked to fit it (ValueError otherwise)."""
@@ -42,49 +47,39 @@ def make_drafter(spec: DrafterSpec, target: CausalLM, tokenizer=None) -> Drafter
     return spec.build(target, tokenizer)
 
 
-def spec_from_keywords(
-    *,
-    draft_model: CausalLM | str | Path | None = None,
-    draft_tokenizer: Any = None,
-    prompt_lookup: bool = False,
-    max_ngram: int | None = None,
-    medusa: Any = None,
-    eagle: Any = None,
-    tree: Any = None,
-    num_draft_tokens: int | None = None,
-    typical_acceptance: bool = False,
-) -> DrafterSpec | None:
+def spec_from_keywords(**keywords: Any) -> DrafterSpec | None:
     """The spec that mlx-lm style keywords ask for (`draft_model=`, `prompt_lookup=True`,
-    `medusa=`, `eagle=`), or None when they ask for none."""
-    chosen = {
-        "draft_model": draft_model is not None,
-        "prompt_lookup": bool(prompt_lookup),
-        "medusa": medusa is not None and medusa is not False,
-        "eagle": eagle is not None and eagle is not False,
-    }
-    names = [name for name, on in chosen.items() if on]
-    if len(names) > 1:
-        raise ValueError(f"choose one speculative method, not {' and '.join(names)}")
-    common = {"num_draft_tokens": num_draft_tokens, "typical_acceptance": typical_acceptance}
-    for option, value, methods in (
-        ("draft_tokenizer", draft_tokenizer, ("draft_model",)),
-        ("max_ngram", max_ngram, ("prompt_lookup",)),
-        ("tree", tree, ("medusa", "eagle")),
-    ):
-        if value is not None and not set(names) & set(methods):
-            raise ValueError(f"{option} applies to {' or '.join(methods)} only")
-    if not names:
-        given = [name for name, value in common.items() if value not in (None, False)]
-        if given:
+    `medusa=`, `eagle=`, each method's own options and `num_draft_tokens=`), or None when they
+    ask for none. None and False mean "not given". A keyword no method owns is a TypeError; one
+    that belongs to another method than the one chosen, a ValueError naming its owners."""
+    owners: dict[str, list[str]] = {}
+    for spec in METHODS.values():
+        for keyword in spec.keywords:
+            owners.setdefault(keyword, []).append(spec.selector())
+    unknown = [k for k in keywords if k not in owners and k not in COMMON]
+    if unknown:
+        raise TypeError(
+            f"unexpected keyword {unknown[0]!r} (speculative keywords: "
+            f"{', '.join([*owners, *COMMON])})"
+        )
+    given = {k: v for k, v in keywords.items() if v is not None and v is not False}
+    chosen = [spec for spec in METHODS.values() if spec.selector() in given]
+    if len(chosen) > 1:
+        raise ValueError(
+            f"choose one speculative method, not {' and '.join(s.selector() for s in chosen)}"
+        )
+    method = chosen[0] if chosen else None
+    for keyword in given:
+        if keyword not in COMMON and (method is None or keyword not in method.keywords):
+            raise ValueError(f"{keyword} applies to {' or '.join(owners[keyword])} only")
+    common = {k: given[k] for k in COMMON if k in given}
+    if method is None:
+        if common:
+            selectors = [spec.selector() for spec in METHODS.values()]
             raise ValueError(
-                f"{' and '.join(given)} set, but such settings need a speculative method "
-                f"({' or '.join(chosen)})"
+                f"{' and '.join(common)} set, but such settings need a speculative method "
+                f"({' or '.join(selectors)})"
             )
         return None
-    if names == ["draft_model"]:
-        return DraftModelSpec(model=draft_model, tokenizer=draft_tokenizer, **common)
-    if names == ["prompt_lookup"]:
-        return LookupSpec(**({} if max_ngram is None else {"max_ngram": max_ngram}), **common)
-    if names == ["eagle"]:
-        return EagleSpec(heads=eagle, **({} if tree is None else {"tree": tree}), **common)
-    return MedusaSpec(heads=medusa, tree=tree, **common)
+    own = {k: v for k, v in given.items() if k not in COMMON}
+    return method.from_keywords(own, **common)

@@ -7,16 +7,20 @@ prefill, then each step's accepted path). `rewind(length)` says that only the fi
 context tokens are still committed, so any state past them (a draft cache, say) is stale.
 
 A method is a frozen spec (`DrafterSpec` subclass) whose `build` validates that it fits the
-target and returns a fresh drafter; one drafter serves one stream of prompts at a time.
+target and returns a fresh drafter; one drafter serves one stream of prompts at a time. Each
+spec class registers itself in `METHODS` when defined, with the `stream_generate` keywords and
+CLI flags it owns, so the API, the CLIs and the server resolve methods in one place
+(`drafters/__init__.py`, `drafters/cli.py`).
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import mlx.core as mx
 
@@ -82,6 +86,10 @@ class Drafter(Protocol):
 MAX_DRAFT = 8  # the longest chain the adaptive policy tries unless a spec says otherwise
 
 
+# Every method by its name (`DrafterSpec.method`), in definition order: filled by the specs.
+METHODS: dict[str, type[DrafterSpec]] = {}
+
+
 @dataclass(frozen=True, kw_only=True, eq=False)
 class DrafterSpec(ABC):
     """What every method's spec carries besides its own settings."""
@@ -89,12 +97,17 @@ class DrafterSpec(ABC):
     #: the method's name in requests (the server's `speculative.method`): by default the class
     #: name in snake case without "Spec" (`DraftModelSpec` -> "draft_model")
     method: ClassVar[str]
+    #: the `stream_generate` keywords the method owns -> the spec field each sets. The first
+    #: turns the method on; its value fills that field (None: a switch, `prompt_lookup=True`).
+    keywords: ClassVar[dict[str, str | None]]
+    #: each keyword's command-line flag(s), so that errors speak the CLI's words
+    flags: ClassVar[dict[str, str]]
 
     # Draft tokens per step (tree: nodes below the root); None lets the adaptive policy choose
     # from measured costs and acceptance, plain decoding included.
     num_draft_tokens: int | None = None
-    # Medusa's typical acceptance when sampling: faster, but LOSSY (the output no longer
-    # follows the target's distribution). Never the default.
+    # Typical acceptance when sampling: faster, but LOSSY (the output no longer follows the
+    # target's distribution). Never the default; only methods owning the keyword take it.
     typical_acceptance: bool = False
 
     def __post_init__(self) -> None:
@@ -103,11 +116,45 @@ class DrafterSpec(ABC):
                 f"the number of draft tokens must be >= 1, got {self.num_draft_tokens} "
                 "(for plain decoding, ask for no speculation)"
             )
+        if self.typical_acceptance and "typical_acceptance" not in self.keywords:
+            owners = [m for m, c in METHODS.items() if "typical_acceptance" in c.keywords]
+            raise ValueError(f"typical_acceptance applies to {' or '.join(owners)} only")
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         if "method" not in cls.__dict__:
             cls.method = re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__.removesuffix("Spec")).lower()
+        METHODS[cls.method] = cls
+
+    @classmethod
+    def selector(cls) -> str:
+        """The keyword that turns the method on."""
+        return next(iter(cls.keywords))
+
+    @classmethod
+    def from_keywords(cls, given: dict[str, Any], **common: Any) -> DrafterSpec:
+        """The spec from its own keywords (`given` holds no others) and the settings every
+        method takes; ValueError when two keywords name the same field."""
+        fields: dict[str, Any] = dict(common)
+        named: dict[str, str] = {}
+        for keyword, value in given.items():
+            field = cls.keywords[keyword]
+            if field is None:
+                continue
+            if field in fields:
+                raise ValueError(f"give {named[field]} or {keyword}, not both")
+            fields[field], named[field] = value, keyword
+        return cls(**fields)
+
+    @classmethod
+    @abstractmethod
+    def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
+        """Adds the method's command-line flags (every default None or False: not given)."""
+
+    @classmethod
+    @abstractmethod
+    def keywords_from_args(cls, args: argparse.Namespace) -> dict[str, Any]:
+        """The `stream_generate` keywords that the parsed flags give (those set only)."""
 
     def resolve(self, target: CausalLM) -> DrafterSpec:
         """This spec with what it names on disk (a model, heads) loaded, so that building

@@ -1,97 +1,25 @@
-"""Command-line flags for the speculative methods, shared by every CLI (generate, server)."""
+"""Command-line flags for the speculative methods, shared by every CLI (generate, server): each
+method's spec adds its own flags and turns them back into `stream_generate` keywords, so a flag
+and its keyword resolve in one place (`spec_from_keywords`)."""
 
 from __future__ import annotations
 
 import argparse
 import re
 
-from ..cli import bounded, non_negative_int, positive_int
-from ..heads.medusa import DEFAULT_TREE, MEDUSA_TREES
-from . import DrafterSpec, EagleTree, spec_from_keywords
+from ..cli import bounded
+from . import COMMON, METHODS, DrafterSpec, spec_from_keywords
 
 # 0 is refused like the API does: it would build a drafter and never use it.
 draft_tokens = bounded(int, lambda v: v >= 1, ">= 1 (plain decoding: give no speculative method)")
-tree_total = bounded(int, lambda v: v >= 2, ">= 2 (the root and at least one draft)")
 
-# spec_from_keywords' names -> these flags, so that its errors speak the CLI's words.
-FLAGS = {
-    "draft_model": "--draft-model",
-    "prompt_lookup": "--prompt-lookup",
-    "max_ngram": "--max-ngram",
-    "medusa": "--medusa",
-    "eagle": "--eagle",
-    "tree": "--medusa-tree",
-    "num_draft_tokens": "--num-draft-tokens",
-    "typical_acceptance": "--typical-acceptance",
-}
+COMMON_FLAGS = {"num_draft_tokens": "--num-draft-tokens"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding (lossless; one method at a time)")
-    group.add_argument(
-        "--draft-model",
-        default=None,
-        metavar="M",
-        help="draft model folder or hub id (must share the model's tokenizer)",
-    )
-    group.add_argument(
-        "--prompt-lookup",
-        action="store_true",
-        help="draft by n-gram lookup in the prompt and output (no model needed)",
-    )
-    group.add_argument(
-        "--max-ngram",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="longest n-gram prompt lookup matches (default: 3)",
-    )
-    group.add_argument(
-        "--medusa",
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="DIR",
-        help="draft trees with Medusa heads: those beside the model (its medusa/ folder), "
-        "or the heads folder DIR",
-    )
-    group.add_argument(
-        "--medusa-tree",
-        choices=list(MEDUSA_TREES),
-        default=None,
-        help=f"Medusa tree (default: {DEFAULT_TREE})",
-    )
-    group.add_argument(
-        "--eagle",
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="DIR",
-        help="draft dynamic trees with EAGLE-1/EAGLE-3 heads: those beside the model (its "
-        "eagle/ folder), or the heads folder or hub id DIR (official or speculators layout)",
-    )
-    default = EagleTree()
-    group.add_argument(
-        "--tree-total",
-        type=tree_total,
-        default=None,
-        metavar="N",
-        help=f"EAGLE: most nodes verified per step, the root included (default {default.total})",
-    )
-    group.add_argument(
-        "--tree-depth",
-        type=non_negative_int,
-        default=None,
-        metavar="D",
-        help=f"EAGLE: levels the tree grows per step (default {default.depth})",
-    )
-    group.add_argument(
-        "--tree-top-k",
-        type=positive_int,
-        default=None,
-        metavar="K",
-        help=f"EAGLE: children per expanded node (default {default.top_k}; 1 drafts a chain)",
-    )
+    for spec in METHODS.values():
+        spec.add_arguments(group)
     group.add_argument(
         "--num-draft-tokens",
         type=draft_tokens,
@@ -100,32 +28,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tokens drafted per step (trees: nodes verified); default: chosen each step "
         "from measured costs and acceptance",
     )
-    group.add_argument(
-        "--typical-acceptance",
-        action="store_true",
-        help="Medusa's typical acceptance when sampling: faster but LOSSY (the output no "
-        "longer follows the model's distribution)",
-    )
+
+
+def flags() -> dict[str, str]:
+    """Every keyword's flag(s), the methods' own and the common ones."""
+    names = dict(COMMON_FLAGS)
+    for spec in METHODS.values():
+        names.update(spec.flags)
+    return names
 
 
 def spec_from_args(args: argparse.Namespace) -> DrafterSpec | None:
     """The spec the flags ask for, or None for plain decoding; ValueError in the flags' words
     when they do not go together."""
-    shape = {"total": args.tree_total, "depth": args.tree_depth, "top_k": args.tree_top_k}
-    shape = {k: v for k, v in shape.items() if v is not None}
-    if shape and not args.eagle:
-        raise ValueError("--tree-total, --tree-depth and --tree-top-k apply to --eagle only")
+    keywords = {k: getattr(args, k) for k in COMMON}
+    for spec in METHODS.values():
+        keywords.update(spec.keywords_from_args(args))
     try:
-        return spec_from_keywords(
-            draft_model=args.draft_model,
-            prompt_lookup=args.prompt_lookup,
-            max_ngram=args.max_ngram,
-            medusa=args.medusa,
-            eagle=args.eagle,
-            tree=args.medusa_tree or (EagleTree(**shape) if shape else None),
-            num_draft_tokens=args.num_draft_tokens,
-            typical_acceptance=args.typical_acceptance,
-        )
+        return spec_from_keywords(**keywords)
     except ValueError as e:
-        words = re.compile(r"\b(" + "|".join(FLAGS) + r")\b")
-        raise ValueError(words.sub(lambda m: FLAGS[m[1]], str(e))) from None
+        names = flags()
+        words = re.compile(r"\b(" + "|".join(sorted(names, key=len, reverse=True)) + r")\b")
+        raise ValueError(words.sub(lambda m: names[m[1]], str(e))) from None

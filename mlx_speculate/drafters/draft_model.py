@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 
@@ -76,8 +77,27 @@ class DraftModelSpec(DrafterSpec):
     """Speculation with a draft model: a loaded model or its folder / hub id. Its tokenizer
     (given, or the one `load` gave it) must agree with the target's."""
 
+    keywords: ClassVar[dict[str, str | None]] = {
+        "draft_model": "model",
+        "draft_tokenizer": "tokenizer",
+    }
+    flags: ClassVar[dict[str, str]] = {"draft_model": "--draft-model"}
+
     model: CausalLM | str | Path
     tokenizer: Any = None
+
+    @classmethod
+    def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--draft-model",
+            default=None,
+            metavar="M",
+            help="draft model folder or hub id (must share the model's tokenizer)",
+        )
+
+    @classmethod
+    def keywords_from_args(cls, args: argparse.Namespace) -> dict[str, Any]:
+        return {"draft_model": args.draft_model}
 
     def resolve(self, target: CausalLM) -> DraftModelSpec:
         if not isinstance(self.model, str | Path):
@@ -93,8 +113,8 @@ class DraftModelSpec(DrafterSpec):
         check_vocabularies(
             target.args.vocab_size,
             model.args.vocab_size,
-            tokenizer or target.tokenizer,
-            draft_tokenizer or model.tokenizer,
+            tokenizer or target.origin.tokenizer,
+            draft_tokenizer or model.origin.tokenizer,
         )
         return DraftModelDrafter(
             model, target.args.vocab_size, max_draft=self.num_draft_tokens or MAX_DRAFT

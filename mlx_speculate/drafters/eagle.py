@@ -17,13 +17,16 @@ scores back once per step; a chain (`top_k` 1) needs no read-back.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import numpy as np
 
+from ..cli import bounded, non_negative_int, positive_int
 from ..heads.eagle import EagleHead
 from ..heads.eagle_format import EAGLE_DIR, check_fits, load_eagle_heads
 from ..models.base import CausalLM, additive_mask
@@ -58,22 +61,83 @@ class EagleTree:
 class EagleSpec(DrafterSpec):
     """EAGLE heads drafting dynamic trees. `heads`: True for those beside the loaded model
     (`eagle/` in its folder), a heads folder, file or hub id in any published layout (SafeAILab
-    EAGLE-1 or EAGLE-3, SpecForge, AngelSlim, speculators, or MLX), or an `EagleHead`."""
+    EAGLE-1 or EAGLE-3, SpecForge, AngelSlim, speculators, or MLX), or an `EagleHead`.
+    `tree` (keyword `eagle_tree=`): an `EagleTree`."""
+
+    keywords: ClassVar[dict[str, str | None]] = {
+        "eagle": "heads",
+        "eagle_tree": "tree",
+        "tree": "tree",  # the keyword before eagle_tree= existed: checked to be an EagleTree
+    }
+    flags: ClassVar[dict[str, str]] = {
+        "eagle": "--eagle",
+        "eagle_tree": "--tree-total/--tree-depth/--tree-top-k",
+    }
 
     heads: bool | str | Path | EagleHead = True
     tree: EagleTree = EagleTree()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.tree, EagleTree):
+            raise TypeError(
+                f"eagle_tree must be an EagleTree (e.g. EagleTree(total=30)), got "
+                f"{self.tree!r} (Medusa tree names go with medusa=)"
+            )
+
+    @classmethod
+    def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--eagle",
+            nargs="?",
+            const=True,
+            default=False,
+            metavar="DIR",
+            help="draft dynamic trees with EAGLE-1/EAGLE-3 heads: those beside the model (its "
+            "eagle/ folder), or the heads folder or hub id DIR (official or speculators layout)",
+        )
+        default = EagleTree()
+        total = bounded(int, lambda v: v >= 2, ">= 2 (the root and at least one draft)")
+        group.add_argument(
+            "--tree-total",
+            type=total,
+            default=None,
+            metavar="N",
+            help=f"EAGLE: most nodes verified per step, the root included (default "
+            f"{default.total})",
+        )
+        group.add_argument(
+            "--tree-depth",
+            type=non_negative_int,
+            default=None,
+            metavar="D",
+            help=f"EAGLE: levels the tree grows per step (default {default.depth})",
+        )
+        group.add_argument(
+            "--tree-top-k",
+            type=positive_int,
+            default=None,
+            metavar="K",
+            help=f"EAGLE: children per expanded node (default {default.top_k}; 1 drafts a chain)",
+        )
+
+    @classmethod
+    def keywords_from_args(cls, args: argparse.Namespace) -> dict[str, Any]:
+        shape = {"total": args.tree_total, "depth": args.tree_depth, "top_k": args.tree_top_k}
+        shape = {k: v for k, v in shape.items() if v is not None}
+        return {"eagle": args.eagle, "eagle_tree": EagleTree(**shape) if shape else None}
 
     def resolve(self, target: CausalLM) -> EagleSpec:
         heads = self.heads
         if isinstance(heads, EagleHead):
             return self
         if heads is True:
-            if target.source is None or not (target.source / EAGLE_DIR).is_dir():
+            if target.origin.folder is None or not (target.origin.folder / EAGLE_DIR).is_dir():
                 raise ValueError(
                     "no EAGLE heads beside the model (convert it with --eagle-path, or name the "
                     "heads folder)"
                 )
-            heads = target.source / EAGLE_DIR
+            heads = target.origin.folder / EAGLE_DIR
         if not isinstance(heads, str | Path):
             raise ValueError(f"EAGLE heads must be a folder or an EagleHead, got {heads!r}")
         return replace(self, heads=load_eagle_heads(heads, target))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import mlx.core as mx
 
+from ..cli import positive_int
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
 from ..tree import Tree
@@ -20,7 +22,32 @@ class LookupSpec(DrafterSpec):
     prompt and output. Needs no model, so it fits every target."""
 
     method: ClassVar[str] = "prompt_lookup"  # the keyword's name, as in `prompt_lookup=True`
+    keywords: ClassVar[dict[str, str | None]] = {"prompt_lookup": None, "max_ngram": "max_ngram"}
+    flags: ClassVar[dict[str, str]] = {
+        "prompt_lookup": "--prompt-lookup",
+        "max_ngram": "--max-ngram",
+    }
+
     max_ngram: int = 3
+
+    @classmethod
+    def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--prompt-lookup",
+            action="store_true",
+            help="draft by n-gram lookup in the prompt and output (no model needed)",
+        )
+        group.add_argument(
+            "--max-ngram",
+            type=positive_int,
+            default=None,
+            metavar="N",
+            help="longest n-gram prompt lookup matches (default: 3)",
+        )
+
+    @classmethod
+    def keywords_from_args(cls, args: argparse.Namespace) -> dict[str, Any]:
+        return {"prompt_lookup": args.prompt_lookup, "max_ngram": args.max_ngram}
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -12,9 +12,11 @@ the loop's one sync.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import numpy as np
@@ -32,23 +34,82 @@ TreeChoices = str | Sequence[Sequence[int]]
 class MedusaSpec(DrafterSpec):
     """Medusa heads drafting a tree. `heads`: True for those beside the loaded model (`medusa/`
     in its folder), a heads folder or hub id (MLX or published Medusa-1), or `MedusaHeads`.
-    `tree`: a name in MEDUSA_TREES or a list of choices (default mc_sim_7b_63); the policy picks
-    how many of its nodes to verify, in the published order."""
+    `tree` (keyword `medusa_tree=`): a name in MEDUSA_TREES or a list of choices (default
+    mc_sim_7b_63); the policy picks how many of its nodes to verify, in the published order.
+    The only method that takes `typical_acceptance` (LOSSY, opt-in)."""
+
+    keywords: ClassVar[dict[str, str | None]] = {
+        "medusa": "heads",
+        "medusa_tree": "tree",
+        "tree": "tree",  # the keyword before eagle_tree= existed: checked to be Medusa's
+        "typical_acceptance": "typical_acceptance",
+    }
+    flags: ClassVar[dict[str, str]] = {
+        "medusa": "--medusa",
+        "medusa_tree": "--medusa-tree",
+        "typical_acceptance": "--typical-acceptance",
+    }
 
     heads: bool | str | Path | MedusaHeads = True
     tree: TreeChoices | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        tree = self.tree
+        if isinstance(tree, str):
+            if tree not in MEDUSA_TREES:
+                raise ValueError(
+                    f"medusa_tree {tree!r} is unknown (known: {', '.join(MEDUSA_TREES)})"
+                )
+        elif tree is not None and not _is_choices(tree):
+            raise TypeError(
+                f"medusa_tree must be a Medusa tree name ({', '.join(MEDUSA_TREES)}) or a list "
+                f"of paths, got {type(tree).__name__} (an EagleTree goes with eagle=)"
+            )
+
+    @classmethod
+    def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--medusa",
+            nargs="?",
+            const=True,
+            default=False,
+            metavar="DIR",
+            help="draft trees with Medusa heads: those beside the model (its medusa/ folder), "
+            "or the heads folder DIR",
+        )
+        group.add_argument(
+            "--medusa-tree",
+            choices=list(MEDUSA_TREES),
+            default=None,
+            help=f"Medusa tree (default: {DEFAULT_TREE})",
+        )
+        group.add_argument(
+            "--typical-acceptance",
+            action="store_true",
+            help="Medusa's typical acceptance when sampling: faster but LOSSY (the output no "
+            "longer follows the model's distribution)",
+        )
+
+    @classmethod
+    def keywords_from_args(cls, args: argparse.Namespace) -> dict[str, Any]:
+        return {
+            "medusa": args.medusa,
+            "medusa_tree": args.medusa_tree,
+            "typical_acceptance": args.typical_acceptance,
+        }
 
     def resolve(self, target: CausalLM) -> MedusaSpec:
         heads = self.heads
         if isinstance(heads, MedusaHeads):
             return self
         if heads is True:
-            if target.source is None:
+            if target.origin.folder is None:
                 raise ValueError(
                     "Medusa heads beside the model need a model loaded from a folder; "
                     "name the heads folder instead"
                 )
-            heads = load_medusa_heads(target.source, target)
+            heads = load_medusa_heads(target.origin.folder, target)
         elif isinstance(heads, str | Path):
             heads = load_medusa_heads(heads, target)
         else:
@@ -62,6 +123,15 @@ class MedusaSpec(DrafterSpec):
         if self.num_draft_tokens is not None:
             drafter.max_draft = min(drafter.max_draft, self.num_draft_tokens)
         return drafter
+
+
+def _is_choices(tree: Any) -> bool:
+    """Whether `tree` is a list of paths of top-k ranks, e.g. [[0], [1], [0, 0]]."""
+    return (
+        isinstance(tree, Sequence)
+        and all(isinstance(p, Sequence) and not isinstance(p, str) for p in tree)
+        and all(isinstance(r, int) and r >= 0 for p in tree for r in p)
+    )
 
 
 class MedusaDrafter:
