@@ -5,6 +5,11 @@ keys at `offset` in every layer and then `advance(L)` moves the offset past them
 speculation is undone by `truncate`, and a verified tree path is moved into consecutive slots by
 `compact`. Storage grows in `step`-sized chunks (one copy per chunk, never a concatenate per
 token).
+
+Fixed shapes: `write` puts keys at an array start (`mx.slice_update`) and returns the whole
+storage, so a forward's graph depends on the capacity alone, not on the offset; attention reads
+the capacity under a mask of the valid slots (models/base.py). A compiled step reuses its graph
+until the capacity grows (`reserve`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ class KVCache:
     def __init__(self, num_layers: int, step: int = 256):
         self.step = step
         self.offset = 0
+        # Set on a view only (`view`): the array slot a compiled step writes at.
+        self.start: mx.array | None = None
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
 
@@ -25,12 +32,25 @@ class KVCache:
     def capacity(self) -> int:
         return 0 if self.keys[0] is None else self.keys[0].shape[2]
 
+    def capacity_for(self, length: int) -> int:
+        """The capacity once `length` slots are reserved: storage only grows, a chunk at a time."""
+        return max(self.capacity, -(-length // self.step) * self.step)
+
+    def reserve(self, length: int, like: mx.array | None = None) -> None:
+        """Room for `length` slots in every layer, copying what is committed; `like`, a
+        (B, H_kv, 0, D) array, gives unallocated layers their shape and dtype."""
+        for layer, k in enumerate(self.keys):
+            if k is not None:
+                self._reserve(layer, k, self.values[layer], length)
+            elif like is not None:
+                self._reserve(layer, like, like, length)
+
     def _reserve(self, layer: int, keys: mx.array, values: mx.array, length: int) -> None:
-        """Makes room for `length` slots in `layer`, copying what is committed."""
+        """Makes room for `length` slots in `layer` (keys/values give the shape and dtype)."""
         current_k, current_v = self.keys[layer], self.values[layer]
-        if current_k is not None and current_k.shape[2] >= length:
+        capacity = self.capacity_for(length)
+        if current_k is not None and current_k.shape[2] >= capacity:
             return
-        capacity = -(-length // self.step) * self.step
         B, H, _, Dk = keys.shape
         new_k = mx.zeros((B, H, capacity, Dk), keys.dtype)  # (B, H_kv, capacity, D)
         new_v = mx.zeros((B, H, capacity, values.shape[-1]), values.dtype)
@@ -39,13 +59,24 @@ class KVCache:
             new_v[..., : self.offset, :] = current_v[..., : self.offset, :]
         self.keys[layer], self.values[layer] = new_k, new_v
 
+    def write(
+        self, layer: int, keys: mx.array, values: mx.array, start: mx.array, end: int | None
+    ) -> tuple[mx.array, mx.array]:
+        """Writes (B, H_kv, L, D) keys/values at slot `start` (an int32 array, so the graph
+        does not depend on it) and returns the whole (B, H_kv, capacity, D) storage. `end`, the
+        host's start + L, makes room first; None when the caller reserved it (compiled steps)."""
+        if end is not None:
+            self._reserve(layer, keys, values, end)
+        k = mx.slice_update(self.keys[layer], keys, start[None], axes=(2,))
+        v = mx.slice_update(self.values[layer], values, start[None], axes=(2,))
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
     def update(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Writes (B, H_kv, L, D) keys/values at `offset`; returns all slots up to offset + L."""
         end = self.offset + keys.shape[2]
-        self._reserve(layer, keys, values, end)
-        self.keys[layer][..., self.offset : end, :] = keys
-        self.values[layer][..., self.offset : end, :] = values
-        return self.keys[layer][..., :end, :], self.values[layer][..., :end, :]
+        k, v = self.write(layer, keys, values, mx.array(self.offset, mx.int32), end)
+        return k[..., :end, :], v[..., :end, :]
 
     def advance(self, length: int) -> None:
         self.offset += length
@@ -82,3 +113,18 @@ class KVCache:
     def state(self) -> list[mx.array]:
         """The arrays to evaluate together with a step's outputs."""
         return [a for a in self.keys + self.values if a is not None]
+
+    def view(self, arrays: Sequence[mx.array], start: mx.array) -> KVCache:
+        """A cache over `arrays` (as `state` orders them) whose forward writes at the array
+        `start`: what a compiled step traces its forward with."""
+        view = KVCache(len(self.keys), self.step)
+        view.keys, view.values = list(self.keys), list(self.values)
+        view.set_arrays(arrays)
+        view.start = start
+        return view
+
+    def set_arrays(self, arrays: Sequence[mx.array]) -> None:
+        """Takes a compiled step's cache outputs back (the order of `state`)."""
+        it = iter(arrays)
+        self.keys = [None if a is None else next(it) for a in self.keys]
+        self.values = [None if a is None else next(it) for a in self.values]

@@ -32,10 +32,12 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .cache import KVCache
+from .device import GENERATION_STREAM
 from .drafters.base import Draft, Drafter, TargetFeatures
 from .models.base import CausalLM
 from .policy import FixedPolicy, Policy
 from .sampling import SamplingParams, log_probs
+from .step import verify
 from .tree import ROOT, Tree
 from .verify import Acceptance, greedy_accept, rejection_accept, typical_accept
 
@@ -103,14 +105,16 @@ class Decoder:
         self.cache.truncate(kept)
         if self.drafter is not None:
             self.drafter.rewind(kept)
-        for start in range(kept, len(prompt), PREFILL_STEP):
-            chunk = prompt[start : start + PREFILL_STEP]
-            out = self.model(mx.array([chunk]), self.cache, taps=self.taps)
-            if self.drafter is not None:
-                self.drafter.extend(TargetFeatures(out.hidden[0], tuple(t[0] for t in out.taps)))
-            mx.eval(self.cache.state)
-        # Only the last row is projected (the prefill's own logits are never evaluated).
-        self._prompt_logits = self.model.project(out.hidden[0, -1:])
+        with mx.stream(GENERATION_STREAM):
+            for start in range(kept, len(prompt), PREFILL_STEP):
+                chunk = prompt[start : start + PREFILL_STEP]
+                out = self.model(mx.array([chunk]), self.cache, taps=self.taps)
+                if self.drafter is not None:
+                    features = TargetFeatures(out.hidden[0], tuple(t[0] for t in out.taps))
+                    self.drafter.extend(features)
+                mx.eval(self.cache.state)
+            # Only the last row is projected (the prefill's own logits are never evaluated).
+            self._prompt_logits = self.model.project(out.hidden[0, -1:])
         self.context = prompt
         return kept
 
@@ -228,6 +232,10 @@ class _Queue:
         self.typical = typical  # Medusa's typical acceptance when sampling: LOSSY, opt-in
 
     def __call__(self, pending: mx.array, k: int) -> _Pending:
+        with mx.stream(GENERATION_STREAM):
+            return self._queue(pending, k)
+
+    def _queue(self, pending: mx.array, k: int) -> _Pending:
         decoder = self.decoder
         draft: Draft | None = None
         if decoder.drafter is not None and k > 0 and decoder.room() > 0:
@@ -236,18 +244,22 @@ class _Queue:
             if draft is not None:
                 draft = draft.limited(decoder.room())
         tree = ROOT if draft is None else draft.tree
-        inputs = pending if draft is None else mx.concatenate([pending, draft.tokens])
         offset = decoder.cache.offset
-        positions = mask = None
-        if not tree.is_chain:  # a chain needs no more than the causal default
-            positions, mask = tree.positions(offset), tree.attention_mask(offset)
-        out = decoder.model(
-            inputs[None], decoder.cache, positions=positions, mask=mask, taps=decoder.taps
+        verified = verify(
+            decoder.model,
+            decoder.cache,
+            pending,
+            tree,
+            None if draft is None else draft.tokens,
+            None if draft is None else draft.logprobs,
+            self.sampling,
+            taps=decoder.taps,
+            typical=self.typical,
         )
-        logits = out.logits[0]  # (N, V)
-        acceptance = self.accept(tree, inputs[1:], logits, draft)
-        features = TargetFeatures(out.hidden[0], tuple(t[0] for t in out.taps))
-        return _Pending(offset, tree, acceptance, logits, features)
+        acceptance = verified.acceptance
+        mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
+        features = TargetFeatures(verified.hidden, verified.taps)
+        return _Pending(offset, tree, acceptance, verified.logits, features)
 
     def accept(
         self, tree: Tree, tokens: mx.array, logits: mx.array, draft: Draft | None

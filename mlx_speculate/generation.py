@@ -12,6 +12,7 @@ import mlx.core as mx
 from . import arguments
 from .chat import plain_tokens
 from .decode import Decoder
+from .device import wired_limit
 from .drafters import (
     Drafter,
     DrafterSpec,
@@ -154,7 +155,19 @@ class Session:
         stop: Sequence[str] = (),
         policy: Policy | None = None,
     ) -> Iterator[GenerationResponse]:
-        """Yields one response per emitted token, as `stream_generate` does."""
+        """Yields one response per emitted token, as `stream_generate` does, with the wired
+        memory limit raised to the model's size meanwhile (Metal only)."""
+        with wired_limit(self.model):
+            yield from self._stream(prompt, sampling, max_tokens, stop, policy)
+
+    def _stream(
+        self,
+        prompt: str | Sequence[int],
+        sampling: SamplingParams,
+        max_tokens: int,
+        stop: Sequence[str],
+        policy: Policy | None,
+    ) -> Iterator[GenerationResponse]:
         tokenizer, decoder = self.tokenizer, self.decoder
         tokens = plain_tokens(tokenizer, [prompt]) if isinstance(prompt, str) else list(prompt)
         if policy is None and self.drafter is not None:

@@ -7,14 +7,16 @@ node which tokens it sees. A chain is the tree whose node i has parent i - 1; a 
 a plain decoding step.
 
 The tree's shape lives on the host; the acceptance rules read it as the constant MLX arrays
-below (`parent_index`, `depth_index`, `ancestors`, `child_table`), built once per tree.
+below (`parent_index`, `depth_index`, `ancestors`), built once per tree. A compiled step pads a
+tree to a row bucket (`padded`): the padding nodes hang off the root (a chain's continue it),
+see only their ancestors, and carry the draft token -1, which no rule accepts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cache, cached_property, lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -120,13 +122,13 @@ class Tree:
         return mx.array(self.visibility)
 
     @cached_property
-    def child_table(self) -> mx.array:
-        """(N, S) int32: row i lists node i's children in order, padded with -1."""
-        width = max(1, max(len(c) for c in self._children))
-        table = np.full((self.num_nodes, width), -1, dtype=np.int32)
-        for i, kids in enumerate(self._children):
-            table[i, : len(kids)] = kids
-        return mx.array(table)
+    def width(self) -> int:
+        """The most children of one node (at least 1)."""
+        return max(1, max(len(c) for c in self._children))
+
+    def padded(self, rows: int) -> PaddedTree:
+        """This tree's arrays for a forward of `rows` >= num_nodes rows."""
+        return _padded(self, rows)
 
     # -- constructors ----------------------------------------------------------------------------
 
@@ -187,6 +189,46 @@ class Tree:
         for i in range(1, self.num_nodes):
             children[self.parents[i]].append(i)
         return tuple(tuple(c) for c in children)
+
+
+@dataclass(frozen=True, eq=False)
+class PaddedTree:
+    """A tree's rule arrays padded to `num_nodes` rows (the acceptance rules take it as they
+    take a Tree): padding nodes are never accepted, since their draft tokens are -1."""
+
+    num_nodes: int  # rows, padding included
+    depth: int  # the real tree's depth: the rules' static number of levels
+    width: int  # the most children of a real node
+    is_chain: bool  # the real tree is a chain, continued by the padding
+    parent_index: mx.array  # (N,) int32
+    depth_index: mx.array  # (N,) int32
+    ancestors: mx.array  # (N, N) bool
+
+
+@lru_cache(maxsize=256)  # dynamic trees differ every step
+def _padded(tree: Tree, rows: int) -> PaddedTree:
+    n = tree.num_nodes
+    if rows < n:
+        raise ValueError(f"cannot pad a tree of {n} nodes to {rows} rows")
+    extra = range(n, rows)
+    if tree.is_chain:
+        parents = [0, *range(rows - 1)]
+        depths = list(range(rows))
+    else:
+        parents = [0, *tree.parents[1:], *(0 for _ in extra)]
+        depths = [*tree.depths, *(1 for _ in extra)]
+    seen = np.eye(rows, dtype=bool)
+    for i in range(1, rows):
+        seen[i] |= seen[parents[i]]
+    return PaddedTree(
+        rows,
+        tree.depth,
+        tree.width,
+        tree.is_chain,
+        mx.array(parents, dtype=mx.int32),
+        mx.array(depths, dtype=mx.int32),
+        mx.array(seen),
+    )
 
 
 @cache

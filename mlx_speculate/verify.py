@@ -5,7 +5,8 @@ returns one `Acceptance`. Rules are lazy MLX graphs with static shapes, so a dec
 one `mx.eval` for drafting, verifying and accepting together; leading batch axes are allowed.
 
 Shapes: N tree nodes, node 0 the root (the pending token); `draft` (..., N - 1) holds the tokens
-of nodes 1..N-1; target rows (..., N, V), row i predicting the token after node i. Draft rows,
+of nodes 1..N-1 (-1 for the padding nodes of a `PaddedTree`, which no rule accepts); target
+rows (..., N, V), row i predicting the token after node i. Draft rows,
 where a rule reads them, are by parent: row i is the distribution node i's children were drawn
 from (a chain of k drafts needs rows 0..k-1). Log-probabilities are as `sampling.log_probs`
 makes them (-inf for removed tokens).
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .sampling import sample
-from .tree import Tree
+from .tree import PaddedTree, Tree
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class Acceptance:
     num_accepted: mx.array  # (...) int32, in [0, D]
 
 
-def greedy_accept(tree: Tree, draft: mx.array, target_logits: mx.array) -> Acceptance:
+def greedy_accept(tree: Tree | PaddedTree, draft: mx.array, target_logits: mx.array) -> Acceptance:
     """The deepest node whose path tokens all equal the target's argmax at their parents, then
     the target's argmax after it. Ties between equally deep nodes go to the first in node order
     (top-k siblings are distinct, so at most one child can match)."""
@@ -40,7 +41,7 @@ def greedy_accept(tree: Tree, draft: mx.array, target_logits: mx.array) -> Accep
     if tree.num_nodes == 1:
         return _root_only(best[..., 0])
     if tree.is_chain:  # the accepted path is the leading run of matches: fewer ops per step
-        num_accepted = _leading_run(draft.astype(mx.int32) == best[..., :-1])
+        num_accepted = _leading_run(draft.astype(mx.int32) == best[..., :-1])  # -1 never
         path = mx.broadcast_to(mx.arange(tree.num_nodes, dtype=mx.int32), best.shape)
         return Acceptance(path, best, num_accepted)
     expected = mx.take(best, tree.parent_index[1:], axis=-1)  # (..., N - 1)
@@ -52,7 +53,7 @@ def greedy_accept(tree: Tree, draft: mx.array, target_logits: mx.array) -> Accep
 
 
 def rejection_accept(
-    tree: Tree,
+    tree: Tree | PaddedTree,
     draft: mx.array,
     target_logprobs: mx.array,
     draft_logprobs: mx.array | None = None,
@@ -70,41 +71,27 @@ def rejection_accept(
         return _root_only(sample(target_logprobs[..., 0, :]))
     probs = mx.exp(target_logprobs.astype(mx.float32))  # (..., N, V)
     draft = draft.astype(mx.int32)
-    lead = probs.shape[:-2]
+    lead, n = probs.shape[:-2], tree.num_nodes
     q_rows = None if draft_logprobs is None else mx.exp(draft_logprobs.astype(mx.float32))
-    table = tree.child_table  # (N, S)
-    depth, width = tree.depth, table.shape[1]
-    u = mx.random.uniform(shape=(*lead, max(depth, 1), width))
-    vocab = mx.arange(probs.shape[-1])
+    tokens = _with_root(mx.maximum(draft, 0))  # (..., N) gather-safe
+    real = _with_root(draft >= 0, fill=False)  # (..., N) drafted nodes, not padding
+    index = mx.arange(n, dtype=mx.int32)
+    # Siblings sharing a token (only possible with sampled children): the later ones are
+    # tried against a residual that already excludes it.
+    same = (tokens[..., :, None] == tokens[..., None, :]) & (index[:, None] > index[None, :])
+    u = mx.random.uniform(shape=(*lead, max(tree.depth, 1), n if q_rows is None else tree.width))
     node = mx.zeros(lead, dtype=mx.int32)  # where the walk stands
     p = probs[..., 0, :]  # (..., V) the (residual) target distribution at `node`
     alive = mx.ones(lead, dtype=mx.bool_)  # still descending
-    for d in range(depth):
-        moved = mx.zeros(lead, dtype=mx.bool_)
-        nxt = node
-        q = None
-        if q_rows is not None:
+    for d in range(tree.depth):
+        children = alive[..., None] & real & (tree.parent_index == node[..., None])  # (..., N)
+        if q_rows is None:
+            nxt, moved, p = _deterministic_level(p, tokens, children, same, u[..., d, :])
+        else:
             row = mx.minimum(node, q_rows.shape[-2] - 1)[..., None, None]
             q = mx.take_along_axis(q_rows, row, axis=-2)[..., 0, :]  # (..., V)
-        for s in range(width):
-            child = mx.take(table[:, s], node)  # (...) -1 past the last child
-            valid = alive & ~moved & (child >= 0)
-            x = mx.take_along_axis(draft, mx.maximum(child - 1, 0)[..., None], -1)  # (..., 1)
-            p_x = mx.take_along_axis(p, x, -1)[..., 0]
-            if q is None:
-                accept = u[..., d, s] < p_x
-                rest = mx.where(vocab == x, 0.0, p)
-            else:
-                accept = u[..., d, s] * mx.take_along_axis(q, x, -1)[..., 0] < p_x
-                rest = mx.maximum(p - q, 0.0)
-            # A residual with no mass is only reached through rounding; p stays a valid fallback.
-            total = mx.sum(rest, axis=-1, keepdims=True)
-            rest = mx.where(total > 0, rest / mx.maximum(total, 1e-30), p)
-            p = mx.where((valid & ~accept)[..., None], rest, p)
-            accept = valid & accept
-            nxt = mx.where(accept, child, nxt)
-            moved = moved | accept
-        node = nxt
+            nxt, moved, p = _sampled_level(p, q, tokens, children, u[..., d, :], tree.width)
+        node = mx.where(moved, nxt, node)
         after = mx.take_along_axis(probs, node[..., None, None], axis=-2)[..., 0, :]
         p = mx.where(moved[..., None], after, p)
         alive = moved
@@ -112,8 +99,66 @@ def rejection_accept(
     return Acceptance(path, _emitted(draft, path, num_accepted, sample(mx.log(p))), num_accepted)
 
 
+def _deterministic_level(
+    p: mx.array, tokens: mx.array, children: mx.array, same: mx.array, u: mx.array
+) -> tuple[mx.array, mx.array, mx.array]:
+    """One level of deterministic children (top-k, n-gram) in O(nodes + vocabulary), as the
+    official EAGLE code does: child j, tried after its earlier siblings were rejected, is
+    accepted with probability p(x_j) / (1 - mass of the earlier siblings' tokens), the
+    sequential rule in closed form; the first accepted child wins. With none accepted, the
+    residual is p without every child's token, renormalised. Returns (child, moved, residual)."""
+    p_x = mx.take_along_axis(p, tokens, axis=-1)  # (..., N)
+    first = children & ~mx.any(same & children[..., None, :], axis=-1)  # first of its token
+    taken = mx.cumsum(mx.where(first, p_x, 0.0), axis=-1, inclusive=False)  # earlier mass
+    accept = first & (u * mx.maximum(1.0 - taken, 0.0) < p_x)
+    moved = mx.any(accept, axis=-1)
+    child = mx.argmax(accept, axis=-1).astype(mx.int32)
+    rest = _without(p, tokens, children)
+    return child, moved, rest
+
+
+def _sampled_level(
+    p: mx.array, q: mx.array, tokens: mx.array, children: mx.array, u: mx.array, width: int
+) -> tuple[mx.array, mx.array, mx.array]:
+    """One level of children drawn i.i.d. from q, tried in order: accept x with
+    min(1, p(x) / q(x)), else p <- norm(max(0, p - q)) (each rejection changes p, so siblings
+    go one at a time). Returns (child, moved, residual)."""
+    rank = mx.cumsum(children.astype(mx.int32), axis=-1) - 1  # (..., N) rank among siblings
+    moved = mx.zeros(p.shape[:-1], dtype=mx.bool_)
+    child = mx.zeros(p.shape[:-1], dtype=mx.int32)
+    for s in range(width):
+        is_s = children & (rank == s)
+        valid = mx.any(is_s, axis=-1) & ~moved
+        candidate = mx.argmax(is_s, axis=-1).astype(mx.int32)
+        x = mx.take_along_axis(tokens, candidate[..., None], axis=-1)  # (..., 1)
+        p_x = mx.take_along_axis(p, x, -1)[..., 0]
+        accept = valid & (u[..., s] * mx.take_along_axis(q, x, -1)[..., 0] < p_x)
+        p = mx.where((valid & ~accept)[..., None], _normalised(mx.maximum(p - q, 0.0), p), p)
+        child = mx.where(accept, candidate, child)
+        moved = moved | accept
+    return child, moved, p
+
+
+def _without(p: mx.array, tokens: mx.array, drop: mx.array) -> mx.array:
+    """(..., V) p with the tokens where `drop` holds set to 0, renormalised (a scatter: no
+    (N, V) intermediate)."""
+    keep = mx.where(drop, 0.0, 1.0)  # (..., N)
+    flat = p.reshape(-1, p.shape[-1])
+    rows = mx.arange(flat.shape[0])[:, None]
+    zeroed = flat.at[rows, tokens.reshape(flat.shape[0], -1)].multiply(
+        keep.reshape(flat.shape[0], -1)
+    )
+    return _normalised(zeroed.reshape(p.shape), p)
+
+
+def _normalised(rest: mx.array, fallback: mx.array) -> mx.array:
+    # A residual with no mass is only reached through rounding; p stays a valid fallback.
+    total = mx.sum(rest, axis=-1, keepdims=True)
+    return mx.where(total > 0, rest / mx.maximum(total, 1e-30), fallback)
+
+
 def typical_accept(
-    tree: Tree,
+    tree: Tree | PaddedTree,
     draft: mx.array,
     target_logprobs: mx.array,
     threshold: float = 0.09,
@@ -134,8 +179,10 @@ def typical_accept(
     cutoff = mx.minimum(threshold, alpha * mx.exp(-entropy))  # (..., N)
     parents = tree.parent_index[1:]
     rows = mx.take(logprobs, parents, axis=-2)  # (..., N - 1, V)
-    candidate = mx.take_along_axis(rows, draft.astype(mx.int32)[..., None], -1)[..., 0]
+    safe = mx.maximum(draft.astype(mx.int32), 0)[..., None]
+    candidate = mx.take_along_axis(rows, safe, -1)[..., 0]
     passed = mx.exp(candidate) > mx.take(cutoff, parents, axis=-1)  # (..., N - 1)
+    passed = passed & (draft >= 0)  # padding nodes
     ok = _all_ancestors(tree, _with_root(passed))
     # Path log-likelihood; failed nodes count 0 so no -inf * 0 reaches the sum (they are not ok).
     gain = _with_root(mx.where(passed, candidate, 0.0), fill=0.0)  # (..., N)

@@ -12,7 +12,8 @@ import mlx.core as mx
 
 from ..loading import token_count
 from ..models.base import CausalLM
-from ..sampling import SamplingParams, pick
+from ..sampling import SamplingParams
+from ..step import decode
 from ..tree import Tree
 from .base import MAX_DRAFT, Draft, DrafterSpec, TargetFeatures
 
@@ -174,9 +175,10 @@ class DraftModelDrafter:
         inputs = mx.array([min(t, self.shared - 1) for t in fresh], dtype=mx.int32)
         tokens, rows = [], []
         for _ in range(k):
-            logits = self._to_target(self.model(inputs[None], self.cache).logits[0, -1])
-            token, logprobs = pick(logits, sampling)  # greedy verification reads no rows
-            inputs = token.reshape(1)
+            # A compiled step per row bucket: no host sync, no offset-dependent shape.
+            inputs, logprobs = decode(
+                self.model, self.cache, inputs, sampling, self.shared, self.target_vocab_size
+            )
             tokens.append(inputs)
             if logprobs is not None:
                 rows.append(logprobs)  # (V_target,)
@@ -188,11 +190,3 @@ class DraftModelDrafter:
         else:  # only a reset reaches back into the skipped stretch
             self.cache.truncate(min(self.cache.offset, length, self.SINK))
             self.skipped = 0
-
-    def _to_target(self, logits: mx.array) -> mx.array:
-        """(V_draft,) -> (V_target,): the shared range, -inf beyond it."""
-        logits = logits[: self.shared].astype(mx.float32)
-        pad = self.target_vocab_size - self.shared
-        if pad == 0:
-            return logits
-        return mx.concatenate([logits, mx.full((pad,), -mx.inf, mx.float32)])

@@ -6,10 +6,13 @@ One forward serves prefill, one-token decode, chain verification and tree verifi
 
 `positions` are rotary positions per token (default: consecutive from `cache.offset`); they are
 kept apart from cache slots, which are always `offset .. offset + L`. `mask` is an additive
-(L, offset + L) mask over cached + new keys (default: causal). `taps` names decoder layers
-whose *entering* hidden state (the residual stream before the layer, transformers'
-`hidden_states[i]`) the output carries, for drafters that read the target's features (EAGLE-3
-taps layers 2, L//2 and L-3); `hidden`, the final-norm output, is always there.
+(L, offset + L) mask over cached + new keys, or a bool (L, L) visibility among the new tokens
+(the committed prefix seen by all), default causal. Attention spans the cache's whole capacity
+under a mask built on the device from the slot start, so shapes depend on (L, capacity) alone.
+`taps` names decoder layers whose *entering* hidden state (the residual stream before the
+layer, transformers' `hidden_states[i]`) the output carries, for drafters that read the
+target's features (EAGLE-3 taps layers 2, L//2 and L-3); `hidden`, the final-norm output,
+is always there.
 """
 
 from __future__ import annotations
@@ -115,13 +118,19 @@ def _allowed_types(hint: Any) -> tuple[type, ...]:
 
 @dataclass(frozen=True)
 class ForwardContext:
-    """Per-forward state every layer reads: built once, passed down as an argument."""
+    """Per-forward state every layer reads: built once, passed down as an argument.
+
+    Fixed shapes: new keys go to cache slot `start` (an int32 array), attention reads the
+    whole cache capacity under `mask`, so the graph depends on (rows, capacity) only. `end`
+    is the host's start + rows (None inside a compiled step, where the host reserved room).
+    """
 
     cache: KVCache | None
-    offset: int
+    start: mx.array  # () int32: the first new slot
+    end: int | None
     positions: mx.array | None
     seq_len: int  # largest rotary position + 1: what dynamic / longrope frequencies depend on
-    mask: mx.array | str | None
+    mask: mx.array | str | None  # additive (..., L, capacity), or "causal" without a cache
     window_mask: mx.array | None  # set when a sliding-window layer must mask old keys
     sliding: tuple[bool, ...]
 
@@ -146,30 +155,62 @@ def build_context(
     sliding: tuple[bool, ...],
     dtype: mx.Dtype,
 ) -> ForwardContext:
-    offset = cache.offset if cache is not None else 0
-    total = offset + length
-    seq_len = total
-    if positions is not None and rope.depends_on_length:
+    """The context of a forward of `length` new tokens. With a cache, keys are written at
+    `start` (default: the cache's offset) and attention spans the whole capacity: slots
+    before `start` are committed and seen by every new token; among the new ones `mask` says
+    who sees whom: a bool (..., L, L) visibility, or the additive (..., L, offset + L) mask of
+    the public contract (host offset only), or causal by default. A cache view
+    (`KVCache.view`, inside a compiled step) carries its own array start: the host reserved
+    room and no shape depends on the offset."""
+    start = None if cache is None else cache.start
+    offset = 0 if cache is None else cache.offset if start is None else None
+    end = None if offset is None else offset + length
+    if start is None:
+        start = mx.array(offset or 0, dtype=mx.int32)
+    seq_len = end if end is not None else rope.max_position_embeddings
+    if rope.depends_on_length and (positions is not None or end is None):
         # A host sync, only for rope types whose frequencies depend on the largest position.
-        seq_len = int(positions.max().item()) + 1
-    if mask is not None:
-        mask = mask.astype(dtype)
+        last = positions.max() if positions is not None else start + length - 1
+        seq_len = int(last.item()) + 1
+    windowed = window is not None and any(sliding) and (end is None or end > window)
+    if cache is None and not windowed and (mask is None or mask.dtype != mx.bool_):
+        mask = None if mask is None else mask.astype(dtype)
+        causal_mask = "causal" if mask is None and length > 1 else mask
+        return ForwardContext(None, start, end, positions, seq_len, causal_mask, None, sliding)
+    capacity = length if cache is None else cache.capacity_for(end) if end else cache.capacity
+    slots = mx.arange(capacity, dtype=mx.int32)
+    rel = slots - start  # (C,) index among the new tokens; < 0 for committed slots
+    rows = mx.arange(length, dtype=mx.int32)
+    causal = rel[None, :] <= rows[:, None]  # (L, C): committed slots and earlier new ones
+    if mask is None or mask.dtype != mx.bool_:
+        allowed = causal
+        additive = None if mask is None else _to_capacity(mask.astype(dtype), capacity, offset)
+    else:
+        new = mx.take(mask, mx.clip(rel, 0, length - 1), axis=-1)  # (..., L, C)
+        allowed = (rel < 0) | (new & (rel < length))
+        additive = None
     window_mask = None
-    if window is not None and any(sliding) and total > window:
+    if windowed:
         # Causal by cache slot, distance by rotary position (committed slots sit at their
-        # positions; tree nodes at offset + depth): (B or 1, 1, L, offset + L).
-        q_pos = (mx.arange(offset, total) if positions is None else positions).reshape(-1, length)
-        k_pos = mx.concatenate(
-            [mx.broadcast_to(mx.arange(offset), (q_pos.shape[0], offset)), q_pos], axis=1
-        )
-        causal = mx.arange(total)[None, :] <= mx.arange(offset, total)[:, None]
+        # positions, new ones at theirs): (B or 1, 1, L, C).
+        q_pos = (start + rows if positions is None else positions).reshape(-1, length)
+        k_pos = mx.where(rel < 0, slots, mx.take(q_pos, mx.clip(rel, 0, length - 1), axis=-1))
         near = q_pos[:, :, None] - k_pos[:, None, :] < window
-        window_mask = additive_mask(causal & near, dtype)[:, None]
-        if mask is not None:
-            window_mask = mx.minimum(window_mask, mask)
-    if mask is None and length > 1:
-        mask = "causal"
-    return ForwardContext(cache, offset, positions, seq_len, mask, window_mask, sliding)
+        window_mask = additive_mask(allowed & near, dtype)[:, None]
+        if additive is not None:
+            window_mask = mx.minimum(window_mask, additive)
+    if additive is None:
+        additive = additive_mask(allowed, dtype)
+    return ForwardContext(cache, start, end, positions, seq_len, additive, window_mask, sliding)
+
+
+def _to_capacity(mask: mx.array, capacity: int, offset: int | None) -> mx.array:
+    """An additive (..., L, offset + L) mask padded to (..., L, capacity) with hidden slots."""
+    if offset is None:
+        raise ValueError("an additive mask over cached + new keys needs the cache's host offset")
+    pad = capacity - mask.shape[-1]
+    hidden = mx.full((*mask.shape[:-1], pad), mx.finfo(mask.dtype).min, dtype=mask.dtype)
+    return mx.concatenate([mask, hidden], axis=-1)
 
 
 def attend(
@@ -185,10 +226,10 @@ def attend(
     the layer's own (Gemma 3's local layers have another base)."""
     B, _, L, _ = queries.shape
     freqs = rope.freqs(ctx.seq_len)
-    queries = rope(queries, ctx.offset, ctx.positions, freqs)
-    keys = rope(keys, ctx.offset, ctx.positions, freqs)
+    queries = rope(queries, ctx.start, ctx.positions, freqs)
+    keys = rope(keys, ctx.start, ctx.positions, freqs)
     if ctx.cache is not None:
-        keys, values = ctx.cache.update(layer, keys, values)
+        keys, values = ctx.cache.write(layer, keys, values, ctx.start, ctx.end)
     mask = ctx.window_mask if ctx.window_mask is not None and ctx.sliding[layer] else ctx.mask
     out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     return out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, H * D)

@@ -14,6 +14,8 @@ from typing import Any
 
 import mlx.core as mx
 
+# Rope types whose frequencies change with the largest position of a forward.
+LENGTH_DEPENDENT = ("dynamic", "longrope")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # transformers 5 nests `rope_parameters` by these layer types where they differ (Gemma 3).
 LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -137,7 +139,7 @@ class RotaryEmbedding:
     @property
     def depends_on_length(self) -> bool:
         """Whether the frequencies change with the largest position of a forward."""
-        return self.rope_type in ("dynamic", "longrope")
+        return self.rope_type in LENGTH_DEPENDENT
 
     def freqs(self, seq_len: int) -> mx.array:
         """The frequencies HF uses for a forward whose largest position is `seq_len - 1`."""
@@ -151,7 +153,7 @@ class RotaryEmbedding:
         return self._freqs
 
     def __call__(
-        self, x: mx.array, offset: int, positions: mx.array | None, freqs: mx.array
+        self, x: mx.array, offset: int | mx.array, positions: mx.array | None, freqs: mx.array
     ) -> mx.array:
         if self._scale is not None:
             x = x * self._scale.astype(x.dtype)

@@ -1,0 +1,219 @@
+"""Compiled verify and draft steps: fixed shapes, one graph per row bucket.
+
+A verify step runs the target over a draft tree padded to a row bucket (1, 2, 4, ..., 64, then
+multiples of 64) and applies the acceptance rule, both inside one `mx.compile` graph whose
+inputs are the tokens, the tree's arrays, the cache slot start and the cache storage (and the
+random state, so sampling stays seeded). Nothing in it depends on the host offset: a graph is
+traced once per (bucket, capacity, rule, tree depth) and reused until the cache grows a chunk.
+Padding nodes carry the draft token -1 (their input token is 0), see only their ancestors and
+are never accepted; the host advances the cache by the real node count.
+
+Models whose rope frequencies depend on the largest position (dynamic NTK, longrope) run the
+same step uncompiled, with the offset known on the host.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+
+from .cache import KVCache
+from .models.base import CausalLM
+from .models.rope import LENGTH_DEPENDENT
+from .sampling import SamplingParams, log_probs, pick
+from .tree import PaddedTree, Tree
+from .verify import Acceptance, greedy_accept, rejection_accept, typical_accept
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+# Compiled functions per model (keyed by id, dropped with the model), so that every decoder of
+# one model (a server's sessions, repeated generate calls) shares the traced graphs.
+_COMPILED: dict[int, dict[tuple, Callable]] = {}
+
+
+def bucket(n: int) -> int:
+    """The rows a forward of n tokens is padded to."""
+    return next((b for b in BUCKETS if n <= b), -(-n // BUCKETS[-1]) * BUCKETS[-1])
+
+
+def compilable(model) -> bool:
+    """Whether a forward's graph can be independent of the host offset."""
+    if not isinstance(model, CausalLM):
+        return True
+    return model.args.rope_config()["rope_type"] not in LENGTH_DEPENDENT
+
+
+def _compiled(model, key: tuple, build: Callable[[], Callable]) -> Callable:
+    table = _COMPILED.get(id(model))
+    if table is None:
+        table = _COMPILED[id(model)] = {}
+        weakref.finalize(model, _COMPILED.pop, id(model), None)
+    if key not in table:
+        fn = build()
+        if compilable(model):
+            state = mx.random.state
+            fn = mx.compile(fn, inputs=state, outputs=state)
+        table[key] = fn
+    return table[key]
+
+
+@dataclass(frozen=True)
+class Verified:
+    """A verify step's lazy results; rows are the padded tree's."""
+
+    acceptance: Acceptance
+    logits: mx.array  # (rows, V)
+    hidden: mx.array  # (rows, hidden)
+    taps: tuple[mx.array, ...]  # (rows, hidden) each
+
+
+def verify(
+    model,
+    cache: KVCache,
+    pending: mx.array,
+    tree: Tree,
+    draft: mx.array | None,
+    draft_logprobs: mx.array | None,
+    sampling: SamplingParams,
+    *,
+    taps: tuple[int, ...] = (),
+    typical: bool = False,
+) -> Verified:
+    """Queues one verify step (lazy): `pending` (1,) and `draft` (N - 1,) tokens of `tree`.
+
+    Fixed shapes: every array is padded to the row bucket of N (the q rows too) and the
+    cache is read whole; no host sync. Writes the padded rows from the cache offset and
+    advances the offset by N."""
+    n = tree.num_nodes
+    rows = bucket(n)
+    padded = tree.padded(rows)
+    pad = rows - n
+    drafted = mx.zeros((0,), mx.int32) if draft is None else draft.astype(mx.int32)
+    drafted = mx.concatenate([drafted, mx.full((pad,), -1, mx.int32)])  # (rows - 1,)
+    inputs = mx.concatenate([pending.astype(mx.int32), mx.maximum(drafted, 0)])[None]
+    args = [inputs, drafted, padded.parent_index, padded.depth_index, padded.ancestors]
+    sampling = replace(sampling, seed=None)  # the generator is seeded once, outside
+    sampled_q = draft_logprobs is not None and not sampling.greedy and not typical
+    if sampled_q:
+        m = draft_logprobs.shape[0]
+        q = draft_logprobs.astype(mx.float32)
+        args.append(mx.concatenate([q, mx.zeros((rows - m, q.shape[-1]), mx.float32)]))
+    shape = (rows, padded.is_chain, padded.depth, padded.width)
+    key = ("verify", shape, sampled_q, sampling, typical, taps)
+    fn = _compiled(
+        model, key, lambda: _verify_fn(model, padded, sampling, typical, taps, sampled_q)
+    )
+    _reserve(model, cache, cache.offset + rows)
+    start = mx.array(cache.offset, dtype=mx.int32)
+    out = fn(start, *args, *cache.state)
+    k = 4 + len(taps)
+    path, tokens, num_accepted, logits, hidden = out[:5]
+    cache.set_arrays(out[k + 1 :])
+    cache.advance(n)
+    return Verified(Acceptance(path, tokens, num_accepted), logits, hidden, tuple(out[5 : k + 1]))
+
+
+def _verify_fn(
+    model,
+    shape: PaddedTree,
+    sampling: SamplingParams,
+    typical: bool,
+    taps: tuple[int, ...],
+    sampled_q: bool,
+) -> Callable:
+    def step(start, inputs, drafted, parent_index, depth_index, ancestors, *rest):
+        q, arrays = (rest[0], rest[1:]) if sampled_q else (None, rest)
+        tree = PaddedTree(
+            shape.num_nodes, shape.depth, shape.width, shape.is_chain,
+            parent_index, depth_index, ancestors,
+        )  # fmt: skip
+        view = _view(model, arrays, start)
+        positions = mask = None
+        if not shape.is_chain:  # a chain (and its padding) needs the causal default
+            positions, mask = start + depth_index, ancestors
+        out = model(inputs, view, positions=positions, mask=mask, taps=taps)
+        logits = out.logits[0]  # (rows, V)
+        if sampling.greedy:
+            acceptance = greedy_accept(tree, drafted, logits)
+        elif typical:
+            acceptance = typical_accept(tree, drafted, log_probs(logits, sampling))
+        else:
+            acceptance = rejection_accept(tree, drafted, log_probs(logits, sampling), q)
+        return (
+            acceptance.path, acceptance.tokens, acceptance.num_accepted, logits, out.hidden[0],
+            *(t[0] for t in out.taps), *(view.state if view is not None else ()),
+        )  # fmt: skip
+
+    return step
+
+
+def _reserve(model, cache: KVCache, length: int) -> None:
+    """Storage for `length` slots in every layer (a fresh cache gets its shape from the model;
+    a stand-in model without layers keeps none)."""
+    like = None
+    if isinstance(model, CausalLM) and cache.capacity == 0:
+        args = model.args
+        like = mx.zeros((1, args.num_key_value_heads, 0, args.head_dim), model.compute_dtype)
+    cache.reserve(length, like)
+
+
+def _view(model, arrays, start) -> KVCache | None:
+    """The cache a traced forward writes into: a view over the step's cache inputs."""
+    cache = model.make_cache()
+    if arrays:
+        layers = len(arrays) // 2
+        cache.keys, cache.values = list(arrays[:layers]), list(arrays[layers:])
+    cache.start = start
+    return cache
+
+
+def decode(
+    model, cache: KVCache, tokens: mx.array, sampling: SamplingParams, shared: int, vocab: int
+) -> tuple[mx.array, mx.array | None]:
+    """Feeds `tokens` (L,) to `model` and picks the token after the last one (a drafter's
+    step) among the first `shared` ids of a `vocab`-sized vocabulary (the target's): returns
+    the token (1,) and, when sampling, the processed log-probabilities (vocab,).
+
+    Fixed shapes: L is padded to its row bucket (the padding comes after the real tokens, so
+    causal attention keeps it out of their rows; its slots lie past the advanced offset); the
+    cache is read whole; no host sync."""
+    n = tokens.shape[0]
+    if not isinstance(model, CausalLM):  # a stand-in (a test's wrapper) runs as it is
+        logits = model(tokens[None], cache).logits[0, -1][:shared].astype(mx.float32)
+        token, logprobs = pick(_widened(logits, vocab), sampling)
+        return token.reshape(1), logprobs
+    rows = bucket(n)
+    inputs = mx.concatenate([tokens.astype(mx.int32), mx.zeros((rows - n,), mx.int32)])[None]
+    sampling = replace(sampling, seed=None)
+    key = ("decode", sampling, shared, vocab)
+    fn = _compiled(model, key, lambda: _decode_fn(model, sampling, shared, vocab))
+    _reserve(model, cache, cache.offset + rows)
+    start = mx.array(cache.offset, dtype=mx.int32)
+    last = mx.array(n - 1, dtype=mx.int32)
+    token, logprobs, *arrays = fn(start, last, inputs, *cache.state)
+    cache.set_arrays(arrays)
+    cache.advance(n)
+    return token, None if sampling.greedy else logprobs
+
+
+def _decode_fn(model, sampling: SamplingParams, shared: int, vocab: int) -> Callable:
+    def step(start, last, inputs, *arrays):
+        view = _view(model, arrays, start)
+        logits = model(inputs, view).logits[0]  # (rows, V_draft)
+        row = mx.take(logits, last, axis=0)[:shared].astype(mx.float32)  # the last real row
+        row = _widened(row, vocab)
+        token, logprobs = pick(row, sampling)
+        return token.reshape(1), row if logprobs is None else logprobs, *view.state
+
+    return step
+
+
+def _widened(logits: mx.array, vocab: int) -> mx.array:
+    """(shared,) -> (vocab,): ids past the shared range get -inf, so they are never proposed."""
+    pad = vocab - logits.shape[-1]
+    if pad == 0:
+        return logits
+    return mx.concatenate([logits, mx.full((pad,), -mx.inf, mx.float32)])

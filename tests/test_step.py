@@ -1,0 +1,120 @@
+"""Compiled fixed-shape steps: row buckets, padded trees equal unpadded ones, one graph reused
+across offsets, seeded sampling, and draft rows as long as the padded tree."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_speculate import step
+from mlx_speculate.drafters.draft_model import DraftModelDrafter
+from mlx_speculate.policy import FixedPolicy
+from mlx_speculate.sampling import SamplingParams, log_probs
+from mlx_speculate.tree import Tree
+from mlx_speculate.verify import greedy_accept, rejection_accept
+
+from .helpers import decode, tiny_model
+from .markov import chi_square_limit
+
+PARENTS = (-1, 0, 0, 1, 1, 2)  # 6 nodes: padded to 8 rows
+
+
+def test_buckets():
+    assert [step.bucket(n) for n in (1, 2, 3, 5, 9, 33, 64, 65, 130)] == [
+        1, 2, 4, 8, 16, 64, 64, 128, 192,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("parents", [PARENTS, Tree.chain(5).parents], ids=["tree", "chain"])
+def test_padded_verify_equals_the_eager_forward_and_rule(parents):
+    """The compiled step over a padded tree gives the unpadded forward's logits on the real
+    rows and the same acceptance; the cache advances by the real node count."""
+    tree = Tree(parents)
+    model = tiny_model("llama", seed=3)
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(0, 97, 9).tolist()
+    nodes = rng.integers(0, 97, tree.num_nodes).tolist()
+    eager, compiled = model.make_cache(), model.make_cache()
+    for cache in (eager, compiled):
+        model(mx.array([prefix]), cache)
+    offset = eager.offset
+    positions = None if tree.is_chain else tree.positions(offset)
+    mask = None if tree.is_chain else tree.attention_mask(offset)
+    logits = model(mx.array([nodes]), eager, positions=positions, mask=mask).logits[0]
+    # Drafts equal to the argmax along node 1's line, so that something is accepted.
+    best = np.array(mx.argmax(logits, axis=-1))
+    drafts = [int(best[tree.parents[i]]) if i in (1, 3) else nodes[i] for i in range(1, len(nodes))]
+    eager.truncate(offset)
+    inputs = mx.array([[nodes[0], *drafts]])
+    logits = model(inputs, eager, positions=positions, mask=mask).logits[0]
+    want = greedy_accept(tree, mx.array(drafts), logits)
+    got = step.verify(
+        model, compiled, mx.array(nodes[:1]), tree, mx.array(drafts), None, SamplingParams()
+    )
+    n = tree.num_nodes
+    assert got.logits.shape[0] == step.bucket(n) == 8
+    np.testing.assert_allclose(np.array(got.logits[:n]), np.array(logits), rtol=1e-4, atol=1e-5)
+    assert got.acceptance.num_accepted.item() == want.num_accepted.item() >= 1
+    accepted = want.num_accepted.item() + 1
+    assert got.acceptance.path[:accepted].tolist() == want.path[:accepted].tolist()
+    assert got.acceptance.tokens[:accepted].tolist() == want.tokens[:accepted].tolist()
+    assert compiled.offset == offset + n
+
+
+def test_padding_nodes_are_never_accepted():
+    """A padded tree whose padding rows would match the target (token 0 everywhere is the
+    argmax) still accepts no padding node: their draft token is -1."""
+    tree = Tree.chain(2)
+    padded = tree.padded(8)
+    logits = mx.zeros((8, 5)).at[:, 0].add(1.0)  # argmax 0 at every row
+    drafts = mx.array([0, 0, -1, -1, -1, -1, -1])
+    assert greedy_accept(padded, drafts, logits).num_accepted.item() == 2
+    sampled = rejection_accept(padded, drafts, log_probs(logits, SamplingParams(temperature=1)))
+    assert sampled.num_accepted.item() <= 2
+
+
+def test_one_graph_serves_every_offset():
+    """Plain greedy steps at 40 offsets trace the verify graph once (plus the decode graph
+    of nothing: plain decoding has no drafter)."""
+    model = tiny_model("llama", seed=0)
+    step._COMPILED.pop(id(model), None)
+    decode(model, [1, 5, 9], 40)
+    assert len(step._COMPILED[id(model)]) == 1
+
+
+def test_seeded_sampling_repeats():
+    """The random state goes through the compiled graphs: one seed, one output."""
+    model = tiny_model("llama", seed=0)
+    draft = tiny_model("llama", seed=7, num_hidden_layers=1)
+    sampling = SamplingParams(temperature=1.0, seed=11)
+    runs = [
+        decode(model, [1, 5, 9], 30, DraftModelDrafter(draft, 97), FixedPolicy(3), sampling)[0]
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]
+    other = SamplingParams(temperature=1.0, seed=12)
+    assert decode(model, [1, 5, 9], 30, None, None, other)[0] != runs[0]
+
+
+def test_draft_rows_of_a_cut_chain():
+    """A sampled draft cut to the room left keeps a row per kept node (N rows, not N - 1),
+    which the padded step takes; the first emitted token still follows the target."""
+    model = tiny_model("llama", seed=0)
+    cache = model.make_cache()
+    model(mx.array([[1, 5, 9]]), cache)
+    offset = cache.offset
+    sampling = SamplingParams(temperature=1.0)
+    tree = Tree.chain(1)  # padded to 2 rows; q has 2 rows
+    q = log_probs(mx.random.normal((2, 97), key=mx.random.key(1)), sampling)
+    target = mx.softmax(model(mx.array([[1, 5, 9, 9]])).logits[0, -1])
+    mx.random.seed(0)
+    n = 1500
+    firsts = []
+    for _ in range(n):
+        cache.truncate(offset)
+        draft = mx.random.categorical(q[0])[None].astype(mx.int32)
+        result = step.verify(model, cache, mx.array([9]), tree, draft, q, sampling)
+        firsts.append(result.acceptance.tokens[0].item())
+    observed = np.bincount(firsts, minlength=97)
+    expected = n * np.array(target, dtype=np.float64)
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    assert statistic < chi_square_limit(96)
