@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from . import arguments
 from .chat import plain_tokens
-from .decode import Decoder
+from .decode import Decoder, PrefillCancelled
 from .drafters import Drafter, DrafterSpec, make_drafter, spec_from_keywords
 from .models.base import CausalLM
 from .policy import Policy, default_policy
@@ -149,15 +149,21 @@ class Session:
         max_tokens: int,
         stop: Sequence[str] = (),
         policy: Policy | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> Iterator[GenerationResponse]:
-        """Yields one response per emitted token, as `stream_generate` does."""
+        """Yields one response per emitted token, as `stream_generate` does. `cancelled` is
+        asked between prefill chunks: when it says so, the stream ends with no response (the
+        prompt's prefix done so far stays cached). Between tokens the caller stops reading."""
         tokenizer, decoder = self.tokenizer, self.decoder
         tokens = plain_tokens(tokenizer, [prompt]) if isinstance(prompt, str) else list(prompt)
         if policy is None and self.drafter is not None:
             policy = default_policy(self.drafter)
         mx.reset_peak_memory()
         start = time.perf_counter()
-        cached = decoder.prefill(tokens)
+        try:
+            cached = decoder.prefill(tokens, cancelled)
+        except PrefillCancelled:
+            return
         prompt_tps = first_time = 0.0
         eos = set(tokenizer.eos_token_ids)
         detokenizer = tokenizer.detokenizer
