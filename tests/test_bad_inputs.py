@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -19,6 +20,7 @@ from mlx_speculate.loading import build_model, load
 
 from .helpers import random_weights, tiny_config, tiny_model
 from .markov import StubTokenizer
+from .serving import serve
 from .test_loading import write_folder
 
 PROMPT = [1, 5, 9, 33]
@@ -215,6 +217,18 @@ def test_a_failing_chat_template(folder, capsys, template, words):
     one_line(error, "chat template failed", words)
     line = cli_error(capsys, ["--model", str(folder), "--prompt", "w1", "-m", "2"])
     assert words in line
+
+
+def test_a_failing_chat_template_is_a_400_in_the_server(folder):
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    template = "{{ raise_exception('roles must alternate') }}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
+    with serve(*load(folder)) as running:
+        body = {"model": "stories", "messages": [{"role": "user", "content": "w1"}]}
+        response = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "roles must alternate" in error["message"]
 
 
 # -- the generate CLI's own flags ----------------------------------------------------------------
