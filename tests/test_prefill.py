@@ -192,11 +192,17 @@ def test_a_client_leaving_during_prefill_frees_the_server_within_a_chunk(quantiz
 
 
 def test_verbose_reports_prompt_tokens_per_second(quantized, monkeypatch, capsys):
+    """Each of the 3 chunks of a 600-token prompt takes at least 0.2 s more: the rate must
+    fall between 600 over the whole command's time and 600 over those 0.6 s."""
     model, tokenizer = quantized
-    monkeypatch.setattr(generate, "_load", lambda *_: (model, tokenizer))
+    slowed = Gated(model, on_chunk=lambda _: time.sleep(0.2))
+    monkeypatch.setattr(generate, "_load", lambda *_: (slowed, tokenizer))
     prompt = " ".join(f"w{i % 90}" for i in range(600))
-    assert generate.main(["--prompt", prompt, "--ignore-chat-template", "-m", "2",
-                          "--verbose"]) == 0
+    start = time.perf_counter()
+    code = generate.main(["--prompt", prompt, "--ignore-chat-template", "-m", "2", "--verbose"])
+    elapsed = time.perf_counter() - start
+    assert code == 0 and slowed.chunks == 3
     line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("Prompt: "))
     count, rate = line.removeprefix("Prompt: ").split(" tokens, ")
-    assert int(count) == 600 and float(rate.removesuffix(" tokens-per-sec")) > 0
+    assert int(count) == 600
+    assert 600 / elapsed <= float(rate.removesuffix(" tokens-per-sec")) <= 600 / 0.6
