@@ -32,6 +32,11 @@ QUANTIZATION_MODES: dict[str, tuple[tuple[int, ...], tuple[int, ...], int, int]]
     "mxfp8": ((32,), (8,), 32, 8),
 }
 _SETTINGS = ("group_size", "bits", "mode")
+# Rotary settings that divide or take logarithms: each must be a positive, finite number.
+_POSITIVE_ROPE = (
+    "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
+    "high_freq_factor", "attention_factor",
+)  # fmt: skip
 
 
 def check_sizes(config: Mapping[str, Any]) -> None:
@@ -51,6 +56,25 @@ def check_sizes(config: Mapping[str, Any]) -> None:
             f"config field 'hidden_size' ({hidden}) is not a multiple of 'num_attention_heads' "
             f"({heads}), so the head size is unknown: give 'head_dim'"
         )
+
+
+def check_rope(config: Mapping[str, Any]) -> None:
+    """Rotary settings in the config and in its `rope_scaling` / `rope_parameters` blocks."""
+    blocks = [("", config)] + [
+        (f"{name}.", config[name])
+        for name in ("rope_scaling", "rope_parameters")
+        if isinstance(config.get(name), Mapping)
+    ]
+    for prefix, block in blocks:
+        for name in _POSITIVE_ROPE:
+            value = block.get(name)
+            if _is_number(value) and not (0 < value < float("inf")):
+                raise ValueError(f"config field '{prefix}{name}' must be > 0, got {value}")
+        factor = block.get("partial_rotary_factor")
+        if _is_number(factor) and not 0 < factor <= 1:
+            raise ValueError(
+                f"config field '{prefix}partial_rotary_factor' must be in (0, 1], got {factor}"
+            )
 
 
 def check_quantization(config: Mapping[str, Any], weights: Mapping[str, mx.array]) -> None:
@@ -146,6 +170,10 @@ def _check_packing(
             f"as config.json says: its packed weight holds {packed} columns at {bits} bits, "
             f"its scales cover {groups} at group size {group_size}"
         )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _is_int(value: Any) -> bool:

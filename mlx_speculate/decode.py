@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import operator
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -36,12 +36,17 @@ from .device import GENERATION_STREAM
 from .drafters.base import Draft, Drafter, TargetFeatures
 from .models.base import CausalLM
 from .policy import FixedPolicy, Policy
+from .quantized_prefill import prefilling
 from .sampling import SamplingParams, log_probs
 from .step import verify
 from .tree import ROOT, Tree
 from .verify import Acceptance, greedy_accept, rejection_accept, typical_accept
 
-PREFILL_STEP = 512
+PREFILL_STEP = 256  # tokens per prefill chunk: short enough to cancel between (~1 s here)
+
+
+class PrefillCancelled(Exception):
+    """The `cancelled` callback of `Decoder.prefill` asked it to stop."""
 
 
 @dataclass(frozen=True)
@@ -89,10 +94,17 @@ class Decoder:
         self._limit = 0  # last context length the current generation may reach
         self._prompt_logits: mx.array | None = None  # (1, V) after the prompt, until read
 
-    def prefill(self, prompt: Sequence[int]) -> int:
+    def prefill(
+        self, prompt: Sequence[int], cancelled: Callable[[], bool] | None = None
+    ) -> int:
         """Runs the prompt into the cache (its features into the drafter), keeping the logits
         of its last position for the first token; returns how many prompt tokens were already
-        cached from the previous context (all but the last may be)."""
+        cached from the previous context (all but the last may be).
+
+        Chunks of PREFILL_STEP tokens, each evaluated (a sync) before the next is built; their
+        shapes vary with the prompt. `cancelled` is asked before each chunk: when it says so,
+        PrefillCancelled is raised and the chunks done stay cached as the context's prefix, for
+        a later prompt to reuse. A KeyboardInterrupt lands between chunks too."""
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
         if len(prompt) > self.max_context:
@@ -105,14 +117,22 @@ class Decoder:
         self.cache.truncate(kept)
         if self.drafter is not None:
             self.drafter.rewind(kept)
+        self._prompt_logits = None
+        self.context = prompt[:kept]
         with mx.stream(GENERATION_STREAM):
             for start in range(kept, len(prompt), PREFILL_STEP):
+                if cancelled is not None and cancelled():
+                    raise PrefillCancelled(
+                        f"cancelled after {start} of {len(prompt)} prompt tokens"
+                    )
                 chunk = prompt[start : start + PREFILL_STEP]
-                out = self.model(mx.array([chunk]), self.cache, taps=self.taps)
-                if self.drafter is not None:
-                    features = TargetFeatures(out.hidden[0], tuple(t[0] for t in out.taps))
-                    self.drafter.extend(features)
-                mx.eval(self.cache.state)
+                with prefilling():  # a head drafter's own prompt forward (in extend) too
+                    out = self.model(mx.array([chunk]), self.cache, taps=self.taps)
+                    if self.drafter is not None:
+                        hidden, taps = out.hidden[0], tuple(t[0] for t in out.taps)
+                        self.drafter.extend(TargetFeatures(hidden, taps))
+                    mx.eval(self.cache.state)
+                self.context = prompt[: start + len(chunk)]
             # Only the last row is projected (the prefill's own logits are never evaluated).
             self._prompt_logits = self.model.project(out.hidden[0, -1:])
         self.context = prompt

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from . import arguments
 from .chat import plain_tokens
-from .decode import Decoder
+from .decode import Decoder, PrefillCancelled
 from .device import wired_limit
 from .drafters import (
     Drafter,
@@ -154,11 +154,14 @@ class Session:
         max_tokens: int,
         stop: Sequence[str] = (),
         policy: Policy | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> Iterator[GenerationResponse]:
         """Yields one response per emitted token, as `stream_generate` does, with the wired
-        memory limit raised to the model's size meanwhile (Metal only)."""
+        memory limit raised to the model's size meanwhile (Metal only). `cancelled` is asked
+        between prefill chunks: when it says so, the stream ends with no response (the prompt's
+        prefix done so far stays cached). Between tokens the caller stops reading."""
         with wired_limit(self.model):
-            yield from self._stream(prompt, sampling, max_tokens, stop, policy)
+            yield from self._stream(prompt, sampling, max_tokens, stop, policy, cancelled)
 
     def _stream(
         self,
@@ -167,6 +170,7 @@ class Session:
         max_tokens: int,
         stop: Sequence[str],
         policy: Policy | None,
+        cancelled: Callable[[], bool] | None,
     ) -> Iterator[GenerationResponse]:
         tokenizer, decoder = self.tokenizer, self.decoder
         tokens = plain_tokens(tokenizer, [prompt]) if isinstance(prompt, str) else list(prompt)
@@ -174,7 +178,10 @@ class Session:
             policy = default_policy(self.drafter)
         mx.reset_peak_memory()
         start = time.perf_counter()
-        cached = decoder.prefill(tokens)
+        try:
+            cached = decoder.prefill(tokens, cancelled)
+        except PrefillCancelled:
+            return
         prompt_tps = first_time = 0.0
         eos = set(tokenizer.eos_token_ids)
         detokenizer = tokenizer.detokenizer

@@ -7,6 +7,8 @@ The compute dtype follows the device: MLX's CPU backend runs float16/bfloat16 ar
 (quantized matmuls with such scales included) about 45x slower than float32, so on the CPU
 every floating-point tensor, quantization scales and biases included, is loaded as float32;
 on the GPU (Metal) the checkpoint's own dtypes are kept. `load(..., dtype=)` overrides both.
+On the CPU, quantized linear layers dequantize for the prompt's wide matmuls
+(quantized_prefill.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from mlx_lm.tokenizer_utils import (
     TokenizerWrapper,
 )
 
-from . import config_checks
+from . import config_checks, quantized_prefill
 from .checkpoint import load_into, read_weights
 from .models import MODEL_TYPES
 from .models.base import CausalLM, Origin
@@ -90,7 +92,7 @@ def load_config(path: Path) -> dict[str, Any]:
 
 def model_class(config: dict[str, Any]):
     model_type = config.get("model_type")
-    if model_type not in MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise ValueError(
             f"model_type {model_type!r} is not supported (supported: {', '.join(MODEL_TYPES)})"
         )
@@ -110,6 +112,7 @@ def build_model(
     """A model with `weights` loaded; shapes are checked against `config`."""
     module = model_class(config)
     config_checks.check_sizes(config)
+    config_checks.check_rope(config)
     config_checks.check_quantization(config, weights)
     try:
         args = module.ModelArgs.from_dict(config)
@@ -241,6 +244,8 @@ def load(
         model_class(load_config(path))
         check_tokenizer_files(path)
     model, config = load_model(path, dtype or default_dtype())
+    if mx.default_device() == mx.cpu:
+        quantized_prefill.install(model)
     tokenizer = load_tokenizer(path, eos_token_ids(path, config, model.args.vocab_size))
     if (count := token_count(tokenizer)) > model.args.vocab_size:
         raise ValueError(

@@ -25,7 +25,12 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p"):
-            _check_type(name, getattr(self, name), numbers.Real, "a number")
+            value = getattr(self, name)
+            _check_type(name, value, numbers.Real, "a number")
+            try:  # as a float: MLX takes no Python int past 64 bits (`temperature=2**64`)
+                object.__setattr__(self, name, float(value))
+            except OverflowError:
+                raise ValueError(f"{name} must be finite, got {value}") from None
         _check_type("top_k", self.top_k, numbers.Integral, "an integer")
         if self.seed is not None:
             _check_type("seed", self.seed, numbers.Integral, "an integer or None")

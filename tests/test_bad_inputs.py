@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -19,6 +20,7 @@ from mlx_speculate.loading import build_model, load
 
 from .helpers import random_weights, tiny_config, tiny_model
 from .markov import StubTokenizer
+from .serving import serve
 from .test_loading import write_folder
 
 PROMPT = [1, 5, 9, 33]
@@ -80,6 +82,7 @@ def rewrite_config(folder: Path, **changes) -> Path:
         ({"seed": True}, TypeError, ("seed",)),
         ({"max_tokens": "20"}, TypeError, ("max_tokens", "'20'")),
         ({"temperature": None}, TypeError, ("temperature", "number")),
+        ({"temperature": 10**400}, ValueError, ("temperature", "finite")),
         ({"top_k": 2.0, "temperature": 1.0}, TypeError, ("top_k", "integer")),
         ({"stop": [None]}, TypeError, ("stop", "strings")),
         ({"stop": [""]}, ValueError, ("stop", "empty")),
@@ -128,6 +131,10 @@ def test_load_takes_a_dtype_by_name_and_lists_the_valid_ones(folder):
         ({"hidden_size": 0}, "'hidden_size' must be >= 1, got 0"),
         ({"num_key_value_heads": 3}, "multiple of 'num_key_value_heads' (3)"),
         ({"num_attention_heads": 5, "num_key_value_heads": 5}, "give 'head_dim'"),
+        ({"rope_theta": 0.0}, "'rope_theta' must be > 0, got 0.0"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "'rope_scaling.factor' must"),
+        ({"partial_rotary_factor": 0}, "'partial_rotary_factor' must be in (0, 1]"),
+        ({"model_type": ["llama"]}, "model_type ['llama'] is not supported"),
         ({"quantization": "q4"}, "'quantization' must be an object"),
         ({"quantization": {"group_size": 64, "bits": 4}}, "none is stored quantized"),
         ({"quantization": {"group_size": 7, "bits": 4}}, "'group_size' must be one of 32, 64"),
@@ -210,6 +217,18 @@ def test_a_failing_chat_template(folder, capsys, template, words):
     one_line(error, "chat template failed", words)
     line = cli_error(capsys, ["--model", str(folder), "--prompt", "w1", "-m", "2"])
     assert words in line
+
+
+def test_a_failing_chat_template_is_a_400_in_the_server(folder):
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    template = "{{ raise_exception('roles must alternate') }}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
+    with serve(*load(folder)) as running:
+        body = {"model": "stories", "messages": [{"role": "user", "content": "w1"}]}
+        response = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages" and "roles must alternate" in error["message"]
 
 
 # -- the generate CLI's own flags ----------------------------------------------------------------

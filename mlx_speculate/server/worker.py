@@ -5,8 +5,9 @@ MLX streams belong to the thread that made them (on Metal, an array built on one
 be evaluated on another), so loading and decoding share this one thread, and what crosses to
 the event loop is plain Python: text, token ids, floats.
 
-A job is cancelled (its client went away) by a flag the thread reads after every token, so a
-cancelled generation stops within one decoding step; a cancelled job still waiting is skipped.
+A job is cancelled (its client went away) by a flag the thread reads after every token and
+between prefill chunks, so a cancelled generation stops within one decoding step or one prefill
+chunk; a cancelled job still waiting is skipped.
 """
 
 from __future__ import annotations
@@ -205,6 +206,7 @@ class Worker:
             max_tokens=request.max_tokens,
             stop=request.stop,
             policy=policy,
+            cancelled=lambda: job.cancelled,
         )
         try:
             with closing(stream):
