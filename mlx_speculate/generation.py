@@ -113,7 +113,8 @@ def stream_generate(
         sampling=sampling,
         max_tokens=max_tokens,
         stop=stop,
-        policy=policy or (None if drafter is None else default_policy(drafter, num_draft_tokens)),
+        policy=policy
+        or (None if drafter is None else default_policy(drafter, model, num_draft_tokens)),
     )
 
 
@@ -135,6 +136,7 @@ class Session:
         self.drafter = drafter
         self.typical_acceptance = typical_acceptance
         self.decoder = Decoder(model, drafter)
+        self._policy: Policy | None = None  # the default one, built while the drafter is fresh
 
     def stream(
         self,
@@ -149,7 +151,9 @@ class Session:
         tokenizer, decoder = self.tokenizer, self.decoder
         tokens = plain_tokens(tokenizer, [prompt]) if isinstance(prompt, str) else list(prompt)
         if policy is None and self.drafter is not None:
-            policy = default_policy(self.drafter)
+            if self._policy is None:  # calibrating on first use rewinds the drafter
+                self._policy = default_policy(self.drafter, self.model)
+            policy = self._policy
         mx.reset_peak_memory()
         start = time.perf_counter()
         cached = decoder.prefill(tokens)
