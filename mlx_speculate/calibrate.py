@@ -206,7 +206,10 @@ def measure(
     from tqdm import tqdm
 
     context = model.args.max_position_embeddings
-    prompt = [1 + i % (model.args.vocab_size - 1) for i in range(min(PROMPT, context // 2))]
+    # Few distinct tokens, in an irregular order: n-grams recur with several continuations, so
+    # a lookup drafter has matches (its trees show) as it would on text.
+    alphabet = min(11, model.args.vocab_size - 1)
+    prompt = [1 + (i * i + i // 3) % alphabet for i in range(min(PROMPT, context // 2))]
     rows = [r for r in ROWS if r <= context - len(prompt)] or [1]
     bar = tqdm(
         total=len(rows) + len(sizes) + (drafter is not None),
