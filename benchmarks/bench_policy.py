@@ -7,7 +7,8 @@
   useless  a same-size draft model with random weights (accepts nothing)
   same     the target's own 4-bit copy as the draft (costs as much as the target)
   eagle    the EAGLE-1 heads of ../shared/eagle: adaptive against fixed tree sizes
-  lookup   prompt lookup on edit, rewrite and summary prompts: adaptive against fixed k
+  lookup   prompt lookup on edit, rewrite, summary and open prompts: adaptive against fixed
+           k, chains and trees of 3 matches
 
 Tokens/s are medians over interleaved rounds (the first round warms up and is dropped; the
 adaptive policy's calibration is done once before), tau is tokens per verify forward.
@@ -138,6 +139,10 @@ def main(argv=None) -> None:
                 rows = {"plain": run(chat[name]), "lookup adaptive": run(chat[name], LookupSpec())}
                 for k in (2, 4, 8):
                     rows[f"lookup k={k}"] = run(chat[name], LookupSpec(), k)
+                trees = LookupSpec(branches=3)
+                rows["lookup tree adaptive"] = run(chat[name], trees)
+                for k in (8, 12):
+                    rows[f"lookup tree k={k}"] = run(chat[name], trees, k)
                 interleave(f"prompt lookup, {name} prompt", rows, args.runs)
         else:
             raise SystemExit(f"unknown case {case!r}")

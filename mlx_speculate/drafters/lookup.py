@@ -74,7 +74,8 @@ class LookupSpec(DrafterSpec):
             raise ValueError(f"lookup_branches must be >= 1, got {self.branches}")
 
     def build(self, target: CausalLM, tokenizer=None) -> LookupDrafter:
-        return LookupDrafter(self.max_ngram, self.num_draft_tokens or MAX_DRAFT, self.branches)
+        most = self.num_draft_tokens or MAX_DRAFT * self.branches  # a chain's worth per branch
+        return LookupDrafter(self.max_ngram, most, self.branches)
 
 
 class LookupDrafter:
