@@ -2,7 +2,7 @@
 (float32), interleaved in one run: issue 15's "never slower than plain" goals.
 
     python benchmarks/bench_policy.py [--openblas] [--runs 3] [--max-tokens 64]
-        [--cases useless,same,eagle,lookup]
+        [--cases useless,same,eagle,lookup] [--prompts edit,rewrite,summary,open]
 
   useless  a same-size draft model with random weights (accepts nothing)
   same     the target's own 4-bit copy as the draft (costs as much as the target)
@@ -75,6 +75,7 @@ def main(argv=None) -> None:
     parser.add_argument("--cases", default="useless,same,eagle,lookup")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompts", default="edit,rewrite,summary,open", help="lookup's")
     add_blas_argument(parser)
     args = parser.parse_args(argv)
     blas = setup_blas(args.openblas)
@@ -135,7 +136,7 @@ def main(argv=None) -> None:
                 rows[f"eagle tree k={k}"] = run(chat["open"], tree, k)
             interleave("EAGLE-1 heads, open text (tree size)", rows, args.runs)
         elif case == "lookup":
-            for name in ("edit", "rewrite", "summary", "open"):
+            for name in args.prompts.split(","):
                 rows = {"plain": run(chat[name]), "lookup adaptive": run(chat[name], LookupSpec())}
                 for k in (2, 4, 8):
                     rows[f"lookup k={k}"] = run(chat[name], LookupSpec(), k)

@@ -83,9 +83,10 @@ def stream_generate(
     (default: the spec's `num_draft_tokens`, else chosen from measured costs and acceptance,
     possibly none).
     `options` are sampling settings (temperature, top_p, top_k, min_p, seed) when `sampling`
-    is not given, and mlx-lm style shortcuts for a spec: `draft_model=` (with
-    `draft_tokenizer=`), `prompt_lookup=True` (with `max_ngram=`), `medusa=` and `eagle=` (with
-    `tree=`), and `num_draft_tokens=`, `typical_acceptance=` (LOSSY, opt-in).
+    is not given, and mlx-lm style shortcuts for a spec, each method's own (drafters.METHODS):
+    `draft_model=` (with `draft_tokenizer=`), `prompt_lookup=True` (with `max_ngram=`,
+    `lookup_branches=`), `medusa=` (with `medusa_tree=`, `typical_acceptance=`: LOSSY, opt-in)
+    and `eagle=` (with `eagle_tree=`), and `num_draft_tokens=` for any of them.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
