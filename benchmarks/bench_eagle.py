@@ -6,8 +6,8 @@ plain decoding, in one run, on the held-out prompts of ../shared/eagle/official-
 Per method: tokens/s over all prompts, tau (tokens per verify forward, as the EAGLE papers count
 it), and the ratio to our plain decoding; medians over interleaved runs. EAGLE runs the official
 60/7/10 tree, a 6-draft chain (7/5/1), and the adaptive policy choosing the tree size from
-measured costs, whose measured step times per tree size (the verify cost curve, drafting
-included) are printed at the end. Outputs are checked against the official ones.
+calibrated costs, whose step cost per tree size (drafting and verifying) is printed at the
+end. Outputs are checked against the official ones.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def main(argv=None) -> None:
 
     from mlx_speculate import load, stream_generate
     from mlx_speculate.drafters import EagleSpec, EagleTree, make_drafter
-    from mlx_speculate.policy import AdaptivePolicy, FixedPolicy
+    from mlx_speculate.policy import FixedPolicy, default_policy
 
     official = json.loads((EAGLE / "official-dev.json").read_text())["runs"]
     entries = official["eagle1-dynamic-tree"]["prompts"][: args.prompts]
@@ -103,7 +103,7 @@ def main(argv=None) -> None:
 
             def run(prompt, drafter=drafter, tree=tree, fixed=fixed, key=f"{name} {label}", **kw):
                 policy = FixedPolicy(tree.total - 1) if fixed else policies.setdefault(
-                    key, AdaptivePolicy(tree.total - 1)
+                    key, default_policy(drafter, model)
                 )
                 return stream_generate(
                     model, tokenizer, prompt, drafter=drafter, policy=policy, **kw
@@ -128,8 +128,8 @@ def main(argv=None) -> None:
         )
         print(f"{name:<26} {tps:>8.1f} {tau:>6.2f} {tps / plain:>8.2f}x {same:>6}/{len(entries)}")
     for key, policy in policies.items():
-        curve = ", ".join(f"{k}: {1e3 * t:.0f} ms" for k, t in sorted(policy.measured().items()))
-        print(f"\nverify cost curve the policy measured ({key}; nodes: step time)\n  {curve}")
+        steps = ", ".join(f"{k}: {1e3 * policy.costs.step(k):.0f} ms" for k in policy.sizes)
+        print(f"\ncalibrated step cost ({key}; nodes: draft + verify)\n  {steps}")
         print(f"  chosen now: {policy.best()} nodes")
 
 

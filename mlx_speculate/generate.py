@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -103,6 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             tokens = plain_tokens(tokenizer, [system, prompt] if system else [prompt])
         else:
             tokens = apply_chat_template(tokenizer, prompt, system)
+        if args.verbose:  # the adaptive policy says when it switches drafting off or on
+            logging.basicConfig(format="%(message)s", stream=sys.stderr)
+            logging.getLogger("mlx_speculate.policy").setLevel(logging.INFO)
         for response in stream_generate(
             model, tokenizer, tokens, max_tokens=args.max_tokens, sampling=sampling,
             stop=stops, drafter=spec,

@@ -91,9 +91,10 @@ def stream_generate(
     (default: the spec's `num_draft_tokens`, else chosen from measured costs and acceptance,
     possibly none).
     `options` are sampling settings (temperature, top_p, top_k, min_p, seed) when `sampling`
-    is not given, and mlx-lm style shortcuts for a spec: `draft_model=` (with
-    `draft_tokenizer=`), `prompt_lookup=True` (with `max_ngram=`), `medusa=` and `eagle=` (with
-    `tree=`), and `num_draft_tokens=`, `typical_acceptance=` (LOSSY, opt-in).
+    is not given, and mlx-lm style shortcuts for a spec, each method's own (drafters.METHODS):
+    `draft_model=` (with `draft_tokenizer=`), `prompt_lookup=True` (with `max_ngram=`,
+    `lookup_branches=`), `medusa=` (with `medusa_tree=`, `typical_acceptance=`: LOSSY, opt-in)
+    and `eagle=` (with `eagle_tree=`), and `num_draft_tokens=` for any of them.
     """
     arguments.check_prompt(prompt)
     arguments.check_max_tokens(max_tokens)
@@ -123,7 +124,8 @@ def stream_generate(
         sampling=sampling,
         max_tokens=max_tokens,
         stop=stop,
-        policy=policy or (None if drafter is None else default_policy(drafter, num_draft_tokens)),
+        policy=policy
+        or (None if drafter is None else default_policy(drafter, model, num_draft_tokens)),
     )
 
 
@@ -145,6 +147,7 @@ class Session:
         self.drafter = drafter
         self.typical_acceptance = typical_acceptance
         self.decoder = Decoder(model, drafter)
+        self._policy: Policy | None = None  # the default one, built while the drafter is fresh
 
     def stream(
         self,
@@ -175,7 +178,9 @@ class Session:
         tokenizer, decoder = self.tokenizer, self.decoder
         tokens = plain_tokens(tokenizer, [prompt]) if isinstance(prompt, str) else list(prompt)
         if policy is None and self.drafter is not None:
-            policy = default_policy(self.drafter)
+            if self._policy is None:  # calibrating on first use rewinds the drafter
+                self._policy = default_policy(self.drafter, self.model)
+            policy = self._policy
         mx.reset_peak_memory()
         start = time.perf_counter()
         try:

@@ -1,55 +1,65 @@
-"""Draft-length policies, driven by simulated step costs and acceptance (no models)."""
+"""Draft-length policies on synthetic cost curves and simulated acceptance (no models, no
+clocks: the adaptive policy reads calibrated costs, never step times)."""
+
+import logging
 
 import numpy as np
 import pytest
 
+from mlx_speculate.calibrate import StepCosts
 from mlx_speculate.policy import AdaptivePolicy, FixedPolicy, candidate_lengths
 
+ROWS = (1, 2, 4, 8, 16, 32, 64)
 
-def simulate(policy, cost, alpha, steps, seed=0, spikes=0.0, catch_up=0.0):
-    """Runs `policy` against steps that take cost(k) seconds (5% noise, and with probability
-    `spikes` a 10x outlier) and accept each draft token with probability alpha(step). A drafting
-    step pays `catch_up` seconds per plain step before it, up to 32 (a draft model catching up:
-    DraftModelDrafter restarts on a window rather than catch up on more)."""
+
+def curve(verify, draft=lambda k: 0.0, catch_up=0.0, max_k=64, trees=False) -> StepCosts:
+    """StepCosts from functions of the row count and of the draft length."""
+    return StepCosts(
+        {r: verify(r) for r in ROWS}, {k: draft(k) for k in range(1, max_k + 1)}, catch_up, trees
+    )
+
+
+# Verify cost per row count as measured on three kinds of machine (the shape, not the scale).
+METAL = curve(lambda r: 0.01 * max(1.0, r / 16))  # flat to 16 rows, then linear
+CPU = curve(lambda r: 0.01 * r)  # every row costs a forward
+CUDA = curve(lambda r: 0.007 + 0.00002 * r)  # launch overhead dominates
+
+
+def chain_tokens(alpha, k):
+    return sum(alpha**i for i in range(k + 1))
+
+
+def run(policy, costs, alpha, steps, seed=0, tokens=None):
+    """Simulates `steps` steps; returns (choices, tokens per second relative to plain). A
+    drafting step after plain ones pays the catch-up. `tokens(k)` (trees) replaces the chain's
+    per-token acceptance with a yield curve."""
     rng = np.random.default_rng(seed)
-    choices, skipped = [], 0
+    choices, total, seconds, skipped = [], 0.0, 0.0, 0
     for i in range(steps):
         k = policy.choose()
-        seconds = cost(k) * (1 + 0.05 * rng.standard_normal())
-        if rng.random() < spikes:
-            seconds *= 10
-        if k > 0:
-            seconds, skipped = seconds + catch_up * min(skipped, 32), 0
+        if tokens is None:
+            a = alpha(i) if callable(alpha) else alpha
+            accepted = 0
+            while accepted < k and rng.random() < a:
+                accepted += 1
         else:
-            skipped += 1
-        accepted = 0
-        while accepted < k and rng.random() < alpha(i):
-            accepted += 1
-        policy.observe(k, accepted, seconds)
-        choices.append(k)
-    return choices
-
-
-def speed(policy, cost, alpha, steps, catch_up=0.0):
-    """Tokens per second over `steps` simulated steps, relative to plain decoding."""
-    choices = []
-    rng = np.random.default_rng(1)
-    tokens = seconds = 0.0
-    skipped = 0
-    for _ in range(steps):
-        k = policy.choose()
-        accepted = 0
-        while accepted < k and rng.random() < alpha:
-            accepted += 1
-        step = cost(k)
+            mean = tokens(k) - 1
+            accepted = min(k, int(mean) + (rng.random() < mean % 1))
+        step = costs.step(k)
         if k > 0:
-            step, skipped = step + catch_up * min(skipped, 32), 0
+            step += costs.catch_up * (skipped > 0)
+            skipped = 0
         else:
             skipped += 1
         policy.observe(k, accepted, step)
         choices.append(k)
-        tokens, seconds = tokens + accepted + 1, seconds + step
-    return tokens / seconds * cost(0)
+        total, seconds = total + accepted + 1, seconds + step
+    return choices, total / seconds * costs.step(0)
+
+
+def best_rate(costs, yields, sizes):
+    """The best fixed setting's tokens per second relative to plain decoding."""
+    return max(yields(k) / costs.step(k) for k in sizes) * costs.step(0)
 
 
 def test_fixed_policy():
@@ -60,159 +70,116 @@ def test_fixed_policy():
         FixedPolicy(-1)
 
 
-@pytest.mark.parametrize("steps", [200, 2000])
-def test_useless_draft_costs_little(steps):
-    # An equal-size draft accepted 5% of the time; catching up costs 0.2 plain steps per token
-    # (CPU: a 33-token forward costs 6 one-token ones). Warm-up and probes at doubling gaps
-    # keep the speed close to plain decoding.
-    speed_ratio = speed(AdaptivePolicy(max_k=8), lambda k: 0.01 * (1 + k), 0.05, steps, 0.002)
-    assert speed_ratio > (0.9 if steps == 200 else 0.97)
+@pytest.mark.parametrize(
+    "costs, alpha, max_k",
+    [
+        (METAL, 0.8, 32),  # long drafts are free up to 15
+        (METAL, 0.5, 32),
+        (CPU, 0.9, 8),  # nothing pays: plain decoding
+        (CPU, 0.3, 8),
+        (CUDA, 0.7, 16),
+        (curve(lambda r: 0.007 + 0.00002 * r, lambda k: 0.0015 * k), 0.7, 8),  # a draft model
+        (curve(lambda r: 0.01 * (0.5 + 0.5 * r)), 0.8, 8),  # a CPU with some batching gain
+    ],
+)
+def test_within_five_percent_of_the_best_fixed_length(costs, alpha, max_k):
+    policy = AdaptivePolicy(costs, max_k)
+    _, speed = run(policy, costs, alpha, 1500)
+    sizes = candidate_lengths(max_k)
+    best = best_rate(costs, lambda k: chain_tokens(alpha, k), sizes)
+    assert speed >= 0.95 * best
+    exact = max(sizes, key=lambda k: chain_tokens(alpha, k) / costs.step(k))
+    rates = policy.rates(alpha)
+    assert rates[policy.best()] >= 0.97 * rates[exact]
 
 
-def test_plain_decoding_when_drafting_does_not_pay():
-    # Verify cost grows with every token (4-bit matmul on a CPU) and few drafts are accepted.
-    policy = AdaptivePolicy(max_k=8)
-    choices = simulate(policy, lambda k: 0.01 * (k + 1), lambda i: 0.1, 400)
-    assert policy.best() == 0
-    # After warm-up it stays plain; exploration only ever tries one draft token.
-    steady = choices[100:]
-    assert steady.count(0) >= 0.9 * len(steady)
-    assert max(steady) == 1
+def test_flat_curve_drafts_long_and_linear_curve_drafts_nothing():
+    policy = AdaptivePolicy(METAL, 32)
+    choices, _ = run(policy, METAL, 0.9, 300)
+    assert np.mean(choices[100:]) > 10
+    policy = AdaptivePolicy(CPU, 8)
+    choices, _ = run(policy, CPU, 0.6, 300)
+    assert choices[100:].count(0) >= 0.97 * 200
 
 
-def test_long_drafts_when_verification_is_flat():
-    # Metal-like: verifying more tokens costs almost nothing, and the draft is good.
-    policy = AdaptivePolicy(max_k=8)
-    choices = simulate(policy, lambda k: 0.01 * (1 + 0.02 * k), lambda i: 0.9, 300)
-    # 6, 7 and 8 differ by less than the timing noise; all are long drafts.
-    assert policy.best() >= 6
-    assert np.mean(choices[100:]) > 6
+@pytest.mark.parametrize("steps", [100, 1000])
+def test_useless_and_same_cost_drafts_cost_little(steps):
+    # A random draft (5% acceptance) whose catch-up after plain steps costs 5 forwards, and a
+    # draft as dear as the target (its own 4-bit copy) accepted 60% of the time.
+    useless = curve(lambda r: 0.01 * r, lambda k: 0.002 * k, catch_up=0.05)
+    _, speed = run(AdaptivePolicy(useless, 8), useless, 0.05, steps)
+    assert speed >= 0.95
+    same = curve(lambda r: 0.01 * (0.6 + 0.4 * r), lambda k: 0.01 * k, catch_up=0.1)
+    _, speed = run(AdaptivePolicy(same, 8), same, 0.6, steps)
+    assert speed >= 0.95
 
 
-def test_finds_the_knee_of_a_measured_cost_curve():
-    # Flat up to 4 draft tokens, then three times dearer: the best length is 4, and the policy
-    # has to measure its way there (its first guess from k <= 2 extrapolates flat).
-    policy = AdaptivePolicy(max_k=8)
-    simulate(policy, lambda k: 0.01 if k <= 4 else 0.03, lambda i: 0.8, 500)
-    assert policy.best() == 4
+def test_switches_off_and_on_with_acceptance(caplog):
+    costs = curve(lambda r: 0.01 * (1 + 0.1 * r))
+    policy = AdaptivePolicy(costs, 8)
+    with caplog.at_level(logging.INFO, logger="mlx_speculate.policy"):
+        choices, _ = run(policy, costs, lambda i: 0.9 if i < 200 or i >= 600 else 0.0, 1200)
+    assert np.mean(choices[150:200]) > 4
+    assert np.mean(np.array(choices[400:600]) == 0) > 0.9
+    assert np.mean(choices[1000:]) > 4
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("drafting off: acceptance") for m in messages)
+    assert any(m.startswith("drafting on") for m in messages)
 
 
-def test_robust_to_outliers():
-    policy = AdaptivePolicy(max_k=8)
-    simulate(policy, lambda k: 0.01 * (k + 1), lambda i: 0.1, 400, spikes=0.05)
-    assert policy.best() == 0
-    policy = AdaptivePolicy(max_k=8)
-    simulate(policy, lambda k: 0.01 * (1 + 0.02 * k), lambda i: 0.9, 300, spikes=0.05)
-    assert policy.best() >= 6
-
-
-def test_follows_a_drop_in_acceptance():
-    # The text changes character: drafts stop matching, and the policy stops drafting.
-    policy = AdaptivePolicy(max_k=8)
-    choices = simulate(
-        policy, lambda k: 0.01 * (1 + 0.25 * k), lambda i: 0.9 if i < 200 else 0.0, 400
-    )
-    assert np.mean(choices[150:200]) > 2
-    assert policy.best() == 0
-    assert np.mean(np.array(choices[300:]) == 0) > 0.88  # probes: 2 steps in 32
-
-
-def test_returns_to_drafting_despite_catch_up_costs():
-    # Drafts are useless for a while, then good again; probes away from k = 0 pay the draft
-    # model's catch-up over the skipped tokens, which must not be mistaken for the cost of k.
-    # Probes come at most 8 * 64 steps apart: within two such gaps the policy drafts again.
-    policy = AdaptivePolicy(max_k=8)
-    choices = simulate(
-        policy, lambda k: 0.01 * (1 + 0.25 * k), lambda i: 0.0 if i < 200 else 0.9, 1400,
-        catch_up=0.005,
-    )
-    assert np.mean(np.array(choices[150:200]) == 0) > 0.9
-    assert np.mean(choices[1224:]) > 2
+def test_never_drafts_where_it_cannot_pay(caplog):
+    # Every step of k drafts costs more than k + 1 plain ones: nothing to learn.
+    costs = curve(lambda r: 0.01 * r, lambda k: 0.001)
+    with caplog.at_level(logging.INFO, logger="mlx_speculate.policy"):
+        policy = AdaptivePolicy(costs, 8)
+    assert set(run(policy, costs, 1.0, 100)[0]) == {0}
+    assert "even if every draft passed" in caplog.records[0].getMessage()
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.6, 0.9])
 def test_acceptance_estimate(alpha):
-    # Per-token acceptance from truncated runs: accepted tokens against rejections.
-    policy = AdaptivePolicy(max_k=4)
-    simulate(FixedDrafting(policy, 4), lambda k: 0.01, lambda i: alpha, 300)
-    assert abs(policy.acceptance - alpha) < 0.15  # a memory of about 20 steps
-
-
-class FixedDrafting:
-    """Feeds `policy` the outcomes of always drafting k tokens."""
-
-    def __init__(self, policy, k):
-        self.policy, self.k = policy, k
-
-    def choose(self):
-        return self.k
-
-    def observe(self, drafted, accepted, seconds):
-        self.policy.observe(drafted, accepted, seconds)
-
-
-def test_warm_up_and_catch_up_steps_are_not_timed():
-    policy = AdaptivePolicy(max_k=4)
-    assert policy.cost(0) is None
-    policy.observe(0, 0, 1.0)  # first step at a length: allocation, first kernels
-    policy.observe(0, 0, 0.01)
-    policy.observe(2, 1, 5.0)  # first at 2, and the draft's catch-up after a plain step
-    assert policy.cost(2) == 0.01  # extrapolated from k = 0 alone
-    policy.observe(2, 1, 0.02)
-    policy.observe(0, 0, 0.01)
-    policy.observe(2, 1, 3.0)  # catch-up after a plain step
-    assert policy.cost(2) == 0.02 and policy.cost(0) == 0.01
-    assert policy.cost(1) == pytest.approx(0.015)  # interpolated
-    assert policy.cost(4) == pytest.approx(0.03)  # extrapolated with the fitted slope
-
-
-def test_zero_max_is_plain_decoding():
-    policy = AdaptivePolicy(max_k=0)
-    assert set(simulate(policy, lambda k: 0.01, lambda i: 0.9, 50)) == {0}
-
-
-
-def test_expected_tokens_follow_measured_tree_yield():
-    """Tree steps of 4 nodes over branches that accept 3 tokens yield 4, above the 3.05 a chain
-    of 4 at the acceptance those steps imply (3 of 4) predicts; chain-like steps keep gain ~1."""
-    policy = AdaptivePolicy(max_k=16)
-    for _ in range(64):
-        policy.observe(4, 3, 0.01)
-    assert policy.acceptance == pytest.approx(0.75, abs=0.02)
-    assert policy.expected_tokens(4, policy.acceptance) < 3.1
-    assert policy.expected_tokens(4) == pytest.approx(4.0, rel=0.05)
-
+    policy = AdaptivePolicy(CPU, 4)
     rng = np.random.default_rng(0)
-    policy = AdaptivePolicy(max_k=16)
-    for _ in range(400):
+    for _ in range(300):
         accepted = 0
-        while accepted < 4 and rng.random() < 0.7:
+        while accepted < 4 and rng.random() < alpha:
             accepted += 1
-        policy.observe(4, accepted, 0.01)
-    assert policy.expected_tokens(4) == pytest.approx(
-        policy.expected_tokens(4, policy.acceptance), rel=0.1
-    )
+        policy.observe(4, accepted, 0.0)
+    assert abs(policy.acceptance - alpha) < 0.15
+    assert policy.expected_tokens(4) == pytest.approx(chain_tokens(alpha, 4), rel=0.2, abs=0.1)
+
+
+def test_acceptance_per_depth_predicts_longer_chains():
+    # Lookup-like: the first token often misses, but a match once found runs on. Steps of 2
+    # drafts predict longer ones better than one pooled rate would.
+    policy = AdaptivePolicy(METAL, 8)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        accepted = 0 if rng.random() < 0.5 else 1 + (rng.random() < 0.95)
+        policy.observe(2, accepted, 0.0)
+    assert policy.expected_tokens(2) == pytest.approx(1 + 0.5 + 0.5 * 0.95, abs=0.15)
+    assert policy.expected_tokens(8) > chain_tokens(policy.acceptance, 8) + 0.5
 
 
 def test_tree_sizes_are_searched_on_a_grid():
-    """A 59-node tree is weighed at a dozen sizes, and the search reaches the best one: here
-    trees yield more with size (tokens = 1 + 2.5 (1 - e^(-k/12))) while verifying costs nothing
-    up to 24 rows and then grows."""
+    """A 59-node tree is weighed at a dozen sizes, and the search reaches the best one: trees
+    yield more with size (tokens = 1 + 2.5 (1 - e^(-k/12))) while verifying costs nothing up to
+    24 rows and then grows."""
     assert candidate_lengths(59) == (0, 1, 2, 3, 4, 5, 6, 7, 8, 12, 18, 27, 40, 59)
     assert candidate_lengths(5) == (0, 1, 2, 3, 4, 5)
-    policy = AdaptivePolicy(max_k=59)
-    rng = np.random.default_rng(0)
-
-    def cost(k):
-        return 0.01 * (1 + 0.08 * max(0, k - 24))
+    costs = curve(lambda r: 0.01 * (1 + 0.08 * max(0, r - 25)), trees=True)
 
     def tokens(k):
         return 1 + 2.5 * (1 - np.exp(-k / 12))
 
-    for _ in range(1500):
-        k = policy.choose()
-        accepted = min(k, int(tokens(k)) + (rng.random() < tokens(k) % 1) - 1)
-        policy.observe(k, accepted, cost(k) * (1 + 0.03 * rng.standard_normal()))
-    best = max(policy.sizes, key=lambda k: tokens(k) / cost(k))
+    policy = AdaptivePolicy(costs, 59)
+    _, speed = run(policy, costs, None, 1500, tokens=tokens)
+    best = max(policy.sizes, key=lambda k: tokens(k) / costs.step(k))
     assert best == 18  # 2.94 tokens for one row's cost; 27 yields 3.24 for 1.24 rows' cost
     assert policy.best() == best
+    assert speed >= 0.95 * best_rate(costs, tokens, policy.sizes)
+
+
+def test_zero_max_is_plain_decoding():
+    policy = AdaptivePolicy(METAL, 0)
+    assert set(run(policy, METAL, 0.9, 50)[0]) == {0}

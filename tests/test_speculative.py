@@ -205,7 +205,7 @@ SAMPLED = 3000
     ],
     ids=["plain", "top_k", "top_p"],
 )
-@pytest.mark.parametrize("drafter_kind", ["draft_model", "lookup"])
+@pytest.mark.parametrize("drafter_kind", ["draft_model", "lookup", "lookup_tree"])
 def test_sampling_follows_target(sampling, drafter_kind):
     mx.random.seed(11)
     target = MarkovLM(TARGET_TABLE)
@@ -215,8 +215,10 @@ def test_sampling_follows_target(sampling, drafter_kind):
         assert ((p == 0) & (q > 0.1)).any()  # the draft proposes what the target never emits
     if drafter_kind == "draft_model":
         drafter = DraftModelDrafter(MarkovLM(DRAFT_TABLE), V)
-    else:
+    elif drafter_kind == "lookup":
         drafter = LookupDrafter(max_ngram=2)
+    else:  # several matches verified as one tree: the rule tries siblings in turn
+        drafter = LookupDrafter(max_ngram=2, branches=3)
     tokens, steps, _ = decode(target, [0], SAMPLED, drafter, FixedPolicy(3), sampling)
     # Both branches of the rule are exercised: many acceptances and many rejections.
     assert sum(s.accepted for s in steps) > 200

@@ -101,7 +101,7 @@ class SessionPool:
             return Entry(method, Session(self.model, self.tokenizer))
         drafter = make_drafter(spec, self.model, self.tokenizer)
         if method not in self.policies:
-            self.policies[method] = default_policy(drafter, spec.num_draft_tokens)
+            self.policies[method] = default_policy(drafter, self.model, spec.num_draft_tokens)
         session = Session(
             self.model, self.tokenizer, drafter, typical_acceptance=spec.typical_acceptance
         )

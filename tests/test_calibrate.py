@@ -1,0 +1,97 @@
+"""The calibrated cost curve: interpolation, the on-disk cache (written atomically, measured
+again when stale, forced or when its key changes) and the CLI."""
+
+import json
+
+import mlx.core as mx
+import pytest
+
+from mlx_speculate import calibrate
+from mlx_speculate.calibrate import MAX_AGE, ROWS, StepCosts, load_costs
+from mlx_speculate.drafters import LookupSpec, MedusaSpec, make_drafter
+from mlx_speculate.heads.medusa import MedusaHeads
+
+from .helpers import tiny_model
+from .test_cli import tiny_folder
+
+
+@pytest.fixture(autouse=True)
+def calibration_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_SPECULATE_CALIBRATION", str(tmp_path / "calibration"))
+    return tmp_path / "calibration"
+
+
+def test_step_costs_interpolate_and_extrapolate():
+    costs = StepCosts({1: 1.0, 2: 1.5, 4: 2.0}, {1: 0.1, 3: 0.3})
+    assert costs.verify_cost(3) == pytest.approx(1.75)
+    assert costs.verify_cost(8) == pytest.approx(3.0)  # the last slope, 0.25 per row
+    assert costs.draft_cost(2) == pytest.approx(0.2)
+    assert costs.draft_cost(0) == 0.0
+    assert costs.step(3) == pytest.approx(0.3 + 2.0)
+    assert StepCosts({1: 1.0}, {}).step(5) == 1.0
+
+
+class Counting:
+    """Wraps calibrate.measure, counting the calls."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        self.measure = calibrate.measure
+        monkeypatch.setattr(calibrate, "measure", self)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.measure(*args, **kwargs)
+
+
+def test_cached_until_stale_forced_or_keyed_otherwise(calibration_dir, monkeypatch):
+    model = tiny_model()
+    counting = Counting(monkeypatch)
+    drafter = make_drafter(LookupSpec(), model)
+    costs = load_costs(model, drafter, (1, 2, 4), progress=False)
+    assert counting.calls == 1
+    assert set(costs.verify) <= set(ROWS) and {1, 2} <= set(costs.verify)
+    assert min(costs.verify.values()) > 0 and not costs.trees
+    files = list(calibration_dir.iterdir())
+    assert [f.suffix for f in files] == [".json"]  # atomic: no staging folder left behind
+    record = json.loads(files[0].read_text())
+
+    assert load_costs(model, drafter, (1, 2), progress=False) == costs
+    assert load_costs(model, progress=False).verify == costs.verify
+    assert counting.calls == 1
+
+    load_costs(model, drafter, (1, 2, 8), progress=False)  # a length not measured yet
+    assert counting.calls == 2
+    later = record["created"] + MAX_AGE + 1
+    load_costs(model, drafter, (1, 2), now=lambda: later, progress=False)
+    assert counting.calls == 3
+    load_costs(model, drafter, (1, 2), force=True, progress=False)
+    assert counting.calls == 4
+
+    files[0].write_text("{torn")
+    load_costs(model, drafter, (1, 2), progress=False)
+    assert counting.calls == 5
+
+    model.set_dtype(mx.float16)  # another dtype: another key, another file
+    load_costs(model, drafter, (1, 2), progress=False)
+    assert counting.calls == 6 and len(list(calibration_dir.iterdir())) == 2
+
+
+def test_a_drafter_is_left_fresh_and_its_trees_are_seen():
+    model = tiny_model()
+    heads = MedusaHeads(64, 97, num_heads=2)
+    drafter = make_drafter(MedusaSpec(heads=heads), model)
+    costs = load_costs(model, drafter, (1, 4, 8), progress=False)
+    assert costs.trees and set(costs.draft) <= {1, 4, 8} and costs.catch_up == 0.0
+    assert drafter.propose([1, 2, 3], 4, None) is None  # rewound: no state left
+
+
+def test_cli_prints_the_curve(tmp_path, capsys):
+    folder = tiny_folder(tmp_path / "tiny", 256)
+    assert calibrate.main(["--model", str(folder), "--prompt-lookup"]) == 0
+    out = capsys.readouterr().out
+    assert " rows  verify ms" in out and "draft ms" in out and "catch-up after 32" in out
+    with pytest.raises(SystemExit) as exit_info:
+        calibrate.main(["--model", str(folder), "--eagle", "--medusa-tree", "mc_sim_7b_63"])
+    assert exit_info.value.code == 2
+    assert "--medusa-tree applies to --medusa only" in capsys.readouterr().err
