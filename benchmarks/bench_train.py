@@ -1,0 +1,128 @@
+"""The whole training recipe, then the head at work: wall time per stage, held-out top-1, and
+tau (tokens per verify forward) and tokens/s of the trained head against plain decoding.
+
+    # SmolLM2 EAGLE-1 from the 450 shared training prompts, tau on official-dev's prompts:
+    python benchmarks/bench_train.py eagle1 --openblas
+    # stories260K EAGLE-3 from its own samples, tau on samples from BOS:
+    python benchmarks/bench_train.py eagle3 --model ../shared/models/stories260K-llama \
+        --self-samples 400 --max-tokens 256
+
+Stages are cached under --work (default ~/.cache/mlx_speculate/train-bench): run again to
+resume, or delete it to start over. Tau uses the official 60/7/10 tree (--tree) with a fixed
+draft size; outputs are checked equal to plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import CACHE, SHARED, add_blas_argument, header, median, setup_blas  # noqa: E402
+
+
+def measure(model, tokenizer, prompts, max_tokens: int, **kwargs) -> tuple[float, float, list]:
+    """tokens/s and tau over all prompts, and the outputs."""
+    from mlx_speculate import stream_generate
+
+    tokens = forwards = generated = 0
+    outputs = []
+    start = time.perf_counter()
+    for prompt in prompts:
+        out, last = [], None
+        for last in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs):
+            out.append(last.token)
+        if last is not None and last.stats is not None:
+            forwards += last.stats.target_forwards
+            generated += last.stats.generated
+        tokens += len(out)
+        outputs.append(out)
+    seconds = time.perf_counter() - start
+    return tokens / seconds, (generated / forwards if forwards else 1.0), outputs
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("kind", choices=("eagle1", "eagle3", "medusa"))
+    parser.add_argument("--model", help="default: SmolLM2-135M-Instruct float32")
+    parser.add_argument("--prompts", default=str(SHARED / "eagle" / "prompts-train.json"))
+    parser.add_argument("--self-samples", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--max-steps", type=int)
+    parser.add_argument("--batch-tokens", type=int, default=2048)
+    parser.add_argument("--draft-vocab", type=int, default=4096)
+    parser.add_argument("--work", type=Path, default=CACHE / "train-bench")
+    parser.add_argument("--eval-prompts", type=int, default=10)
+    parser.add_argument("--eval-tokens", type=int, default=128)
+    parser.add_argument("--tree", default="60,7,10", help="EAGLE tree total,depth,top_k")
+    parser.add_argument("--runs", type=int, default=2)
+    add_blas_argument(parser)
+    args = parser.parse_args(argv)
+    blas = setup_blas(args.openblas)
+    header(f"training recipe: {args.kind}", blas)
+
+    from mlx_speculate import load
+    from mlx_speculate.drafters import EagleSpec, EagleTree, MedusaSpec, make_drafter
+    from mlx_speculate.policy import FixedPolicy
+    from mlx_speculate.train.loop import TrainConfig
+    from mlx_speculate.train.recipe import Recipe, train_head
+
+    if args.model is None:
+        from bench_eagle import smollm2_folder
+
+        args.model = str(smollm2_folder())
+    name = f"{Path(args.model).name}-{args.kind}"
+    out = args.work / name
+    config = TrainConfig(epochs=args.epochs, learning_rate=args.lr, max_steps=args.max_steps,
+                         batch_tokens=args.batch_tokens)  # fmt: skip
+    recipe = Recipe(args.kind, max_tokens=args.max_tokens, self_samples=args.self_samples,
+                    draft_vocab=args.draft_vocab, train=config)  # fmt: skip
+    if not out.exists():
+        result = train_head(args.kind, args.model, out, recipe=recipe,
+                            prompts=None if args.self_samples else args.prompts,
+                            cache=args.work / f"{Path(args.model).name}.cache")  # fmt: skip
+        for stage, seconds in result.seconds.items():
+            print(f"{stage:<9} {seconds:8.1f} s")
+        print(f"held-out top-1 {result.held_out_top1:.1%}; {result.tokens} tokens cached at "
+              f"{result.bytes_per_token:.0f} bytes a token")  # fmt: skip
+    else:
+        print(f"{out} exists: measuring it (delete it to train again)")
+        history = json.loads((out / "training.json").read_text())["history"]
+        print(f"held-out top-1 per epoch: {[round(h['held_out_top1'], 3) for h in history]}")
+
+    model, tokenizer = load(args.model)
+    if args.self_samples:
+        prompts = [[tokenizer.bos_token_id or 0]] * 1
+    else:
+        official = json.loads((SHARED / "eagle" / "official-dev.json").read_text())["runs"]
+        entries = official["eagle1-dynamic-tree"]["prompts"][: args.eval_prompts]
+        prompts = [e["prompt_ids"] for e in entries]
+    if args.kind == "medusa":
+        spec, size = MedusaSpec(heads=str(out)), 63
+    else:
+        total, depth, top_k = map(int, args.tree.split(","))
+        spec, size = EagleSpec(heads=str(out), tree=EagleTree(total, depth, top_k)), total - 1
+    drafter = make_drafter(spec, model)
+    rows = {"plain": {}, args.kind: {"drafter": drafter, "policy": FixedPolicy(size)}}
+    results = {k: [] for k in rows}
+    for round_ in range(args.runs + 1):  # round 0 warms up and is dropped
+        for key, kwargs in rows.items():
+            results[key].append(measure(model, tokenizer, prompts, args.eval_tokens, **kwargs))
+            print(f"  round {round_} {key}: {results[key][-1][0]:.1f} tok/s", flush=True)
+    plain = median([r[0] for r in results["plain"][1:]])
+    same = results[args.kind][-1][2] == results["plain"][-1][2]
+    print(f"\n{'method':<10} {'tok/s':>8} {'tau':>6} {'vs plain':>9}")
+    for key, values in results.items():
+        tps, tau = median([v[0] for v in values[1:]]), median([v[1] for v in values[1:]])
+        print(f"{key:<10} {tps:>8.1f} {tau:>6.2f} {tps / plain:>8.2f}x")
+    print(f"greedy output with the head equals plain: {same}")
+
+
+if __name__ == "__main__":
+    main()

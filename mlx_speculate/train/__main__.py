@@ -1,0 +1,76 @@
+"""python -m mlx_speculate.train {eagle1,eagle3,medusa} --model M --prompts FILE --out DIR"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..cli import INTERRUPTED, fail, non_negative_float, positive_int, prog
+from .loop import TrainConfig
+from .recipe import KINDS, Recipe, train_head
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog("mlx_speculate.train"),
+        description="Train a draft head from the target's own answers (resumable: run the "
+        "same command again after a stop).",
+    )
+    p.add_argument("kind", choices=KINDS)
+    p.add_argument("--model", required=True, help="the target: a model folder or hub id")
+    p.add_argument("--prompts", help="JSON/JSONL: strings, ShareGPT or `messages` items")
+    p.add_argument("--self-samples", type=positive_int, default=0,
+                   help="train on N samples from BOS (models without a chat template)")  # fmt: skip
+    p.add_argument("--out", required=True, help="a new folder for the head (official layout)")
+    p.add_argument("--cache", help="where stages are cached (default: OUT.cache)")
+    p.add_argument("--max-tokens", type=positive_int, default=200, help="answer length")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
+    p.add_argument("--top-k", type=positive_int, default=16, help="target logits kept a token")
+    p.add_argument("--draft-vocab", type=positive_int, default=32000, help="EAGLE-3")
+    p.add_argument("--taps", type=int, nargs="+", help="EAGLE-3's target layers")
+    p.add_argument("--ttt-steps", type=positive_int, default=7, help="EAGLE-3")
+    p.add_argument("--medusa-heads", type=positive_int, default=4)
+    p.add_argument("--medusa-layers", type=positive_int, default=1)
+    p.add_argument("--epochs", type=positive_int, default=10)
+    p.add_argument("--lr", type=non_negative_float, default=3e-4)
+    p.add_argument("--warmup", type=positive_int, default=50)
+    p.add_argument("--batch-tokens", type=positive_int, default=2048)
+    p.add_argument("--holdout", type=non_negative_float, default=0.05)
+    p.add_argument("--patience", type=positive_int, default=2)
+    p.add_argument("--max-steps", type=positive_int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        config = TrainConfig(
+            epochs=args.epochs, learning_rate=args.lr, warmup=args.warmup,
+            batch_tokens=args.batch_tokens, holdout=args.holdout, patience=args.patience,
+            max_steps=args.max_steps, seed=args.seed,
+        )  # fmt: skip
+        recipe = Recipe(
+            args.kind, max_tokens=args.max_tokens, temperature=args.temperature,
+            self_samples=args.self_samples, top_k=args.top_k, draft_vocab=args.draft_vocab,
+            taps=None if args.taps is None else tuple(args.taps), ttt_steps=args.ttt_steps,
+            medusa_heads=args.medusa_heads, medusa_layers=args.medusa_layers, train=config,
+        )  # fmt: skip
+        result = train_head(args.kind, args.model, args.out, prompts=args.prompts,
+                            cache=args.cache, recipe=recipe, progress=not args.quiet)  # fmt: skip
+    except KeyboardInterrupt:
+        print("interrupted: run the same command again to resume", file=sys.stderr)
+        return INTERRUPTED
+    except (ValueError, OSError) as e:
+        return fail(e)
+    times = ", ".join(f"{k} {v:.1f}s" for k, v in result.seconds.items())
+    print(
+        f"wrote {result.out}: held-out top-1 {result.held_out_top1:.1%} ({times}; "
+        f"{result.tokens} tokens, {result.bytes_per_token:.0f} bytes a token cached)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

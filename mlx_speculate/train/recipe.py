@@ -1,0 +1,199 @@
+"""The whole recipe: data, features, training, official layout; each stage cached in `cache`.
+
+    result = train_head("eagle1", "path/to/model", "out/", prompts="prompts.json")
+
+`cache` (default: `<out>.cache` beside `out`) holds `data.jsonl` (shared by every head kind),
+`features-<what>/` (the final states for EAGLE-1 and Medusa, the taps for EAGLE-3) and
+`train-<kind>/checkpoint`; running the same call again resumes where the last one stopped.
+`out` must not exist: it appears, whole, at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..heads.eagle import Eagle1Head, Eagle3Head, EagleConfig
+from ..heads.eagle_format import save_official
+from ..heads.medusa import save_medusa1
+from ..loading import load
+from ..models.base import CausalLM
+from .data import make_data, read_prompts
+from .features import Features, make_features
+from .loop import TrainConfig, train
+from .medusa import init_heads
+from .objectives import eagle1_loss, eagle3_loss, medusa_loss
+
+KINDS = ("eagle1", "eagle3", "medusa")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    kind: str
+    max_tokens: int = 200  # answer length
+    temperature: float = 0.0  # answers: greedy, or sampled
+    self_samples: int = 0  # samples from BOS instead of prompts
+    top_k: int = 16  # target logits kept per token
+    draft_vocab: int = 32000  # EAGLE-3: the most frequent answer tokens
+    taps: tuple[int, ...] | None = None  # EAGLE-3 (None: layers 2, L//2, L-3)
+    ttt_steps: int = 7  # EAGLE-3's training-time test
+    medusa_heads: int = 4
+    medusa_layers: int = 1
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"head kind {self.kind!r} is unknown (known: {', '.join(KINDS)})")
+        if self.max_tokens < 1 or self.top_k < 1 or self.draft_vocab < 1 or self.ttt_steps < 1:
+            raise ValueError("max_tokens, top_k, draft_vocab and ttt_steps must be >= 1")
+
+
+@dataclass(frozen=True)
+class Result:
+    out: Path
+    seconds: dict[str, float]  # wall time per stage
+    held_out_top1: float  # the best epoch's
+    history: list[dict[str, Any]]
+    tokens: int  # conversation tokens in the feature cache
+    bytes_per_token: float  # the feature cache's disk cost
+
+
+def train_head(
+    kind: str,
+    model: str | Path,
+    out: str | Path,
+    *,
+    prompts: str | Path | None = None,
+    cache: str | Path | None = None,
+    recipe: Recipe | None = None,
+    progress: bool = True,
+) -> Result:
+    """Trains a `kind` head for `model` from the target's answers to `prompts` (or its own
+    samples, `recipe.self_samples`) and writes it to `out` in the official layout."""
+    recipe = recipe or Recipe(kind)
+    if recipe.kind != kind:
+        raise ValueError(f"the recipe is for {recipe.kind!r}, not {kind!r}")
+    out = Path(out)
+    if out.exists():
+        raise ValueError(f"the output folder {out} exists; name a new one")
+    if (prompts is None) == (recipe.self_samples == 0):
+        raise ValueError("give prompts or self_samples (not both)")
+    texts = read_prompts(prompts) if prompts is not None else []
+    cache = Path(cache) if cache is not None else out.with_name(out.name + ".cache")
+    cache.mkdir(parents=True, exist_ok=True)
+    target, tokenizer = load(model)
+    taps = _taps(kind, target, recipe.taps)
+    seconds: dict[str, float] = {}
+    start = time.perf_counter()
+    data = make_data(target, tokenizer, cache, prompts=texts, self_samples=recipe.self_samples,
+                     max_tokens=recipe.max_tokens, temperature=recipe.temperature,
+                     seed=recipe.train.seed, progress=progress)  # fmt: skip
+    seconds["data"] = time.perf_counter() - start
+    start = time.perf_counter()
+    width = target.args.hidden_size * max(1, len(taps))
+    what = "taps-" + "-".join(map(str, taps)) if taps else "final"
+    features = make_features(target, data, cache / f"features-{what}", taps, width,
+                             recipe.top_k, progress)  # fmt: skip
+    seconds["features"] = time.perf_counter() - start
+    start = time.perf_counter()
+    head, loss_fn, frozen = build(kind, target, features, recipe, taps)
+    state = train(head, loss_fn, frozen, features, cache / f"train-{kind}", recipe.train,
+                  progress)  # fmt: skip
+    if kind == "medusa":
+        save_medusa1(head, out, str(model))
+    else:
+        save_official(head, out)
+    seconds["train"] = time.perf_counter() - start
+    (out / "training.json").write_text(
+        json.dumps(
+            {"recipe": asdict(recipe), "seconds": seconds, "history": state.history},
+            indent=2,
+            default=str,
+        )  # fmt: skip
+    )
+    n = features.tokens.shape[0]
+    return Result(out, seconds, state.best, state.history, n, features.nbytes / max(1, n))
+
+
+def _taps(kind: str, target: CausalLM, taps: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The target layers an EAGLE-3 head reads (none for the others); ValueError when the
+    target cannot feed it."""
+    if kind != "eagle3":
+        return ()
+    layers = target.args.num_hidden_layers
+    if taps is None:
+        if layers < 3:
+            raise ValueError(
+                f"EAGLE-3 taps layers 2, L//2 and L-3; the target has {layers} layers "
+                "(train eagle1 or medusa, or name the taps)"
+            )
+        taps = tuple(sorted({2, layers // 2, layers - 3}))
+    if not taps or any(not 0 <= t < layers for t in taps):
+        raise ValueError(f"EAGLE-3 taps {list(taps)} are not layers of a {layers}-layer target")
+    return tuple(taps)
+
+
+def _layer(target: CausalLM, rope_theta: float | None) -> dict[str, Any]:
+    """The draft layer's Llama config: the target's sizes (and, for EAGLE-1, its rope)."""
+    a = target.args
+    names = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+             "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings")  # fmt: skip
+    layer = {name: getattr(a, name) for name in names} | {"num_hidden_layers": 1}
+    if rope_theta is not None:  # EAGLE-3: the official trainer's fixed base
+        return layer | {"rope_theta": rope_theta}
+    return layer | {"rope_theta": a.rope_theta, "rope_scaling": a.rope_scaling}
+
+
+def _weight(layer: nn.Module) -> mx.array:
+    """A (V, h) embedding or projection as float32, dequantized if need be."""
+    if isinstance(layer, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        w = mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
+        return w.astype(mx.float32)
+    return layer.weight.astype(mx.float32)
+
+
+def draft_vocabulary(features: Features, size: int, vocab: int) -> np.ndarray:
+    """The `size` most frequent answer tokens (ties and unseen fill: lowest ids), ascending."""
+    counts = np.bincount(features.tokens[features.answer.astype(bool)], minlength=vocab)
+    order = np.lexsort((np.arange(vocab), -counts))  # most frequent first, then lowest id
+    return np.sort(order[:size])
+
+
+def build(kind: str, target: CausalLM, features: Features, recipe: Recipe,
+          taps: tuple[int, ...]):  # fmt: skip
+    """(fresh head, its loss, the frozen arrays the loss reads); seeded, so a run and its
+    resumption start alike."""
+    mx.random.seed(recipe.train.seed)
+    embed = _weight(target.model.embed_tokens)
+    lm_head = embed if target.args.tie_word_embeddings else _weight(target.lm_head)
+    vocab = target.args.vocab_size
+    if kind == "medusa":
+        heads = init_heads(target, recipe.medusa_heads, recipe.medusa_layers)
+        heads.set_dtype(mx.float32)
+        return heads, medusa_loss, ()
+    if kind == "eagle1":
+        head = Eagle1Head(EagleConfig(version=1, layer=_layer(target, None)))
+        return head, eagle1_loss, (embed, lm_head)
+    draft = min(recipe.draft_vocab, vocab)
+    config = EagleConfig(version=3, layer=_layer(target, 10000.0), taps=taps,
+                         draft_vocab_size=None if draft == vocab else draft)  # fmt: skip
+    head = Eagle3Head(config)
+    ids = draft_vocabulary(features, draft, vocab)
+    head.lm_head.weight = lm_head[mx.array(ids)]  # start from the target's own rows
+    t2d = np.full(vocab, -1, dtype=np.int32)
+    t2d[ids] = np.arange(draft)
+    if "d2t" in head:
+        head.d2t = mx.array(ids - np.arange(draft), dtype=mx.int64)
+        head.freeze(keys=["d2t"], strict=False)
+
+    def loss(h, batch, embed, t2d, key):
+        return eagle3_loss(h, batch, embed, t2d, key, steps=recipe.ttt_steps)
+
+    return head, loss, (embed, mx.array(t2d))

@@ -1,0 +1,168 @@
+"""Training heads: tiny EAGLE-1, EAGLE-3 and Medusa heads on stories260K's own samples learn
+(loss falls, held-out accuracy rises), resume to the same weights after a Ctrl-C, load in every
+layout, keep greedy decoding lossless; prompt files and bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_speculate import generate, load
+from mlx_speculate.heads.eagle_format import load_eagle_heads
+from mlx_speculate.heads.medusa import load_medusa_heads
+from mlx_speculate.train import loop
+from mlx_speculate.train.__main__ import main
+from mlx_speculate.train.data import read_prompts
+from mlx_speculate.train.loop import TrainConfig
+from mlx_speculate.train.recipe import Recipe, train_head
+
+from .helpers import SHARED, require
+
+STORIES = SHARED / "models" / "stories260K-llama"
+SAMPLES = dict(self_samples=24, max_tokens=64)
+
+
+def recipe(kind: str, **train) -> Recipe:
+    settings = dict(epochs=5, learning_rate=3e-3, warmup=2, batch_tokens=128, holdout=0.25,
+                    patience=5, save_every=4) | train  # fmt: skip
+    return Recipe(kind, draft_vocab=256, ttt_steps=3, medusa_heads=2, train=TrainConfig(**settings),
+                  **SAMPLES)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory):
+    """The data stage once (24 samples from BOS), shared by every head kind."""
+    model = require(STORIES, "it ships beside the development checkout")
+    folder = tmp_path_factory.mktemp("cache")
+    train_head("eagle1", model, folder / "probe", cache=folder, progress=False,
+               recipe=recipe("eagle1", max_steps=1))  # fmt: skip
+    shutil.rmtree(folder / "train-eagle1")
+    return folder
+
+
+def cache_copy(data_cache, tmp_path):
+    dst = tmp_path / "cache"
+    shutil.copytree(data_cache, dst, ignore=shutil.ignore_patterns("train-*"))
+    return dst
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "medusa"])
+def test_heads_learn_and_keep_greedy_lossless(data_cache, tmp_path, kind):
+    out = tmp_path / kind
+    result = train_head(kind, STORIES, out, cache=cache_copy(data_cache, tmp_path),
+                        recipe=recipe(kind), progress=False)  # fmt: skip
+    accuracies = [h["held_out_top1"] for h in result.history]
+    assert result.held_out_top1 == max(accuracies) > accuracies[0]
+    assert result.history[-1]["loss"] < result.history[0]["loss"]
+    check_layout(kind, out)
+    assert result.bytes_per_token > 0 and set(result.seconds) == {"data", "features", "train"}
+    model, tokenizer = load(STORIES)
+    options = dict(max_tokens=60)
+    prompt = [1]  # BOS: what the heads were trained from
+    plain = generate(model, tokenizer, prompt, **options)
+    if kind == "medusa":
+        heads = load_medusa_heads(out, model)
+        assert heads.num_heads == 2
+        assert generate(model, tokenizer, prompt, medusa=heads, **options) == plain
+    else:
+        head = load_eagle_heads(out, model)
+        assert generate(model, tokenizer, prompt, eagle=head, **options) == plain
+
+
+def check_layout(kind: str, out) -> None:
+    """Keys and configs as SafeAILab's and Medusa's loaders read them."""
+    from safetensors.numpy import load_file
+
+    file = "medusa_lm_head.safetensors" if kind == "medusa" else "model.safetensors"
+    names = load_file(str(out / file))
+    config = json.loads((out / "config.json").read_text())
+    if kind == "eagle1":
+        assert config["bias"] is False and config["num_hidden_layers"] == 1
+        assert {"fc.weight", "layers.0.self_attn.q_proj.weight"} < set(names)
+    if kind == "eagle3":
+        assert config["draft_vocab_size"] == 256
+        assert config["eagle_aux_hidden_state_layer_ids"] == [2]
+        need = {"fc.weight", "midlayer.hidden_norm.weight", "norm.weight", "lm_head.weight"}
+        assert need < set(names)
+        d2t, t2d = names["d2t"], names["t2d"]
+        assert d2t.dtype == np.int64 and t2d.dtype == bool and t2d.sum() == 256
+        assert np.array_equal(np.nonzero(t2d)[0], np.arange(256) + d2t)
+    if kind == "medusa":
+        assert (config["medusa_num_heads"], config["medusa_num_layers"]) == (2, 1)
+        assert {"0.0.linear.weight", "0.0.linear.bias", "0.1.weight"} < set(names)
+
+
+def test_a_ctrl_c_resumes_to_the_same_weights(data_cache, tmp_path, monkeypatch):
+    short = recipe("eagle1", epochs=2)
+    whole = train_head("eagle1", STORIES, tmp_path / "whole", progress=False, recipe=short,
+                       cache=cache_copy(data_cache, tmp_path / "a"))  # fmt: skip
+    calls = {"n": 0}
+    collate = loop.collate
+
+    def interrupted(*args):
+        calls["n"] += 1
+        if calls["n"] == 7:  # past a checkpoint (every 4 steps), within the first epoch
+            raise KeyboardInterrupt
+        return collate(*args)
+
+    cache = cache_copy(data_cache, tmp_path / "b")
+    monkeypatch.setattr(loop, "collate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train_head("eagle1", STORIES, tmp_path / "resumed", cache=cache, progress=False,
+                   recipe=short)  # fmt: skip
+    assert not (tmp_path / "resumed").exists()
+    monkeypatch.setattr(loop, "collate", collate)
+    resumed = train_head("eagle1", STORIES, tmp_path / "resumed", cache=cache, progress=False,
+                         recipe=short)  # fmt: skip
+    assert resumed.history == whole.history
+    a = dict(tree_flatten(load_eagle_heads(whole.out).parameters()))
+    b = dict(tree_flatten(load_eagle_heads(resumed.out).parameters()))
+    assert all(mx.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(
+    ("content", "suffix", "expected"),
+    [
+        (["Hi there", "Tell me a story"], ".json", ["Hi there", "Tell me a story"]),
+        ([{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "x"}]}],
+         ".json", [[{"role": "user", "content": "Hi"}]]),
+        ([{"messages": [{"role": "system", "content": "Be brief"},
+                        {"role": "user", "content": "Why?"}]}], ".jsonl",
+         [[{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Why?"}]]),
+    ],
+)  # fmt: skip
+def test_prompt_files(tmp_path, content, suffix, expected):
+    file = tmp_path / f"p{suffix}"
+    text = "\n".join(map(json.dumps, content)) if suffix == ".jsonl" else json.dumps(content)
+    file.write_text(text)
+    assert read_prompts(file) == expected
+
+
+def test_bad_input_is_one_line_with_exit_2(data_cache, tmp_path, capsys):
+    base = ["--model", str(STORIES), "--quiet", "--max-tokens", "64"]
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    cases = [
+        (["eagle1", "--prompts", str(empty), "--out", str(tmp_path / "a")], "holds no prompts"),
+        (["eagle3", "--self-samples", "2", "--taps", "9", "--out", str(tmp_path / "b")],
+         "are not layers of a 5-layer target"),
+        (["eagle1", "--self-samples", "2", "--out", str(tmp_path)], "exists"),
+        (["eagle1", "--prompts", str(tmp_path / "p.json"), "--out", str(tmp_path / "c")],
+         "no chat template"),
+    ]  # fmt: skip
+    (tmp_path / "p.json").write_text(json.dumps(["Once upon a time"]))
+    for args, message in cases:
+        assert main([*args, *base]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    cache = cache_copy(data_cache, tmp_path / "d")
+    (cache / "features-final" / "features.npy").write_bytes(b"junk")
+    args = ["eagle1", "--self-samples", "24", "--out", str(tmp_path / "e"), "--cache", str(cache)]
+    assert main([*args, *base]) == 2
+    err = capsys.readouterr().err
+    assert "feature cache" in err and "corrupt" in err and err.count("\n") == 1
