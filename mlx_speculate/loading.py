@@ -27,7 +27,7 @@ from mlx_lm.tokenizer_utils import (
 
 from .checkpoint import load_into, read_weights
 from .models import MODEL_TYPES
-from .models.base import CausalLM
+from .models.base import CausalLM, Origin
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -113,20 +113,28 @@ def build_model(
     except TypeError as e:  # a required size is absent
         raise ValueError(f"{config.get('model_type')} config is incomplete: {e}") from e
     model = module.Model(args)
+    quantization = config.get("quantization")
+    if isinstance(quantization, dict):  # per-module overrides are keyed by checkpoint paths
+        quantization = {
+            new: v for k, v in quantization.items() if (new := model.rename(k)) is not None
+        }
     return load_into(
         model,
         model.sanitize(weights),
-        quantization=config.get("quantization"),
+        quantization=quantization,
         dtype=dtype,
         what=f"the {config.get('model_type')} config",
     )
 
 
-def load_model(path: Path, dtype: mx.Dtype | None = None) -> tuple[CausalLM, dict[str, Any]]:
+def load_model(
+    path: Path, dtype: mx.Dtype | None = None, tokenizer: Any = None
+) -> tuple[CausalLM, dict[str, Any]]:
+    """The model in the folder `path`, its `origin` recording the folder and `tokenizer`."""
     config = load_config(path)
     model_class(config)
     model = build_model(config, load_weights(path), dtype)
-    model.source = path
+    model.origin = Origin(path, tokenizer)
     return model, config
 
 
@@ -211,15 +219,13 @@ def load(
     default float32 on the CPU backend and the checkpoint's own dtypes on the GPU.
     """
     path = resolve_path(path_or_hub_id)
-    if path.is_dir():  # what is quick to check first: a model's config, then the tokenizer
-        model_class(load_config(path))
-        check_tokenizer_files(path)
-    model, config = load_model(path, dtype or default_dtype())
+    config = load_config(path)  # what is quick to check first: the config, then the tokenizer
+    model_class(config)
     tokenizer = load_tokenizer(path, eos_token_ids(path, config))
+    model, _ = load_model(path, dtype or default_dtype(), tokenizer)
     if (count := token_count(tokenizer)) > model.args.vocab_size:
         raise ValueError(
             f"the tokenizer in {path} has {count} token ids but the model's vocabulary has "
             f"{model.args.vocab_size}: they do not belong together"
         )
-    model.tokenizer = tokenizer
     return model, tokenizer

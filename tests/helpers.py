@@ -52,9 +52,23 @@ def require(path: Path, how: str) -> Path:
     pytest.skip(reason)
 
 
+# What a family needs besides TINY to be tiny and to exercise its own features: Qwen3's
+# explicit head_dim (not hidden / heads); Gemma 3's sliding layer 0 (with a small window and a
+# fast-turning local RoPE base) beside global layer 1, and an attention scale of its own.
+FAMILY_TINY = {
+    "qwen3": {"head_dim": 32},
+    "gemma3_text": {
+        "head_dim": 32,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 6,
+        "sliding_window_pattern": 2,
+        "rope_local_base_freq": 100.0,
+    },
+}
+
+
 def tiny_config(model_type: str = "llama", **overrides: Any) -> dict[str, Any]:
-    config = {"model_type": model_type, **TINY, **overrides}
-    return config
+    return {"model_type": model_type, **TINY, **FAMILY_TINY.get(model_type, {}), **overrides}
 
 
 def random_weights(config: dict[str, Any], seed: int = 0, qk_std: float = 0.3) -> dict:

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_speculate.cache import KVCache
-from mlx_speculate.models.base import ModelOutput
+from mlx_speculate.models.base import ModelOutput, Origin
 from mlx_speculate.sampling import SamplingParams, log_probs
 
 
@@ -28,7 +28,7 @@ class MarkovLM:
             max_position_embeddings=1 << 20,
         )
         self.model = SimpleNamespace(embed_tokens=lambda tokens: mx.eye(vocab)[tokens])
-        self.source = None
+        self.origin = Origin()
 
     def make_cache(self):
         return KVCache(1)

@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten
 
 from mlx_speculate import loading
 from mlx_speculate.loading import build_model, load, load_model
+from mlx_speculate.models.base import Origin
 
 from .helpers import random_weights, tiny_config
 
@@ -66,6 +67,16 @@ def test_local_folder(folder, monkeypatch):
     model, tokenizer = load(folder)
     assert mx.array_equal(model(TOKENS).logits, reference_logits())
     assert tokenizer.encode("w0 w1", add_special_tokens=False) == [3, 4]
+
+
+def test_load_records_the_models_origin(folder):
+    """`load` records the folder and the tokenizer on the model once (drafter specs read them);
+    a model built from weights has neither."""
+    model, tokenizer = load(folder)
+    assert model.origin == Origin(folder, tokenizer)
+    assert load_model(folder)[0].origin == Origin(folder, None)
+    config = tiny_config()
+    assert build_model(config, random_weights(config)).origin == Origin()
 
 
 def test_local_folder_named_like_a_hub_id(folder, tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.tree import Tree
 
 from .helpers import greedy_reference, tiny_model
-from .test_speculative import PROMPT, TARGET_SEED, assert_clear_argmax
+from .test_speculative import PROMPT, TARGET_SEED, TINY_FAMILIES, assert_clear_argmax
 
 load_cached = functools.lru_cache(load)
 GREEDY = SamplingParams()
@@ -81,7 +81,7 @@ def test_incremental_index_matches_brute_force():
         drafter.rewind(0)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 @pytest.mark.parametrize("k", [1, 4, 7])
 def test_greedy_equals_plain(family, k):
     model = tiny_model(family, seed=TARGET_SEED[family])

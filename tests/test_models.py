@@ -6,12 +6,17 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from mlx_speculate.loading import build_model, load, load_model
+from mlx_speculate.models import gemma3
+from mlx_speculate.models.rope import rope_both_forms
 
 from .helpers import TINY, greedy_reference, random_weights, tiny_config, tree_inputs, tree_path
 
@@ -84,6 +89,39 @@ VARIANTS = {
         length=20,
         prefill=14,
     ),
+    # head_dim 32 (explicit, not 64 / 4 heads) for Qwen3 and Gemma 3 (tests.helpers.FAMILY_TINY).
+    "qwen3": Variant("qwen3"),
+    "qwen3-tied": Variant("qwen3", {"tie_word_embeddings": True}),
+    "qwen3-bias": Variant("qwen3", {"attention_bias": True}),
+    "qwen3-window": Variant(
+        "qwen3",
+        {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+        length=12,
+        prefill=8,
+    ),
+    # Theta 1e4, head_dim 32, original 64: the ramp runs over dimensions 0..5, partly inside.
+    "qwen3-yarn": Variant(
+        "qwen3", rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    ),
+    "qwen3-yarn-attention-factor": Variant(
+        "qwen3",
+        {"max_position_embeddings": 128},
+        {"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.2, "beta_fast": 16},
+    ),
+    # Gemma 3: layer 0 slides over 6 tokens with its own base (100), layer 1 is global; the
+    # prompts run past the window.
+    "gemma3": Variant("gemma3_text", length=12, prefill=8),
+    "gemma3-tied": Variant("gemma3_text", {"tie_word_embeddings": True}, length=12, prefill=8),
+    "gemma3-layer-types": Variant(
+        "gemma3_text",
+        {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 4},
+        length=12,
+        prefill=7,
+    ),
+    "gemma3-linear": Variant(
+        "gemma3_text", rope={"rope_type": "linear", "factor": 8.0}, theta=1e6, length=12, prefill=8
+    ),
+    "gemma3-softcap": Variant("gemma3_text", {"final_logit_softcapping": 2.0}),
 }
 
 
@@ -92,15 +130,24 @@ def variant_config(variant: Variant, form: str) -> dict[str, Any]:
     config = tiny_config(variant.model_type, **variant.overrides)
     del config["rope_theta"]
     rope = dict(variant.rope)
+    local = config.pop("rope_local_base_freq", None)  # Gemma 3's sliding layers
     if form == "rope_parameters":
-        config["rope_parameters"] = {"rope_type": "default", "rope_theta": variant.theta, **rope}
+        params = {"rope_type": "default", "rope_theta": variant.theta, **rope}
+        config["rope_parameters"] = params
+        if local is not None:  # nested per layer type
+            sliding = {"rope_type": "default", "rope_theta": local}
+            config["rope_parameters"] = {"full_attention": params, "sliding_attention": sliding}
         return config
     config["rope_theta"] = variant.theta
+    if local is not None:
+        config["rope_local_base_freq"] = local
     if "partial_rotary_factor" in rope:
         config["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
     if rope:
         rope_type = rope.pop("rope_type")
-        config["rope_scaling"] = {"type": rope_type, **rope}
+        # transformers reads only `rope_type` in Gemma 3's rope_scaling (as its configs write).
+        key = "rope_type" if local is not None else "type"
+        config["rope_scaling"] = {key: rope_type, **rope}
     return config
 
 
@@ -185,7 +232,7 @@ def test_cached_decoding_matches_transformers(name, form):
     assert cache.offset == variant.length
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3", "qwen3", "gemma3_text"])
 def test_missing_keys_take_transformers_defaults(model_type):
     """A config with only the required sizes behaves like transformers' defaults for it."""
     config = {"model_type": model_type, "vocab_size": 97, "hidden_size": 64}
@@ -193,10 +240,87 @@ def test_missing_keys_take_transformers_defaults(model_type):
     config |= {"num_key_value_heads": 2}  # Qwen2Config's default (32) exceeds the 4 heads
     # Without max_window_layers, transformers' default (28) keeps both layers full attention.
     config |= {"use_sliding_window": True, "sliding_window": 4} if model_type == "qwen2" else {}
+    # Gemma 3: head_dim 256, theta 1e6 and local base 1e4, window 4096 on 5 of every 6 layers.
     weights = random_weights(config)
     tokens = prompt(12)
     expected = hf_forward(hf_model(config, weights), tokens).logits
     assert_close(build_model(config, weights)(mx.array(tokens)).logits, expected)
+
+
+# How transformers >= 4.52, and older transformers or mlx-vlm, name a `gemma3` folder's language
+# model and its lm_head.
+GEMMA3_LAYOUTS = {
+    "model.language_model": "lm_head",
+    "language_model.model": "language_model.lm_head",
+}
+
+
+@pytest.mark.parametrize("prefix", list(GEMMA3_LAYOUTS))
+def test_gemma3_folder_loads_its_language_model(tmp_path, prefix):
+    """A `gemma3` folder (text_config, prefixed names, a vision tower, per-module quantization
+    keyed by its own paths) loads as the gemma3_text model it holds."""
+    text = tiny_config("gemma3_text")
+    model = build_model(text, random_weights(text))
+    nn.quantize(
+        model,
+        32,
+        4,
+        class_predicate=lambda path, module: (
+            path != "model.layers.0.mlp.down_proj"
+            and hasattr(module, "to_quantized")
+            and ({"group_size": 32, "bits": 8} if path == "model.embed_tokens" else True)
+        ),
+    )
+
+    def theirs(name: str) -> str:
+        return name.replace("model", prefix, 1).replace("lm_head", GEMMA3_LAYOUTS[prefix], 1)
+
+    weights = {theirs(k): v for k, v in tree_flatten(model.parameters())}
+    weights["vision_tower.vision_model.post_layernorm.weight"] = mx.ones((8,))
+    quantization = {"group_size": 32, "bits": 4, theirs("model.layers.0.mlp.down_proj"): False}
+    quantization[theirs("model.embed_tokens")] = {"group_size": 32, "bits": 8}
+    config = {"model_type": "gemma3", "text_config": text, "vision_config": {"hidden_size": 8}}
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), weights)
+    (tmp_path / "config.json").write_text(json.dumps(config | {"quantization": quantization}))
+
+    loaded = load_model(tmp_path)[0]
+    assert loaded.model.embed_tokens.bits == 8
+    assert isinstance(loaded.model.layers[0].mlp.down_proj, nn.Linear)
+    tokens = mx.array(prompt(12))
+    assert mx.array_equal(loaded(tokens).logits, model(tokens).logits)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gemma3-linear"])
+def test_gemma3_rope_forms_agree(name):
+    """Gemma 3's nested rope_parameters and the legacy keys convert writes beside them (what
+    mlx-lm reads) give the same global and local RoPE."""
+    nested = variant_config(VARIANTS[name], "rope_parameters")
+    legacy = rope_both_forms(nested)
+    assert legacy["rope_parameters"] == nested["rope_parameters"]
+    del legacy["rope_parameters"]
+    assert legacy == variant_config(VARIANTS[name], "legacy") | {"rope_scaling": ANY}
+    ours, theirs = gemma3.ModelArgs.from_dict(nested), gemma3.ModelArgs.from_dict(legacy)
+    assert ours.rope_config() == theirs.rope_config()
+    assert ours.local_rope_config() == theirs.local_rope_config()
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        ({"hidden_activation": "gelu"}, "hidden_activation 'gelu' is not supported"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"layer_types": ["full_attention"]}, "layer_types names 1 layers, the model has 2"),
+        (
+            {"rope_parameters": {"sliding_attention": {"rope_type": "dynamic", "factor": 2.0}}},
+            "sliding_attention rope_type 'dynamic' is not supported",
+        ),
+    ],
+)
+def test_gemma3_configs_it_cannot_run_are_one_line_errors(overrides, needle):
+    config = tiny_config("gemma3_text", **overrides)
+    with pytest.raises(ValueError, match=needle) as error:
+        build_model(config, random_weights(tiny_config("gemma3_text")))
+    assert "\n" not in str(error.value)
 
 
 def test_rope_theta_inside_rope_parameters_is_used(tmp_path):
@@ -224,8 +348,16 @@ PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5]  # depth 3, branching 2: leaves 4, 6, 7
 
 @pytest.mark.parametrize(
     "model_type, overrides",
-    [("llama", {}), ("qwen2", {}), ("phi3", {}), ("phi3", {"sliding_window": 8})],
-    ids=["llama", "qwen2", "phi3", "phi3-window"],  # window 8 < prefix 10 + tree depth
+    [
+        ("llama", {}),
+        ("qwen2", {}),
+        ("phi3", {}),
+        ("phi3", {"sliding_window": 8}),
+        ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+        ("gemma3_text", {}),
+    ],
+    # Windows 8 (Gemma 3: 6) < prefix 10 + tree depth.
+    ids=["llama", "qwen2", "phi3", "phi3-window", "qwen3-window", "gemma3"],
 )
 def test_tree_forward_matches_paths(model_type, overrides):
     """Every tree node's logits equal a cached forward along its root-to-node path."""
@@ -244,7 +376,7 @@ def test_tree_forward_matches_paths(model_type, overrides):
         assert_close(tree[mx.array(path)], sequential)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3", "qwen3", "gemma3_text"])
 @pytest.mark.parametrize("shape", ["(B, L)", "(L,)"])
 def test_explicit_consecutive_positions_equal_default(model_type, shape):
     """Positions equal to the consecutive default give the same logits as positions=None."""

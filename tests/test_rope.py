@@ -33,6 +33,10 @@ CASES = {
     "dynamic-above": case("dynamic", factor=2.0),
     # original 64 with theta 5e5: wavelengths 6, 32, 167, ... fall in all three bands.
     "llama3": case("llama3", 500000.0, **LLAMA3, original_max_position_embeddings=64),
+    # original 64 with theta 1e4 and head_dim 16: the ramp runs over dimensions 0..3.
+    "yarn": case("yarn", factor=4.0, original_max_position_embeddings=64),
+    "yarn-mscale": case("yarn", factor=8.0, mscale=0.9, mscale_all_dim=1.1, beta_fast=8),
+    "yarn-untruncated": case("yarn", factor=2.0, truncate=False),
     "longrope-short": longrope(24),
     "longrope-long": longrope(8),
     "longrope-attention-factor": longrope(8, attention_factor=1.3),
@@ -62,6 +66,8 @@ def inv_freq_reference(params: dict[str, Any], seq_len: int) -> tuple[np.ndarray
         bands = (wavelen < old / high, wavelen > old / low)
         assert all(b.any() for b in bands) and not (bands[0] | bands[1]).all()
         return np.where(bands[0] | bands[1], scaled, medium), 1.0
+    if kind == "yarn":
+        return yarn_reference(params, dim, base)
     if kind == "longrope":
         original = params["original_max_position_embeddings"]
         factor = MAX_POS / original
@@ -71,6 +77,32 @@ def inv_freq_reference(params: dict[str, Any], seq_len: int) -> tuple[np.ndarray
         ext = params["long_factor"] if seq_len > original else params["short_factor"]
         return 1.0 / (np.array(ext) * base**exponents), attention
     return inv_freq, 1.0
+
+
+def yarn_reference(params: dict[str, Any], dim: int, base: float) -> tuple[np.ndarray, float]:
+    """transformers' _compute_yarn_parameters in float64 (original length defaults to MAX_POS)."""
+    factor, original = params["factor"], params.get("original_max_position_embeddings", MAX_POS)
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        attention = mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+    else:
+        attention = mscale(factor)
+    pos_freqs = base ** (np.arange(0, dim, 2) / dim)
+
+    def correction(rotations):
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction(params.get("beta_fast", 32)), correction(params.get("beta_slow", 1))
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = np.clip((np.arange(dim // 2) - low) / (high - low), 0, 1)
+    inv_freq = (1 / (factor * pos_freqs)) * ramp + (1 / pos_freqs) * (1 - ramp)
+    assert ((ramp > 0) & (ramp < 1)).any()  # some frequencies are blended, not just one kind
+    return inv_freq, attention
 
 
 def rope_reference(x: np.ndarray, positions: np.ndarray, params: dict[str, Any]) -> np.ndarray:
@@ -126,7 +158,7 @@ def test_frequencies_switch_with_the_largest_position():
         assert rope.depends_on_length
         assert mx.array_equal(rope.freqs(1), rope.freqs(threshold))
         assert not mx.allclose(rope.freqs(threshold), rope.freqs(threshold + 1))
-    for name in ("default", "linear", "llama3"):
+    for name in ("default", "linear", "llama3", "yarn"):
         rope = RotaryEmbedding(HEAD_DIM, rope_parameters({"rope_parameters": CASES[name]}), MAX_POS)
         assert not rope.depends_on_length
 
@@ -163,5 +195,5 @@ def test_theta_defaults_and_rope_parameters_precedence():
 
 def test_unknown_rope_type_is_a_clear_error():
     """An unsupported rope type names itself and the supported ones."""
-    with pytest.raises(ValueError, match=r"'yarn' is not supported \(supported: default, "):
-        rope_parameters({"rope_scaling": {"type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match=r"'mrope' is not supported \(supported: default, "):
+        rope_parameters({"rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]}})

@@ -92,8 +92,8 @@ class DraftModelSpec(DrafterSpec):
         check_vocabularies(
             target.args.vocab_size,
             model.args.vocab_size,
-            tokenizer or target.tokenizer,
-            draft_tokenizer or model.tokenizer,
+            tokenizer or target.origin.tokenizer,
+            draft_tokenizer or model.origin.tokenizer,
         )
         return DraftModelDrafter(
             model, target.args.vocab_size, max_draft=self.num_draft_tokens or MAX_DRAFT

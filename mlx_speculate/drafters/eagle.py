@@ -68,12 +68,12 @@ class EagleSpec(DrafterSpec):
         if isinstance(heads, EagleHead):
             return self
         if heads is True:
-            if target.source is None or not (target.source / EAGLE_DIR).is_dir():
+            if target.origin.folder is None or not (target.origin.folder / EAGLE_DIR).is_dir():
                 raise ValueError(
                     "no EAGLE heads beside the model (convert it with --eagle-path, or name the "
                     "heads folder)"
                 )
-            heads = target.source / EAGLE_DIR
+            heads = target.origin.folder / EAGLE_DIR
         if not isinstance(heads, str | Path):
             raise ValueError(f"EAGLE heads must be a folder or an EagleHead, got {heads!r}")
         return replace(self, heads=load_eagle_heads(heads, target))

@@ -43,12 +43,12 @@ class MedusaSpec(DrafterSpec):
         if isinstance(heads, MedusaHeads):
             return self
         if heads is True:
-            if target.source is None:
+            if target.origin.folder is None:
                 raise ValueError(
                     "Medusa heads beside the model need a model loaded from a folder; "
                     "name the heads folder instead"
                 )
-            heads = load_medusa_heads(target.source, target)
+            heads = load_medusa_heads(target.origin.folder, target)
         elif isinstance(heads, str | Path):
             heads = load_medusa_heads(heads, target)
         else:

@@ -1,5 +1,12 @@
 """Model families by HF `model_type`."""
 
-from . import llama, phi3, qwen2
+from . import gemma3, llama, phi3, qwen2, qwen3
 
-MODEL_TYPES = {"llama": llama, "qwen2": qwen2, "phi3": phi3}
+MODEL_TYPES = {
+    "llama": llama,
+    "qwen2": qwen2,
+    "qwen3": qwen3,
+    "phi3": phi3,
+    "gemma3_text": gemma3,
+    "gemma3": gemma3,
+}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,7 @@ class ForwardContext:
     cache: KVCache | None
     offset: int
     positions: mx.array | None
-    freqs: mx.array
+    seq_len: int  # largest rotary position + 1: what dynamic / longrope frequencies depend on
     mask: mx.array | str | None
     window_mask: mx.array | None  # set when a sliding-window layer must mask old keys
     sliding: tuple[bool, ...]
@@ -168,8 +169,7 @@ def build_context(
             window_mask = mx.minimum(window_mask, mask)
     if mask is None and length > 1:
         mask = "causal"
-    freqs = rope.freqs(seq_len)
-    return ForwardContext(cache, offset, positions, freqs, mask, window_mask, sliding)
+    return ForwardContext(cache, offset, positions, seq_len, mask, window_mask, sliding)
 
 
 def attend(
@@ -181,10 +181,12 @@ def attend(
     values: mx.array,
     scale: float,
 ) -> mx.array:
-    """RoPE at the context's positions, cache write, SDPA. Takes (B, H, L, D) heads."""
+    """RoPE at the context's positions, cache write, SDPA. Takes (B, H, L, D) heads; `rope` is
+    the layer's own (Gemma 3's local layers have another base)."""
     B, _, L, _ = queries.shape
-    queries = rope(queries, ctx.offset, ctx.positions, ctx.freqs)
-    keys = rope(keys, ctx.offset, ctx.positions, ctx.freqs)
+    freqs = rope.freqs(ctx.seq_len)
+    queries = rope(queries, ctx.offset, ctx.positions, freqs)
+    keys = rope(keys, ctx.offset, ctx.positions, freqs)
     if ctx.cache is not None:
         keys, values = ctx.cache.update(layer, keys, values)
     mask = ctx.window_mask if ctx.window_mask is not None and ctx.sliding[layer] else ctx.mask
@@ -193,7 +195,7 @@ def attend(
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm decoder block shared by Llama, Qwen2 and Phi-3 (HF parameter names)."""
+    """Pre-norm decoder block shared by Llama, Qwen2, Qwen3 and Phi-3 (HF parameter names)."""
 
     def __init__(self, args: BaseModelArgs, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
@@ -207,23 +209,32 @@ class TransformerBlock(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DecoderStack(nn.Module):
-    """Embeddings, blocks and final norm; subclasses build `layers` for their family."""
+# (layer index, the stack's rope) -> decoder block; (size, eps) -> norm.
+BlockFactory = Callable[[int, RotaryEmbedding], nn.Module]
+NormFactory = Callable[..., nn.Module]
 
-    def __init__(self, args: BaseModelArgs, layers: list[nn.Module]):
+
+class DecoderStack(nn.Module):
+    """Embeddings (times `embed_scale` where the family scales them), the family's blocks and
+    the final norm: every family is built by this one path."""
+
+    def __init__(
+        self,
+        args: BaseModelArgs,
+        block: BlockFactory,
+        norm: NormFactory = nn.RMSNorm,
+        embed_scale: float | None = None,
+    ):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = layers
-        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
         self._rope = RotaryEmbedding(
             args.head_dim, args.rope_config(), args.max_position_embeddings
         )
+        self.layers = [block(i, self._rope) for i in range(args.num_hidden_layers)]
+        self.norm = norm(args.hidden_size, eps=args.rms_norm_eps)
         self._sliding = args.sliding_layers()
-
-    @property
-    def rope(self) -> RotaryEmbedding:
-        return self._rope
+        self._embed_scale = embed_scale
 
     def __call__(
         self,
@@ -237,6 +248,8 @@ class DecoderStack(nn.Module):
             if not 0 <= i < len(self.layers):
                 raise ValueError(f"cannot tap layer {i} of a {len(self.layers)}-layer model")
         h = self.embed_tokens(tokens)
+        if self._embed_scale is not None:
+            h = h * mx.array(self._embed_scale, h.dtype)  # rounded to the compute dtype, as HF
         ctx = build_context(
             self._rope,
             cache,
@@ -257,18 +270,34 @@ class DecoderStack(nn.Module):
         return self.norm(h), tuple(captured[i] for i in taps)
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Where `load` found a model: what drafter specs read (heads live beside it in `folder`;
+    `tokenizer` checks a draft's fit). Models built otherwise have neither."""
+
+    folder: Path | None = None
+    tokenizer: Any = None
+
+
 class CausalLM(nn.Module):
-    """`model` (a DecoderStack) plus the vocabulary projection, tied or not."""
+    """`model` (a DecoderStack of the family's blocks) plus the vocabulary projection, tied or
+    not. A family's `Model` passes its block factory (and norm, embedding scale) here."""
 
     model: DecoderStack
-    source: Path | None = None  # the folder `load` read it from (heads live beside it)
-    tokenizer = None  # the tokenizer `load` gave it, for checks such as a draft's fit
+    origin: Origin = Origin()  # set once by `load`
 
-    def __init__(self, args: BaseModelArgs):
+    def __init__(
+        self,
+        args: BaseModelArgs,
+        block: BlockFactory,
+        norm: NormFactory = nn.RMSNorm,
+        embed_scale: float | None = None,
+    ):
         super().__init__()
         self.args = args
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.model = DecoderStack(args, block, norm, embed_scale)
 
     def __call__(
         self,
@@ -300,8 +329,14 @@ class CausalLM(nn.Module):
     def make_cache(self) -> KVCache:
         return KVCache(len(self.model.layers))
 
+    def rename(self, name: str) -> str | None:
+        """A checkpoint's parameter or module path in this model's names; None for what is not
+        part of it (families with other checkpoint layouts map theirs here)."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if self.args.tie_word_embeddings and name.startswith("lm_head."):
+            return None
+        return name
+
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        weights = {k: v for k, v in weights.items() if "rotary_emb.inv_freq" not in k}
-        if self.args.tie_word_embeddings:
-            weights = {k: v for k, v in weights.items() if not k.startswith("lm_head.")}
-        return weights
+        return {new: v for k, v in weights.items() if (new := self.rename(k)) is not None}

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import BaseModelArgs, CausalLM, DecoderStack, ForwardContext, TransformerBlock, attend
+from .base import BaseModelArgs, CausalLM, ForwardContext, TransformerBlock, attend
 
 
 @dataclass
@@ -55,16 +55,8 @@ class MLP(nn.Module):
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class LlamaModel(DecoderStack):
-    def __init__(self, args: ModelArgs):
-        super().__init__(args, [])
-        self.layers = [
-            TransformerBlock(args, Attention(args, self.rope), MLP(args))
-            for _ in range(args.num_hidden_layers)
-        ]
-
-
 class Model(CausalLM):
     def __init__(self, args: ModelArgs):
-        super().__init__(args)
-        self.model = LlamaModel(args)
+        super().__init__(
+            args, lambda _, rope: TransformerBlock(args, Attention(args, rope), MLP(args))
+        )

@@ -1,8 +1,10 @@
 """Rotary position embeddings at explicit per-token positions, with HF's scaling types.
 
 Frequencies follow `transformers.modeling_rope_utils` exactly: `default`, `linear`, `dynamic`
-(NTK, recomputed from the largest position of each forward), `llama3`, and Phi-3's `longrope`
-(alias `su`: short/long factors switched on the largest position, plus a cos/sin scale).
+(NTK, recomputed from the largest position of each forward), `llama3`, `yarn` (Qwen's long
+context: a ramp between interpolated and original frequencies, plus a cos/sin scale), and Phi-3's
+`longrope` (alias `su`: short/long factors switched on the largest position, plus a cos/sin
+scale).
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from typing import Any
 
 import mlx.core as mx
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+# transformers 5 nests `rope_parameters` by these layer types where they differ (Gemma 3).
+LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
@@ -46,6 +50,9 @@ def rope_both_forms(config: dict[str, Any]) -> dict[str, Any]:
     """`config` with its rope settings in both forms: `rope_parameters` (transformers 5) and
     `rope_theta`/`rope_scaling` (mlx-lm, older transformers), as converted folders carry them."""
     config = dict(config)
+    nested = config.get("rope_parameters") or {}
+    if LAYER_TYPES & nested.keys():
+        return _nested_both_forms(config, nested)
     params = rope_parameters(config)
     config["rope_parameters"] = params
     config["rope_theta"] = params["rope_theta"]
@@ -66,6 +73,23 @@ def rope_both_forms(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def _nested_both_forms(config: dict[str, Any], nested: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's per-layer-type `rope_parameters` (transformers 5) kept, plus the legacy form:
+    `rope_theta` and `rope_scaling` of the global layers, `rope_local_base_freq` of the local."""
+    full = nested.get("full_attention") or {}
+    sliding = nested.get("sliding_attention") or {}
+    if "rope_theta" in full:
+        config["rope_theta"] = full["rope_theta"]
+    if "rope_theta" in sliding:
+        config["rope_local_base_freq"] = sliding["rope_theta"]
+    rope_type = full.get("rope_type", full.get("type", "default"))
+    config["rope_scaling"] = None
+    if rope_type != "default":
+        legacy = {k: v for k, v in full.items() if k != "rope_theta"}
+        config["rope_scaling"] = {**legacy, "type": rope_type, "rope_type": rope_type}
+    return config
+
+
 class RotaryEmbedding:
     """Applies RoPE (HF rotate-half layout) to the first `dims` features of (B, H, L, D) inputs."""
 
@@ -81,6 +105,10 @@ class RotaryEmbedding:
             self._inv_freq = [f / params["factor"] for f in self._inv_freq]
         elif self.rope_type == "llama3":
             self._inv_freq = _llama3_inv_freq(self._inv_freq, params)
+        elif self.rope_type == "yarn":
+            self._inv_freq, self._attention_factor = _yarn(
+                self._inv_freq, self.base, self.dims, params, max_position_embeddings
+            )
         elif self.rope_type == "longrope":
             self._original_max = params["original_max_position_embeddings"]
             factor = params.get("factor") or max_position_embeddings / self._original_max
@@ -170,3 +198,39 @@ def _llama3_inv_freq(inv_freq: list[float], params: dict[str, Any]) -> list[floa
             smooth = (old_len / wavelen - low) / (high - low)
             out.append((1 - smooth) * f / factor + smooth * f)
     return out
+
+
+def _yarn(
+    inv_freq: list[float],
+    base: float,
+    dims: int,
+    params: dict[str, Any],
+    max_position_embeddings: int,
+) -> tuple[list[float], float]:
+    """YaRN inverse frequencies and cos/sin scale (transformers' _compute_yarn_parameters)."""
+    original = params.get("original_max_position_embeddings") or max_position_embeddings
+    factor = params.get("factor") or max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dims * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = correction_dim(params.get("beta_fast") or 32)
+    high = correction_dim(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    out = []
+    for i, f in enumerate(inv_freq):
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)  # 0: original, 1: interpolated
+        out.append(f / factor * ramp + f * (1 - ramp))
+    return out, attention

@@ -1,0 +1,48 @@
+"""Qwen3 dense (HF `Qwen3ForCausalLM`): Llama with an RMSNorm per head on queries and keys
+before RoPE, an explicit head_dim and Qwen2's optional sliding window."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import llama, qwen2
+from .base import CausalLM, ForwardContext, TransformerBlock, attend
+from .rope import RotaryEmbedding
+
+
+@dataclass
+class ModelArgs(qwen2.ModelArgs):
+    head_dim: int | None = 128  # transformers' Qwen3Config defaults
+    rms_norm_eps: float = 1e-6
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        return self.attention_bias
+
+
+class Attention(llama.Attention):
+    def __init__(self, args: ModelArgs, rope: RotaryEmbedding):
+        super().__init__(args, rope)
+        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.rms_norm_eps)
+
+    def __call__(self, x: mx.array, ctx: ForwardContext, layer: int) -> mx.array:
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return self.o_proj(attend(ctx, layer, self._rope, q, k, v, self.scale))  # (B, H, L, D) in
+
+
+class Model(CausalLM):
+    def __init__(self, args: ModelArgs):
+        super().__init__(
+            args, lambda _, rope: TransformerBlock(args, Attention(args, rope), llama.MLP(args))
+        )
