@@ -135,8 +135,7 @@ def convert(
 
     model = _build(config, weights)
     del weights
-    if "sliding_attention" not in (config.get("rope_parameters") or {}):  # Gemma 3: per kind
-        config = rope_both_forms(config)
+    config = rope_both_forms(config)
     if dtype is not None or gguf:
         # A GGUF's scales and biases stay as read unless a dtype is asked for: exact.
         keep_scales = dtype is None
