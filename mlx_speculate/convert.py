@@ -105,8 +105,10 @@ def convert(
         if not src.is_file():
             raise FileNotFoundError(f"GGUF file {str(src)!r} does not exist")
         from .gguf import read_gguf
+        from .gguf_tokenizer import read_gguf_tokenizer
 
         print(f"reading {src}")
+        gguf_tokenizer = read_gguf_tokenizer(src)  # an unsupported one fails before the work
         checkpoint = read_gguf(src, keep_quantization=quantize)
         config, weights = dict(checkpoint.config), checkpoint.weights
         for kind, fate in (checkpoint.types or {}).items():
@@ -133,8 +135,7 @@ def convert(
 
     model = _build(config, weights)
     del weights
-    if "sliding_attention" not in (config.get("rope_parameters") or {}):  # Gemma 3: per kind
-        config = rope_both_forms(config)
+    config = rope_both_forms(config)
     if dtype is not None or gguf:
         # A GGUF's scales and biases stay as read unless a dtype is asked for: exact.
         keep_scales = dtype is None
@@ -176,9 +177,7 @@ def convert(
         write_weights(tmp, weights, max_shard_bytes)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if gguf:
-            from .gguf_tokenizer import write_gguf_tokenizer
-
-            write_gguf_tokenizer(src, tmp)  # chat template included
+            gguf_tokenizer.save(tmp)  # chat template included
         else:
             _copy_tokenizer(src, tmp)
         if onto_itself:  # keep what the conversion does not write (README, heads, ...)

@@ -16,6 +16,7 @@ are matched whole before the model sees the text, as llama.cpp does.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +51,39 @@ _SPLITS: dict[str, tuple[str, ...]] = {
 _IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe", "dbrx", "smaug-bpe"}
 
 
-def write_gguf_tokenizer(path: str | Path, out_dir: str | Path) -> None:
-    """Writes the GGUF's tokenizer as HF tokenizer files (`tokenizer.json`,
-    `tokenizer_config.json` with the chat template) plus `generation_config.json`."""
+@dataclass(frozen=True)
+class GGUFTokenizer:
+    """A GGUF's tokenizer, built and ready to be written."""
+
+    wrapper: Any  # transformers.PreTrainedTokenizerFast
+    chat_template: str | None
+    generation: dict[str, Any]  # generation_config.json: the BOS and EOS ids
+
+    def save(self, out_dir: str | Path) -> None:
+        """HF tokenizer files (`tokenizer.json`, `tokenizer_config.json` with the chat
+        template) plus `generation_config.json`."""
+        out_dir = Path(out_dir)
+        try:
+            self.wrapper.save_pretrained(out_dir)
+        except Exception as e:  # tokenizers reports I/O errors (a full disk, ...) as Exception
+            raise OSError(f"cannot write the tokenizer into {out_dir}: {e}") from e
+        config_path = out_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        if self.chat_template is not None:
+            # transformers 5 saves the template only to chat_template.jinja; older loaders
+            # read it here.
+            config.setdefault("chat_template", self.chat_template)
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        text = json.dumps(self.generation, indent=2) + "\n"
+        (out_dir / "generation_config.json").write_text(text)
+
+
+def read_gguf_tokenizer(path: str | Path) -> GGUFTokenizer:
+    """The GGUF's tokenizer; an unsupported one is a ValueError naming what is supported."""
     from transformers import PreTrainedTokenizerFast
 
-    path, out_dir = Path(path), Path(out_dir)
+    path = Path(path)
     metadata = read_metadata(path, _ARRAYS + ("tokenizer.ggml.merges",))
     tokenizer, add_bos = build_tokenizer(metadata, path)
     tokens = metadata["tokenizer.ggml.tokens"]
@@ -76,22 +104,16 @@ def write_gguf_tokenizer(path: str | Path, out_dir: str | Path) -> None:
         clean_up_tokenization_spaces=False,
         chat_template=template,
     )
-    try:
-        wrapper.save_pretrained(out_dir)
-    except Exception as e:  # tokenizers reports I/O errors (a full disk, ...) as plain Exception
-        raise OSError(f"cannot write the tokenizer into {out_dir}: {e}") from e
-    config_path = out_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    if template is not None:
-        # transformers 5 saves the template only to chat_template.jinja; older loaders read it here.
-        config.setdefault("chat_template", template)
-    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
     generation = {
         "bos_token_id": metadata.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": metadata.get("tokenizer.ggml.eos_token_id"),
     }
-    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return GGUFTokenizer(wrapper, template, generation)
+
+
+def write_gguf_tokenizer(path: str | Path, out_dir: str | Path) -> None:
+    """Writes the GGUF's tokenizer into `out_dir` (see GGUFTokenizer.save)."""
+    read_gguf_tokenizer(path).save(out_dir)
 
 
 def build_tokenizer(metadata: dict[str, Any], path: Path) -> tuple[Tokenizer, bool]:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
+from mlx_speculate import gemma3_gguf
 from mlx_speculate.decode import Decoder
 from mlx_speculate.default_model import gguf_path
 from mlx_speculate.loading import build_model, model_class
@@ -21,6 +22,8 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 # Where the package's own fetch keeps it ($MLX_SPECULATE_SMOLLM2_GGUF, else the user cache);
 # .ci/run verifies it first. Tests never download it.
 SMOLLM2_GGUF = gguf_path()
+# Gemma 3 270M Q4_K_M ($MLX_SPECULATE_GEMMA3_GGUF, else the user cache): .ci/run fetches it.
+GEMMA3_GGUF = gemma3_gguf.gguf_path()
 # Batched and one-token forwards may round differently: greedy comparisons assert this top-2 gap.
 MIN_MARGIN = 1e-3
 

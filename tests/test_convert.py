@@ -12,6 +12,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -425,9 +426,8 @@ def tiny_gguf(path: Path, monkeypatch, quant: str, embedding: str = "Q8_0") -> P
     Q = gguf.GGMLQuantizationType
     overrides = {"model.embed_tokens.weight": Q[embedding]}
     write_gguf(path, hf_state_dict(tied=False), quant=Q[quant], quant_overrides=overrides)
-    monkeypatch.setattr(
-        gguf_tokenizer, "write_gguf_tokenizer", lambda src, out: save_tokenizer(out, VOCAB)
-    )
+    stand_in = SimpleNamespace(save=lambda out: save_tokenizer(out, VOCAB))
+    monkeypatch.setattr(gguf_tokenizer, "read_gguf_tokenizer", lambda src: stand_in)
     return path
 
 

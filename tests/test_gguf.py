@@ -85,9 +85,11 @@ def write_gguf(
     rope_scaling_factor: float | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
     alignment: int | None = None,
+    metadata: dict | None = None,
 ) -> dict[str, np.ndarray]:
     """Write `state` as llama.cpp would (matrices in `quant`, or their type in `quant_overrides`;
-    norms in F32); return each stored tensor (HF name, GGUF row order)."""
+    norms in F32; `metadata` replaces or adds keys); return each stored tensor (HF name, GGUF
+    row order)."""
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, LAYERS)
     writer = gguf.GGUFWriter(path, arch)
     if alignment is not None:
@@ -110,6 +112,15 @@ def write_gguf(
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_chat_template("{{ messages[0]['content'] }}")
+    for key, value in (metadata or {}).items():
+        if key in writer.kv_data[0]:
+            writer.kv_data[0][key] = gguf.GGUFValue(value, writer.kv_data[0][key].type)
+        elif isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_array(key, value)
     stored = {}
     for name, w in state.items():
         w = to_gguf_order(name, w)
