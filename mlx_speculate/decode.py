@@ -17,6 +17,9 @@ Host synchronisation, per step:
      before the verify forward, to choose its shape (drafters/eagle.py).
   3. Only when the rope type depends on the largest position (dynamic NTK, longrope) does a tree
      forward read that position back (models/base.py).
+  4. Under a grammar, its host-side matcher builds each step's chain and masks from the tokens
+     read at 1, and reads a draft model's tokens back before the verify forward
+     (constraint.py): no plain step is queued ahead then.
 When a plain step follows a plain one (always without a drafter; with one, when the policy
 chooses 0), step t+1 is queued on step t's lazy token before step t is read, as mlx-lm does, so
 host work overlaps the next forward.

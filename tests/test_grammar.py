@@ -13,7 +13,7 @@ import pytest
 
 from mlx_speculate.constraint import Constraint
 from mlx_speculate.convert import convert
-from mlx_speculate.drafters import DraftModelSpec, LookupSpec
+from mlx_speculate.drafters import Draft, DraftModelSpec, LookupSpec
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
 from mlx_speculate.drafters.lookup import LookupDrafter
 from mlx_speculate.generation import stream_generate
@@ -21,6 +21,7 @@ from mlx_speculate.grammar import Grammar, ll_tokenizer
 from mlx_speculate.loading import load
 from mlx_speculate.policy import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
+from mlx_speculate.tree import Tree
 
 from .helpers import SHARED, SMOLLM2_GGUF, decode, require
 from .markov import MarkovLM, assert_markov
@@ -272,3 +273,57 @@ def test_markov_grammar_is_what_the_table_says():
         assert matcher.consume_token(prev)
         bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
         assert (np.unpackbits(bits, bitorder="little")[:V].astype(bool) == ALLOWED[prev]).all()
+
+
+# The chain one step verifies, on the Markov grammar: what is cut, kept and forced.
+
+
+def guide_for(proposal, logprobs=None, context=(1,), room=8):
+    """The guide for a drafter proposing `proposal` after `context` (letters as ids)."""
+    constraint = Constraint(Grammar.lark(MARKOV_GRAMMAR), LetterTokenizer(), V)
+    constraint.commit(list(context))
+    seen = []
+
+    def propose(ctx, k):
+        seen.append(list(ctx))
+        tokens = mx.array(proposal[:k], dtype=mx.int32)
+        rows = None if logprobs is None else logprobs[: len(proposal[:k])]
+        return Draft(tokens, Tree.chain(len(proposal[:k])), rows)
+
+    return constraint.guide(list(context), propose, len(proposal), room), seen
+
+
+def chain_of(guide):
+    return [] if guide.draft is None else guide.draft.tokens.tolist()
+
+
+def test_guide_cuts_forbidden_drafts():
+    guide, _ = guide_for([0, 3, 1])  # "a" then "d": forbidden after "a"
+    assert chain_of(guide) == [0]
+    assert guide.drafted == 1 and guide.forced == (False, False)
+    assert guide.allowed.tolist()[1] == ALLOWED[0].tolist()  # the row after "a"
+
+
+def test_guide_fast_forwards_forced_tokens():
+    # After "e" the grammar forces "f": the drafter's "f" is that forced token (not a draft),
+    # and a drafter going elsewhere ends its part of the chain, the forced "f" added anyway.
+    guide, _ = guide_for([4, 5, 1])
+    assert chain_of(guide) == [4, 5, 1]
+    assert guide.forced == (False, True, False, False) and guide.drafted == 2
+    guide, _ = guide_for([4, 2, 1])
+    assert chain_of(guide) == [4, 5] and guide.drafted == 1
+    # A forced run at the start goes before the drafter's tokens, which follow it.
+    guide, seen = guide_for([1, 2], context=(1, 4))
+    assert chain_of(guide) == [5, 1, 2] and seen == [[1, 4, 5]]
+    assert guide.forced[0] and guide.draft.logprobs is None
+
+
+def test_guide_keeps_a_sampled_forbidden_draft_as_a_rejected_leaf():
+    rows = mx.log(mx.full((3, V), 1 / V))
+    guide, _ = guide_for([0, 3, 1], logprobs=rows)
+    assert chain_of(guide) == [0, 3] and guide.drafted == 2
+    assert guide.allowed.tolist()[2] == [True] * V  # never read: "d" is never accepted
+    # The draft's rows by parent; a forced node's row is a point on it.
+    guide, _ = guide_for([4, 5, 1], logprobs=rows)
+    q = np.exp(np.asarray(guide.draft.logprobs))
+    assert np.allclose(q[0], 1 / V) and q[1].tolist() == [0, 0, 0, 0, 0, 1]
