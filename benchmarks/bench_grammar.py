@@ -103,6 +103,7 @@ def run(name: str, schemas: dict, num_draft_tokens: int, max_tokens: int) -> Non
                 t["tps"].append(len(responses) / seconds)
         if any(tokens != greedy["plain"] for tokens in greedy.values()):
             mismatches.append(schema_name)
+        print(f"{name}: {schema_name} done", file=sys.stderr, flush=True)
     print(f"\n## {name}: {len(schemas)} schemas, {num_draft_tokens} draft tokens")
     print("| method | temp | valid | fast-forwarded | tokens/forward | accepted/drafted | tok/s |")
     print("|---|---|---|---|---|---|---|")
