@@ -17,6 +17,9 @@ Host synchronisation, per step:
      before the verify forward, to choose its shape (drafters/eagle.py).
   3. Only when the rope type depends on the largest position (dynamic NTK, longrope) does a tree
      forward read that position back (models/base.py).
+  4. Under a grammar, its host-side matcher builds each step's chain and masks from the tokens
+     read at 1, and reads a draft model's tokens back before the verify forward
+     (constraint.py): no plain step is queued ahead then.
 When a plain step follows a plain one (always without a drafter; with one, when the policy
 chooses 0), step t+1 is queued on step t's lazy token before step t is read, as mlx-lm does, so
 host work overlaps the next forward.
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .cache import KVCache
+from .constraint import Constraint, Guide, masked
 from .device import GENERATION_STREAM
 from .drafters.base import Draft, Drafter, TargetFeatures
 from .models.base import CausalLM
@@ -58,11 +62,12 @@ class Step:
     logprobs: mx.array  # (len(tokens), V) target log-probabilities that chose each token
     seconds: float
     verified: bool = True  # False for the first token, which the prompt's forward chose
+    forced: tuple[bool, ...] = ()  # per token, under a grammar: it forced the token
 
     @property
     def accepted(self) -> int:
-        """How many of `tokens` came from the draft."""
-        return len(self.tokens) - 1
+        """How many of `tokens` came from the draft (tokens a grammar forced apart)."""
+        return len(self.tokens) - 1 - sum(self.forced[: len(self.tokens) - 1])
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ class _Pending:
     logits: mx.array  # (N, V) one row per tree node
     # (N, ...) rows; None for the prompt's first token, whose features went in at prefill
     features: TargetFeatures | None = None
+    guide: Guide | None = None  # under a grammar: its chain and masks (constraint.py)
 
 
 class Decoder:
@@ -185,10 +191,12 @@ class Decoder:
         *,
         max_tokens: int | None = None,
         typical_acceptance: bool = False,
+        constraint: Constraint | None = None,
     ) -> Iterator[Step]:
         """Yields the first token (from the prompt's forward), then one Step per verify forward
         until the context is full or `max_tokens` tokens were emitted (the last step may
-        commit a few more)."""
+        commit a few more). A `constraint` masks every row with its grammar (constraint.py
+        says where that syncs more)."""
         if self._prompt_logits is None:
             raise ValueError("prefill a prompt before decoding")
         policy = policy or FixedPolicy(0)
@@ -196,19 +204,23 @@ class Decoder:
             mx.random.seed(sampling.seed)  # the one generator every draw comes from
         self._limit = len(self.context) - 1 + (max_tokens or self.max_context + 1)
         self._clock = time.perf_counter()
-        queue = _Queue(self, sampling, typical_acceptance)
-        logits, self._prompt_logits = self._prompt_logits, None
+        queue = _Queue(self, sampling, typical_acceptance, constraint)
+        guide = None if constraint is None else constraint.first()
+        logits, self._prompt_logits = masked(self._prompt_logits, guide), None
         empty = mx.zeros((0,), dtype=mx.int32)
-        step = _Pending(len(self.context), ROOT, queue.accept(ROOT, empty, logits, None), logits)
+        acceptance = queue.accept(ROOT, empty, logits, None)
+        step = _Pending(len(self.context), ROOT, acceptance, logits, guide=guide)
         while True:
             upcoming = k = None
-            if step.tree.num_nodes == 1 and self.room() >= 1:
+            if step.tree.num_nodes == 1 and self.room() >= 1 and constraint is None:
                 # Decided one observation early, so that a plain step can be queued on the
                 # lazy token before this one is read.
                 k = policy.choose()
                 if k == 0:
                     upcoming = queue(step.acceptance.tokens[:1], 0)
             result = self._finish(step)
+            if constraint is not None:
+                constraint.commit(result.tokens)
             if result.verified:
                 policy.observe(result.drafted, result.accepted, result.seconds)
             yield result
@@ -240,16 +252,26 @@ class Decoder:
         seconds, self._clock = now - self._clock, now
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         verified = step.features is not None
-        return Step(tuple(tokens), step.tree.num_nodes - 1, logprobs, seconds, verified)
+        guide = step.guide
+        drafted = step.tree.num_nodes - 1 if guide is None else guide.drafted
+        forced = () if guide is None else guide.forced[: n + 1]
+        return Step(tuple(tokens), drafted, logprobs, seconds, verified, forced)
 
 
 class _Queue:
     """Builds and schedules one step: draft, verify forward and acceptance rule, all lazy."""
 
-    def __init__(self, decoder: Decoder, sampling: SamplingParams, typical: bool):
+    def __init__(
+        self,
+        decoder: Decoder,
+        sampling: SamplingParams,
+        typical: bool,
+        constraint: Constraint | None = None,
+    ):
         self.decoder = decoder
         self.sampling = sampling
         self.typical = typical  # Medusa's typical acceptance when sampling: LOSSY, opt-in
+        self.constraint = constraint
 
     def __call__(self, pending: mx.array, k: int) -> _Pending:
         with mx.stream(GENERATION_STREAM):
@@ -258,7 +280,13 @@ class _Queue:
     def _queue(self, pending: mx.array, k: int) -> _Pending:
         decoder = self.decoder
         draft: Draft | None = None
-        if decoder.drafter is not None and k > 0 and decoder.room() > 0:
+        guide: Guide | None = None
+        if self.constraint is not None:
+            drafter, sampling = decoder.drafter, self.sampling
+            propose = None if drafter is None else lambda c, n: drafter.propose(c, n, sampling)
+            guide = self.constraint.guide(decoder.context, propose, k, decoder.room())
+            draft = guide.draft
+        elif decoder.drafter is not None and k > 0 and decoder.room() > 0:
             k = min(k, decoder.context_room())
             draft = decoder.drafter.propose(decoder.context, k, self.sampling)
             if draft is not None:
@@ -275,11 +303,12 @@ class _Queue:
             self.sampling,
             taps=decoder.taps,
             typical=self.typical,
+            allowed=None if guide is None else guide.allowed,
         )
         acceptance = verified.acceptance
         mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
         features = TargetFeatures(verified.hidden, verified.taps)
-        return _Pending(offset, tree, acceptance, verified.logits, features)
+        return _Pending(offset, tree, acceptance, verified.logits, features, guide)
 
     def accept(
         self, tree: Tree, tokens: mx.array, logits: mx.array, draft: Draft | None

@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from . import arguments
 from .chat import plain_tokens
+from .constraint import Constraint, check_drafter
 from .decode import Decoder, PrefillCancelled
 from .device import wired_limit
 from .drafters import (
@@ -20,6 +21,7 @@ from .drafters import (
     spec_from_keywords,
     speculative_keywords,
 )
+from .grammar import Grammar
 from .models.base import CausalLM
 from .policy import Policy, default_policy
 from .sampling import SamplingParams
@@ -39,6 +41,9 @@ class SpeculativeStats:
     target_forwards: int  # verify forwards (the prompt's forward is not one)
     generated: int  # tokens the verify forwards yielded and the stream took: emitted ones,
     # and the EOS that ended the generation if one did
+    # Under a grammar: tokens it forced (the first token and EOS included), emitted without
+    # being sampled; they count in neither drafted nor accepted.
+    fast_forwarded: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -82,9 +87,14 @@ def stream_generate(
     stop: Sequence[str] = (),
     drafter: DrafterSpec | Drafter | None = None,
     policy: Policy | None = None,
+    grammar: Grammar | None = None,
     **options: Any,
 ) -> Iterator[GenerationResponse]:
     """Yields one response per emitted token.
+
+    `grammar` (`Grammar.json_schema(...)`, `.json_object()`, `.lark(...)`) constrains the
+    output, with speculation still exact for the constrained distribution (constraint.py):
+    no drafter, prompt lookup or a draft model.
 
     `drafter` is a method's spec (`LookupSpec()`, `DraftModelSpec(model=...)`, `MedusaSpec()`,
     `EagleSpec()`, ...) or a ready `Drafter`; `policy` chooses the draft length each step
@@ -126,6 +136,7 @@ def stream_generate(
         stop=stop,
         policy=policy
         or (None if drafter is None else default_policy(drafter, model, num_draft_tokens)),
+        grammar=grammar,
     )
 
 
@@ -158,13 +169,17 @@ class Session:
         stop: Sequence[str] = (),
         policy: Policy | None = None,
         cancelled: Callable[[], bool] | None = None,
+        grammar: Grammar | None = None,
     ) -> Iterator[GenerationResponse]:
         """Yields one response per emitted token, as `stream_generate` does, with the wired
         memory limit raised to the model's size meanwhile (Metal only). `cancelled` is asked
         between prefill chunks: when it says so, the stream ends with no response (the prompt's
-        prefix done so far stays cached). Between tokens the caller stops reading."""
+        prefix done so far stays cached). Between tokens the caller stops reading. `grammar`
+        constrains the output (constraint.py)."""
         with wired_limit(self.model):
-            yield from self._stream(prompt, sampling, max_tokens, stop, policy, cancelled)
+            yield from self._stream(
+                prompt, sampling, max_tokens, stop, policy, cancelled, grammar
+            )
 
     def _stream(
         self,
@@ -174,8 +189,13 @@ class Session:
         stop: Sequence[str],
         policy: Policy | None,
         cancelled: Callable[[], bool] | None,
+        grammar: Grammar | None,
     ) -> Iterator[GenerationResponse]:
         tokenizer, decoder = self.tokenizer, self.decoder
+        constraint = None
+        if grammar is not None:
+            check_drafter(self.drafter)
+            constraint = Constraint(grammar, tokenizer, self.model.args.vocab_size)
         tokens = plain_tokens(tokenizer, [prompt]) if isinstance(prompt, str) else list(prompt)
         if policy is None and self.drafter is not None:
             if self._policy is None:  # calibrating on first use rewinds the drafter
@@ -191,9 +211,13 @@ class Session:
         eos = set(tokenizer.eos_token_ids)
         detokenizer = tokenizer.detokenizer
         detokenizer.reset()
-        emitted = drafted = accepted = forwards = generated = text_sent = 0
+        emitted = drafted = accepted = forwards = generated = text_sent = forced = 0
         steps = decoder.steps(
-            sampling, policy, max_tokens=max_tokens, typical_acceptance=self.typical_acceptance
+            sampling,
+            policy,
+            max_tokens=max_tokens,
+            typical_acceptance=self.typical_acceptance,
+            constraint=constraint,
         )
         for step in steps:
             if not step.verified:  # the first token, chosen by the prompt's forward
@@ -205,7 +229,10 @@ class Session:
             last_step = decoder.room() < 0
             for i, token in enumerate(step.tokens):
                 generated += step.verified
-                accepted += i < step.accepted
+                was_forced = i < len(step.forced) and step.forced[i]
+                from_draft = i < len(step.tokens) - 1 and not was_forced
+                accepted += from_draft
+                forced += was_forced
                 finish = None
                 if token in eos:
                     finish = "stop"
@@ -232,7 +259,7 @@ class Session:
                 yield GenerationResponse(
                     text=segment,
                     token=token,
-                    from_draft=i < step.accepted,
+                    from_draft=from_draft,
                     logprobs=step.logprobs[i],
                     prompt_tokens=len(tokens),
                     prompt_tps=prompt_tps,
@@ -240,7 +267,7 @@ class Session:
                     generation_tps=(emitted - 1) / elapsed if emitted > 1 else 0.0,
                     peak_memory=mx.get_peak_memory() / 1e9,
                     finish_reason=finish,
-                    stats=SpeculativeStats(drafted, accepted, forwards, generated),
+                    stats=SpeculativeStats(drafted, accepted, forwards, generated, forced),
                     cached_tokens=cached,
                 )
                 if finish is not None:

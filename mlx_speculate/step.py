@@ -81,8 +81,10 @@ def verify(
     *,
     taps: tuple[int, ...] = (),
     typical: bool = False,
+    allowed: mx.array | None = None,
 ) -> Verified:
-    """Queues one verify step (lazy): `pending` (1,) and `draft` (N - 1,) tokens of `tree`.
+    """Queues one verify step (lazy): `pending` (1,) and `draft` (N - 1,) tokens of `tree`;
+    `allowed` (N, V) bool, a grammar's mask per row: the rule sees forbidden tokens at -inf.
 
     Fixed shapes: every array is padded to the row bucket of N (the q rows too) and the
     cache is read whole; no host sync. Writes the padded rows from the cache offset and
@@ -101,10 +103,15 @@ def verify(
         m = draft_logprobs.shape[0]
         q = draft_logprobs.astype(mx.float32)
         args.append(mx.concatenate([q, mx.zeros((rows - m, q.shape[-1]), mx.float32)]))
+    if allowed is not None:  # padding rows allow everything (they are never read)
+        args.append(mx.concatenate([allowed, mx.ones((pad, allowed.shape[-1]), mx.bool_)]))
+    masked = allowed is not None
     shape = (rows, padded.is_chain, padded.depth, padded.width)
-    key = ("verify", shape, sampled_q, sampling, typical, taps)
+    key = ("verify", shape, sampled_q, masked, sampling, typical, taps)
     fn = _compiled(
-        model, key, lambda: _verify_fn(model, padded, sampling, typical, taps, sampled_q)
+        model,
+        key,
+        lambda: _verify_fn(model, padded, sampling, typical, taps, sampled_q, masked),
     )
     _reserve(model, cache, cache.offset + rows)
     start = mx.array(cache.offset, dtype=mx.int32)
@@ -123,9 +130,11 @@ def _verify_fn(
     typical: bool,
     taps: tuple[int, ...],
     sampled_q: bool,
+    masked: bool,
 ) -> Callable:
     def step(start, inputs, drafted, parent_index, depth_index, ancestors, *rest):
-        q, arrays = (rest[0], rest[1:]) if sampled_q else (None, rest)
+        q, rest = (rest[0], rest[1:]) if sampled_q else (None, rest)
+        allowed, arrays = (rest[0], rest[1:]) if masked else (None, rest)
         tree = PaddedTree(
             shape.num_nodes, shape.depth, shape.width, shape.is_chain,
             parent_index, depth_index, ancestors,
@@ -136,6 +145,8 @@ def _verify_fn(
             positions, mask = start + depth_index, ancestors
         out = model(inputs, view, positions=positions, mask=mask, taps=taps)
         logits = out.logits[0]  # (rows, V)
+        if allowed is not None:
+            logits = mx.where(allowed, logits, -mx.inf)
         if sampling.greedy:
             acceptance = greedy_accept(tree, drafted, logits)
         elif typical:

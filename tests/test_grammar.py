@@ -1,0 +1,329 @@
+"""Structured output under speculation: grammars, exact constrained greedy and sampling."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import llguidance
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_speculate.constraint import Constraint
+from mlx_speculate.convert import convert
+from mlx_speculate.drafters import Draft, DraftModelSpec, LookupSpec
+from mlx_speculate.drafters.draft_model import DraftModelDrafter
+from mlx_speculate.drafters.lookup import LookupDrafter
+from mlx_speculate.generation import stream_generate
+from mlx_speculate.grammar import Grammar, ll_tokenizer
+from mlx_speculate.loading import load
+from mlx_speculate.policy import FixedPolicy
+from mlx_speculate.sampling import SamplingParams
+from mlx_speculate.tree import Tree
+
+from .helpers import SHARED, SMOLLM2_GGUF, decode, require
+from .markov import MarkovLM, assert_markov
+
+SCHEMAS = json.loads((Path(__file__).parent / "json_schemas.json").read_text())
+SAMPLE = ("nested_address", "array_of_objects", "point")  # the default run's schemas
+STORY = "Lily and Tom went to the park."
+
+
+def every_schema(sample=SAMPLE):
+    """The sample by default; all 20 under -m slow."""
+    return [
+        pytest.param(name, marks=() if name in sample else pytest.mark.slow) for name in SCHEMAS
+    ]
+
+
+# Grammars: construction and one-line errors.
+
+
+def test_grammars_build():
+    assert Grammar.json_schema(SCHEMAS["person"]) == Grammar.json_schema(
+        json.dumps(SCHEMAS["person"])
+    )
+    assert Grammar.json_object().description == "JSON schema"
+    assert Grammar.lark('start: "yes" | "no"').description == "Lark grammar"
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: Grammar.json_schema("{not json"), "the JSON schema is not valid JSON"),
+        (lambda: Grammar.json_schema([1]), "a JSON schema is an object, got list"),
+        (lambda: Grammar.json_schema({"type": "objectx"}), "the JSON schema is invalid: "),
+        (lambda: Grammar.lark("start: foo"), 'the Lark grammar is invalid: .*unknown name: "foo"'),
+    ],
+)
+def test_bad_grammars_are_one_line_errors(build, message):
+    with pytest.raises(ValueError, match=message) as info:
+        build()
+    assert "\n" not in str(info.value)
+
+
+def test_lark_takes_a_string():
+    with pytest.raises(TypeError, match="a Lark grammar is a str, got dict"):
+        Grammar.lark({"start": "x"})
+
+
+# Exact constrained decoding on stories260K, with prompt lookup and the llama2xs281K draft.
+
+
+@pytest.fixture(scope="module")
+def stories():
+    models = require(SHARED / "models", "it ships beside the development checkout")
+    target, tokenizer = load(models / "stories260K-llama")
+    draft, _ = load(models / "llama2xs281K-llama")
+    return target, tokenizer, draft
+
+
+def constrained_greedy(model, tokenizer, prompt, grammar, n):
+    """The definition, one token per forward: the forced token where llguidance has one,
+    else the argmax over the allowed tokens; stops after EOS."""
+    matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar.source)
+    eos, vocab = set(tokenizer.eos_token_ids), model.args.vocab_size
+    cache = model.make_cache()
+    logits = model(mx.array([prompt]), cache).logits[0, -1]
+    out = []
+    for _ in range(n):
+        forced = matcher.compute_ff_tokens()
+        if forced:
+            token = forced[0]
+        else:
+            bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+            allowed = np.unpackbits(bits, bitorder="little")[:vocab].astype(bool)
+            token = int(np.argmax(np.where(allowed, np.asarray(logits), -np.inf)))
+        out.append(token)
+        if token in eos:
+            break
+        assert matcher.consume_token(token)
+        logits = model(mx.array([[token]]), cache).logits[0, -1]
+    return out
+
+
+def generate_json(model, tokenizer, prompt, schema, **kwargs):
+    """The responses of one constrained generation, checked to end, parse and validate."""
+    responses = list(
+        stream_generate(
+            model, tokenizer, prompt, grammar=Grammar.json_schema(schema), max_tokens=300, **kwargs
+        )
+    )
+    assert responses[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads("".join(r.text for r in responses)), schema)
+    stats = responses[-1].stats
+    assert stats.accepted == sum(r.from_draft for r in responses) <= stats.drafted
+    assert 0 < stats.fast_forwarded <= len(responses)
+    return responses
+
+
+def methods(draft):
+    return {
+        "plain": None,
+        "lookup": LookupSpec(num_draft_tokens=4),
+        "draft_model": DraftModelSpec(model=draft, num_draft_tokens=4),
+    }
+
+
+@pytest.mark.parametrize("name", every_schema())
+def test_stories_schemas(stories, name):
+    target, tokenizer, draft = stories
+    schema = SCHEMAS[name]
+    prompt = tokenizer.encode(STORY)
+    reference = constrained_greedy(target, tokenizer, prompt, Grammar.json_schema(schema), 300)
+    for method, spec in methods(draft).items():
+        greedy = generate_json(target, tokenizer, prompt, schema, drafter=spec)
+        assert [r.token for r in greedy] == reference, method
+        generate_json(target, tokenizer, prompt, schema, drafter=spec, temperature=0.8, seed=3)
+
+
+# SmolLM2 (float32), drafting for itself and by prompt lookup.
+
+SMOLLM2_SAMPLE = ("person",)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    gguf = require(SMOLLM2_GGUF, "fetch it with benchmarks/fetch_smollm2.sh")
+    return load(convert(gguf, tmp_path_factory.mktemp("smollm2") / "f32", dtype="float32"))
+
+
+def chat_prompt(tokenizer, schema) -> list[int]:
+    chat = [
+        {"role": "user", "content": f"Reply in JSON following this schema: {json.dumps(schema)}"}
+    ]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("name", every_schema(SMOLLM2_SAMPLE))
+def test_smollm2_schemas(smollm2, name):
+    model, tokenizer = smollm2
+    schema = SCHEMAS[name]
+    prompt = chat_prompt(tokenizer, schema)
+    reference = constrained_greedy(model, tokenizer, prompt, Grammar.json_schema(schema), 300)
+    for method, spec in methods(model).items():
+        greedy = generate_json(model, tokenizer, prompt, schema, drafter=spec)
+        assert [r.token for r in greedy] == reference, method
+        generate_json(model, tokenizer, prompt, schema, drafter=spec, temperature=0.8, seed=3)
+
+
+def test_speculation_accepts_and_fast_forwards(stories):
+    # The draft model agrees often, the grammar forces the keys and punctuation: fewer
+    # forwards than tokens, forced tokens never counted as accepted drafts.
+    target, tokenizer, draft = stories
+    schema = SCHEMAS["array_of_objects"]
+    prompt = tokenizer.encode(STORY)
+    for spec in (LookupSpec(num_draft_tokens=4), DraftModelSpec(model=draft, num_draft_tokens=4)):
+        stats = generate_json(target, tokenizer, prompt, schema, drafter=spec)[-1].stats
+        assert stats.accepted > 0
+        assert stats.tokens_per_forward > 2
+        assert stats.fast_forwarded > stats.generated / 3
+
+
+def test_lark_grammar(stories):
+    target, tokenizer, _ = stories
+    grammar = Grammar.lark('start: "The answer is " ("yes" | "no") "."')
+    text = "".join(
+        r.text for r in stream_generate(target, tokenizer, STORY, grammar=grammar, max_tokens=30)
+    )
+    assert text in ("The answer is yes.", "The answer is no.")
+
+
+class TreeDrafter:
+    taps, max_draft = (), 4
+
+
+def test_tree_drafters_are_refused(stories):
+    target, tokenizer, _ = stories
+    with pytest.raises(ValueError, match="grammar= works with prompt lookup, a draft model or"):
+        next(stream_generate(target, tokenizer, STORY, grammar=Grammar.json_object(),
+                             drafter=TreeDrafter()))  # fmt: skip
+
+
+# Sampling: a Markov stand-in target under a grammar whose state is the previous token, so
+# the constrained output is a Markov chain with the masked, renormalised transitions.
+
+V = 6  # tokens "a".."f"; the grammar's EOS (id 6) lies outside the model's vocabulary
+TARGET_TABLE = np.random.default_rng(2).normal(scale=1.5, size=(V, V))
+TARGET_TABLE[:, 0] += 1.0  # "a" often, so its constrained row is well sampled
+TARGET_TABLE[0, 1:3] = 0.0  # after "a": "b" and "c" alike
+DRAFT_TABLE = 0.5 * TARGET_TABLE + np.random.default_rng(3).normal(scale=1.5, size=(V, V))
+# After "a" the draft mostly proposes what the grammar forbids, and "b" over "c": drawing
+# the token there from the target's row instead of the residual would favour "b" visibly.
+DRAFT_TABLE[0] = [1.5, 2.0, -3.0, 1.5, 1.5, 1.5]
+# After "a" only "b" or "c"; after "e" only "f" (forced: fast-forwarded); else anything.
+MARKOV_GRAMMAR = "start: /([bcdf]|a[bc]|ef)*/"
+ALLOWED = np.ones((V, V), dtype=bool)
+ALLOWED[0] = [False, True, True, False, False, False]
+ALLOWED[4] = [False] * 5 + [True]
+SAMPLED = 3000
+
+
+class LetterTokenizer:
+    """llguidance's plain tokenizer protocol: one letter per token, then an EOS."""
+
+    tokens = [bytes([ord("a") + i]) for i in range(V)] + [b"</s>"]
+    eos_token_id, bos_token_id, special_token_ids = V, None, [V]
+    eos_token_ids = {V}
+
+    def __call__(self, text):
+        return [ord(c) - ord("a") for c in text.decode() if "a" <= c <= "f"]
+
+
+@pytest.mark.parametrize(
+    "drafter_kind, sampling",
+    [
+        ("none", SamplingParams(temperature=1.0)),
+        ("lookup", SamplingParams(temperature=1.0)),
+        ("draft_model", SamplingParams(temperature=1.0)),
+        ("draft_model", SamplingParams(temperature=0.7, top_k=3)),
+    ],
+    ids=["none", "lookup", "draft_model", "draft_model-top_k"],
+)
+def test_constrained_sampling_follows_masked_target(drafter_kind, sampling):
+    mx.random.seed(5)
+    drafter = {
+        "none": None,
+        "draft_model": DraftModelDrafter(MarkovLM(DRAFT_TABLE), V),
+        "lookup": LookupDrafter(max_ngram=2),
+    }[drafter_kind]
+    constraint = Constraint(Grammar.lark(MARKOV_GRAMMAR), LetterTokenizer(), V)
+    policy = FixedPolicy(0 if drafter is None else 3)
+    target = MarkovLM(TARGET_TABLE)
+    tokens, steps, _ = decode(
+        target, [1], SAMPLED, drafter, policy, sampling, constraint=constraint
+    )
+    masked = np.where(ALLOWED, TARGET_TABLE, -np.inf)
+    assert_markov(tokens, masked, sampling)  # a forbidden transition fails it outright
+    assert sum(sum(s.forced) for s in steps) > 100  # the forced "f" after every "e"
+    if drafter is not None:  # drafts accepted and rejected, forbidden ones among them
+        assert sum(s.accepted for s in steps) > 200
+        assert sum(s.accepted < s.drafted for s in steps) > 200
+
+
+def test_markov_grammar_is_what_the_table_says():
+    # ALLOWED mirrors the grammar: walk every transition through llguidance itself.
+    tokenizer = ll_tokenizer(LetterTokenizer())
+    source = Grammar.lark(MARKOV_GRAMMAR).source
+    for prev in range(V):
+        matcher = llguidance.LLMatcher(tokenizer, source)
+        assert matcher.consume_token(prev)
+        bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+        assert (np.unpackbits(bits, bitorder="little")[:V].astype(bool) == ALLOWED[prev]).all()
+
+
+# The chain one step verifies, on the Markov grammar: what is cut, kept and forced.
+
+
+def guide_for(proposal, logprobs=None, context=(1,), room=8):
+    """The guide for a drafter proposing `proposal` after `context` (letters as ids)."""
+    constraint = Constraint(Grammar.lark(MARKOV_GRAMMAR), LetterTokenizer(), V)
+    constraint.commit(list(context))
+    seen = []
+
+    def propose(ctx, k):
+        seen.append(list(ctx))
+        tokens = mx.array(proposal[:k], dtype=mx.int32)
+        rows = None if logprobs is None else logprobs[: len(proposal[:k])]
+        return Draft(tokens, Tree.chain(len(proposal[:k])), rows)
+
+    return constraint.guide(list(context), propose, len(proposal), room), seen
+
+
+def chain_of(guide):
+    return [] if guide.draft is None else guide.draft.tokens.tolist()
+
+
+def test_guide_cuts_forbidden_drafts():
+    guide, _ = guide_for([0, 3, 1])  # "a" then "d": forbidden after "a"
+    assert chain_of(guide) == [0]
+    assert guide.drafted == 1 and guide.forced == (False, False)
+    assert guide.allowed.tolist()[1] == ALLOWED[0].tolist()  # the row after "a"
+
+
+def test_guide_fast_forwards_forced_tokens():
+    # After "e" the grammar forces "f": the drafter's "f" is that forced token (not a draft),
+    # and a drafter going elsewhere ends its part of the chain, the forced "f" added anyway.
+    guide, _ = guide_for([4, 5, 1])
+    assert chain_of(guide) == [4, 5, 1]
+    assert guide.forced == (False, True, False, False) and guide.drafted == 2
+    guide, _ = guide_for([4, 2, 1])
+    assert chain_of(guide) == [4, 5] and guide.drafted == 1
+    # A forced run at the start goes before the drafter's tokens, which follow it.
+    guide, seen = guide_for([1, 2], context=(1, 4))
+    assert chain_of(guide) == [5, 1, 2] and seen == [[1, 4, 5]]
+    assert guide.forced[0] and guide.draft.logprobs is None
+
+
+def test_guide_keeps_a_sampled_forbidden_draft_as_a_rejected_leaf():
+    rows = mx.log(mx.full((3, V), 1 / V))
+    guide, _ = guide_for([0, 3, 1], logprobs=rows)
+    assert chain_of(guide) == [0, 3] and guide.drafted == 2
+    assert guide.allowed.tolist()[2] == [True] * V  # never read: "d" is never accepted
+    # The draft's rows by parent; a forced node's row is a point on it.
+    guide, _ = guide_for([4, 5, 1], logprobs=rows)
+    q = np.exp(np.asarray(guide.draft.logprobs))
+    assert np.allclose(q[0], 1 / V) and q[1].tolist() == [0, 0, 0, 0, 0, 1]
