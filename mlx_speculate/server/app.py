@@ -22,10 +22,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..chat import apply_chat_template
 from .errors import APIError, BodyLimit, install
 from .metrics import Metrics
+from .records import Failed, Generation, Job
 from .responses import Completion
 from .schemas import ChatCompletionRequest, CompletionRequest, Speculative
 from .sessions import NONE, SessionPool
-from .worker import Failed, Generation, Job, NotReady, QueueFull, Worker
+from .worker import NotReady, QueueFull, Worker
 
 MAX_BODY = 8 * 1024 * 1024
 # Module level: FastAPI resolves the (postponed) annotations of routes in the module's globals.

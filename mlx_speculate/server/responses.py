@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from .worker import Delta, Failed, Finished, Job, TokenLogprob, Usage
+from .records import Delta, Failed, Finished, Job, TokenLogprob, Usage
 
 DONE = "data: [DONE]\n\n"
 

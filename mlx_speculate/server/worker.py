@@ -11,73 +11,22 @@ cancelled generation stops within one decoding step; a cancelled job still waiti
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import closing
-from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..generation import GenerationResponse, SpeculativeStats
+from ..generation import GenerationResponse
 from ..policy import FixedPolicy
-from ..sampling import SamplingParams
 from .metrics import Metrics
+from .records import Delta, Failed, Finished, Generation, Job, TokenLogprob, Usage
 from .sessions import SessionPool
 
 log = logging.getLogger("mlx_speculate.server")
-
-
-@dataclass(frozen=True)
-class Generation:
-    """A validated generation request, its prompt already in token ids."""
-
-    tokens: list[int]
-    sampling: SamplingParams
-    max_tokens: int
-    stop: list[str]
-    method: str
-    num_draft_tokens: int | None = None
-    top_logprobs: int | None = None  # alternatives per token; None: no log-probabilities
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token: str
-    logprob: float
-    top: list[tuple[str, float]]  # the most likely tokens at this position, best first
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str  # may be empty (text held back until a stop string is ruled out)
-    logprob: TokenLogprob | None = None  # None for the EOS token and when not asked for
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens whose cache carried over from an earlier request
-    completion_tokens: int
-    method: str
-    stats: SpeculativeStats | None
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: str  # "stop", "length" or "cancelled"
-    usage: Usage | None  # None when cancelled before it started
-
-
-@dataclass(frozen=True)
-class Failed:
-    message: str
-
-
-Event = Delta | Finished | Failed
 
 
 class QueueFull(Exception):
@@ -86,39 +35,6 @@ class QueueFull(Exception):
 
 class NotReady(Exception):
     pass
-
-
-class Job:
-    """One request's generation as the event loop sees it: the events come in order, from
-    the worker thread, through an asyncio queue of the loop that submitted it."""
-
-    def __init__(self, request: Generation):
-        self.request = request
-        self.submitted = time.perf_counter()
-        self._loop = asyncio.get_running_loop()
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
-        self._cancelled = threading.Event()
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def emit(self, event: Event) -> None:
-        """From the worker thread. A loop already closed (shutdown) has nobody to tell."""
-        try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
-        except RuntimeError:
-            self.cancel()
-
-    async def events(self) -> AsyncIterator[Event]:
-        while True:
-            event = await self._events.get()
-            yield event
-            if not isinstance(event, Delta):
-                return
 
 
 class Worker:
