@@ -55,6 +55,7 @@ class Usage:
 class Finished:
     reason: str  # "stop", "length" or "cancelled"
     usage: Usage | None  # None when cancelled before it started
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass(frozen=True)

@@ -115,6 +115,7 @@ class Worker:
         eos = set(pool.tokenizer.eos_token_ids)
         last: GenerationResponse | None = None
         first = True
+        text, tokens = [], []  # what was sent, and every token but an EOS
         stream = entry.session.stream(
             request.tokens,
             sampling=request.sampling,
@@ -134,6 +135,9 @@ class Worker:
                     ):
                         logprob = self._logprob(last, request.top_logprobs)
                     job.emit(Delta(last.text, logprob))
+                    text.append(last.text)
+                    if last.token not in eos:
+                        tokens.append(last.token)
                     if job.cancelled:
                         break
         except Exception:
@@ -151,8 +155,11 @@ class Worker:
             stats=last.stats,
         )
         metrics.generation_done(usage)
+        stop = None
+        if reason == "stop" and last.token not in eos:
+            stop = _stop_string(pool.tokenizer.decode(tokens), len("".join(text)), request.stop)
         # OpenAI knows no "context": the model's context ending the output is a length limit.
-        job.emit(Finished("length" if reason == "context" else reason, usage))
+        job.emit(Finished("length" if reason == "context" else reason, usage, stop))
 
     def _logprob(self, response: GenerationResponse, top: int) -> TokenLogprob:
         logprobs = response.logprobs  # (V,)
@@ -167,3 +174,10 @@ class Worker:
                 for i, v in zip(ids[order].tolist(), values[order].tolist(), strict=True)
             ]
         return TokenLogprob(decode([response.token]), logprobs[response.token].item(), alternatives)
+
+
+def _stop_string(full: str, sent: int, stops: list[str]) -> str | None:
+    """The stop string that cut `full` (every token's text) after `sent` characters: the
+    one found first from there (a character of slack for a tokenizer's leading space)."""
+    found = [(at, s) for s in stops if (at := full.find(s, max(0, sent - 1))) >= 0]
+    return min(found)[1] if found else None
