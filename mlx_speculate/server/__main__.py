@@ -28,7 +28,8 @@ PORT = cli.bounded(int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=cli.prog("mlx_speculate.server"),
-        description="OpenAI-compatible HTTP server with lossless speculative decoding.",
+        description="OpenAI- and Anthropic-compatible HTTP server with lossless speculative "
+        "decoding.",
     )
     parser.add_argument(
         "--model", default=None, help="local folder or hub id (default: the default model)"
@@ -36,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=PORT, default=8080, help="port (0: any free one)")
     parser.add_argument(
-        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*"
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on /v1/*",
     )
     parser.add_argument(
         "--max-queue", type=cli.positive_int, default=16, help="requests waiting at most (then 429)"
