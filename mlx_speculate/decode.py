@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .cache import KVCache
+from .constraint import Constraint, Guide, masked
 from .drafters.base import Draft, Drafter, TargetFeatures
 from .models.base import CausalLM
 from .policy import FixedPolicy, Policy
@@ -51,11 +52,12 @@ class Step:
     logprobs: mx.array  # (len(tokens), V) target log-probabilities that chose each token
     seconds: float
     verified: bool = True  # False for the first token, which the prompt's forward chose
+    forced: tuple[bool, ...] = ()  # per token, under a grammar: it forced the token
 
     @property
     def accepted(self) -> int:
-        """How many of `tokens` came from the draft."""
-        return len(self.tokens) - 1
+        """How many of `tokens` came from the draft (tokens a grammar forced apart)."""
+        return len(self.tokens) - 1 - sum(self.forced[: len(self.tokens) - 1])
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class _Pending:
     logits: mx.array  # (N, V) one row per tree node
     # (N, ...) rows; None for the prompt's first token, whose features went in at prefill
     features: TargetFeatures | None = None
+    guide: Guide | None = None  # under a grammar: its chain and masks (constraint.py)
 
 
 class Decoder:
@@ -161,10 +164,12 @@ class Decoder:
         *,
         max_tokens: int | None = None,
         typical_acceptance: bool = False,
+        constraint: Constraint | None = None,
     ) -> Iterator[Step]:
         """Yields the first token (from the prompt's forward), then one Step per verify forward
         until the context is full or `max_tokens` tokens were emitted (the last step may
-        commit a few more)."""
+        commit a few more). A `constraint` masks every row with its grammar (constraint.py
+        says where that syncs more)."""
         if self._prompt_logits is None:
             raise ValueError("prefill a prompt before decoding")
         policy = policy or FixedPolicy(0)
@@ -172,19 +177,23 @@ class Decoder:
             mx.random.seed(sampling.seed)  # the one generator every draw comes from
         self._limit = len(self.context) - 1 + (max_tokens or self.max_context + 1)
         self._clock = time.perf_counter()
-        queue = _Queue(self, sampling, typical_acceptance)
-        logits, self._prompt_logits = self._prompt_logits, None
+        queue = _Queue(self, sampling, typical_acceptance, constraint)
+        guide = None if constraint is None else constraint.first()
+        logits, self._prompt_logits = masked(self._prompt_logits, guide), None
         empty = mx.zeros((0,), dtype=mx.int32)
-        step = _Pending(len(self.context), ROOT, queue.accept(ROOT, empty, logits, None), logits)
+        acceptance = queue.accept(ROOT, empty, logits, None)
+        step = _Pending(len(self.context), ROOT, acceptance, logits, guide=guide)
         while True:
             upcoming = k = None
-            if step.tree.num_nodes == 1 and self.room() >= 1:
+            if step.tree.num_nodes == 1 and self.room() >= 1 and constraint is None:
                 # Decided one observation early, so that a plain step can be queued on the
                 # lazy token before this one is read.
                 k = policy.choose()
                 if k == 0:
                     upcoming = queue(step.acceptance.tokens[:1], 0)
             result = self._finish(step)
+            if constraint is not None:
+                constraint.commit(result.tokens)
             if result.verified:
                 policy.observe(result.drafted, result.accepted, result.seconds)
             yield result
@@ -216,21 +225,37 @@ class Decoder:
         seconds, self._clock = now - self._clock, now
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         verified = step.features is not None
-        return Step(tuple(tokens), step.tree.num_nodes - 1, logprobs, seconds, verified)
+        guide = step.guide
+        drafted = step.tree.num_nodes - 1 if guide is None else guide.drafted
+        forced = () if guide is None else guide.forced[: n + 1]
+        return Step(tuple(tokens), drafted, logprobs, seconds, verified, forced)
 
 
 class _Queue:
     """Builds and schedules one step: draft, verify forward and acceptance rule, all lazy."""
 
-    def __init__(self, decoder: Decoder, sampling: SamplingParams, typical: bool):
+    def __init__(
+        self,
+        decoder: Decoder,
+        sampling: SamplingParams,
+        typical: bool,
+        constraint: Constraint | None = None,
+    ):
         self.decoder = decoder
         self.sampling = sampling
         self.typical = typical  # Medusa's typical acceptance when sampling: LOSSY, opt-in
+        self.constraint = constraint
 
     def __call__(self, pending: mx.array, k: int) -> _Pending:
         decoder = self.decoder
         draft: Draft | None = None
-        if decoder.drafter is not None and k > 0 and decoder.room() > 0:
+        guide: Guide | None = None
+        if self.constraint is not None:
+            drafter, sampling = decoder.drafter, self.sampling
+            propose = None if drafter is None else lambda c, n: drafter.propose(c, n, sampling)
+            guide = self.constraint.guide(decoder.context, propose, k, decoder.room())
+            draft = guide.draft
+        elif decoder.drafter is not None and k > 0 and decoder.room() > 0:
             k = min(k, decoder.context_room())
             draft = decoder.drafter.propose(decoder.context, k, self.sampling)
             if draft is not None:
@@ -244,10 +269,10 @@ class _Queue:
         out = decoder.model(
             inputs[None], decoder.cache, positions=positions, mask=mask, taps=decoder.taps
         )
-        logits = out.logits[0]  # (N, V)
+        logits = masked(out.logits[0], guide)  # (N, V)
         acceptance = self.accept(tree, inputs[1:], logits, draft)
         features = TargetFeatures(out.hidden[0], tuple(t[0] for t in out.taps))
-        return _Pending(offset, tree, acceptance, logits, features)
+        return _Pending(offset, tree, acceptance, logits, features, guide)
 
     def accept(
         self, tree: Tree, tokens: mx.array, logits: mx.array, draft: Draft | None

@@ -10,8 +10,10 @@ from typing import Any
 import mlx.core as mx
 
 from .chat import plain_tokens
+from .constraint import Constraint, check_drafter
 from .decode import Decoder
 from .drafters import Drafter, DrafterSpec, make_drafter, spec_from_keywords
+from .grammar import Grammar
 from .models.base import CausalLM
 from .policy import Policy, default_policy
 from .sampling import SamplingParams
@@ -31,6 +33,9 @@ class SpeculativeStats:
     target_forwards: int  # verify forwards (the prompt's forward is not one)
     generated: int  # tokens the verify forwards yielded and the stream took: emitted ones,
     # and the EOS that ended the generation if one did
+    # Under a grammar: tokens it forced (the first token and EOS included), emitted without
+    # being sampled; they count in neither drafted nor accepted.
+    fast_forwarded: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -74,9 +79,14 @@ def stream_generate(
     stop: Sequence[str] = (),
     drafter: DrafterSpec | Drafter | None = None,
     policy: Policy | None = None,
+    grammar: Grammar | None = None,
     **options: Any,
 ) -> Iterator[GenerationResponse]:
     """Yields one response per emitted token.
+
+    `grammar` (`Grammar.json_schema(...)`, `.json_object()`, `.lark(...)`) constrains the
+    output, with speculation still exact for the constrained distribution (constraint.py):
+    no drafter, prompt lookup or a draft model.
 
     `drafter` is a method's spec (`LookupSpec()`, `DraftModelSpec(model=...)`, `MedusaSpec()`,
     `EagleSpec()`, ...) or a ready `Drafter`; `policy` chooses the draft length each step
@@ -114,6 +124,7 @@ def stream_generate(
         max_tokens=max_tokens,
         stop=stop,
         policy=policy or (None if drafter is None else default_policy(drafter, num_draft_tokens)),
+        grammar=grammar,
     )
 
 
@@ -144,9 +155,14 @@ class Session:
         max_tokens: int,
         stop: Sequence[str] = (),
         policy: Policy | None = None,
+        grammar: Grammar | None = None,
     ) -> Iterator[GenerationResponse]:
         """Yields one response per emitted token, as `stream_generate` does."""
         tokenizer, decoder = self.tokenizer, self.decoder
+        constraint = None
+        if grammar is not None:
+            check_drafter(self.drafter)
+            constraint = Constraint(grammar, tokenizer, self.model.args.vocab_size)
         tokens = plain_tokens(tokenizer, [prompt]) if isinstance(prompt, str) else list(prompt)
         if policy is None and self.drafter is not None:
             policy = default_policy(self.drafter)
@@ -157,9 +173,13 @@ class Session:
         eos = set(tokenizer.eos_token_ids)
         detokenizer = tokenizer.detokenizer
         detokenizer.reset()
-        emitted = drafted = accepted = forwards = generated = text_sent = 0
+        emitted = drafted = accepted = forwards = generated = text_sent = forced = 0
         steps = decoder.steps(
-            sampling, policy, max_tokens=max_tokens, typical_acceptance=self.typical_acceptance
+            sampling,
+            policy,
+            max_tokens=max_tokens,
+            typical_acceptance=self.typical_acceptance,
+            constraint=constraint,
         )
         for step in steps:
             if not step.verified:  # the first token, chosen by the prompt's forward
@@ -171,7 +191,10 @@ class Session:
             last_step = decoder.room() < 0
             for i, token in enumerate(step.tokens):
                 generated += step.verified
-                accepted += i < step.accepted
+                was_forced = i < len(step.forced) and step.forced[i]
+                from_draft = i < len(step.tokens) - 1 and not was_forced
+                accepted += from_draft
+                forced += was_forced
                 finish = None
                 if token in eos:
                     finish = "stop"
@@ -198,7 +221,7 @@ class Session:
                 yield GenerationResponse(
                     text=segment,
                     token=token,
-                    from_draft=i < step.accepted,
+                    from_draft=from_draft,
                     logprobs=step.logprobs[i],
                     prompt_tokens=len(tokens),
                     prompt_tps=prompt_tps,
@@ -206,7 +229,7 @@ class Session:
                     generation_tps=(emitted - 1) / elapsed if emitted > 1 else 0.0,
                     peak_memory=mx.get_peak_memory() / 1e9,
                     finish_reason=finish,
-                    stats=SpeculativeStats(drafted, accepted, forwards, generated),
+                    stats=SpeculativeStats(drafted, accepted, forwards, generated, forced),
                     cached_tokens=cached,
                 )
                 if finish is not None:

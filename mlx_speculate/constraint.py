@@ -1,0 +1,228 @@
+"""A grammar's state for one generation, and what it makes of each decoding step.
+
+The decoding loop asks a `Constraint` for a `Guide` per step (`guide`, or `first` for the
+token the prompt's forward chooses), masks the verify forward's rows with `Guide.allowed` and
+hands the emitted tokens back (`commit`). Everything else stays in the loop.
+
+The constrained distribution at a position is the target's, renormalised over the tokens the
+grammar allows there (the mask is applied to the logits, before temperature and the top-k /
+top-p / min-p filters), except where the grammar forces a token: there that token follows with
+certainty. Forced tokens are llguidance's fast-forward tokens (the canonical tokens of bytes
+the grammar fixes, such as `{"name": "` in a schema's object) and any position where a single
+token is allowed (the EOS once the grammar is complete, say).
+
+A step's chain, from the pending token: the forced run; then the drafter's tokens (proposed
+after the context and that run) while the grammar allows them; then the forced run after the
+last one. Each node's row gets the mask of the grammar's state there (a point mass where a
+token is forced), found by walking one matcher along the chain and rolling it back. So:
+- a forced token is accepted with certainty by every rule (its row is a point mass), so it is
+  emitted without being sampled, as part of this forward's input: one forward emits the whole
+  forced run plus what it accepts and samples after it;
+- a drafter token the grammar forbids is never accepted. The chain stops before it, except
+  for a sampled draft (a draft model at temperature > 0), where it stays as a last node that
+  the rule rejects with certainty: that rejection is what makes the token drawn there follow
+  the residual max(0, p - q), which keeps speculative sampling exact (cutting it would draw
+  from p instead, biased by the draft's mass on forbidden tokens). A drafter token at a
+  forced position is the forced token or the end of the drafter's part of the chain.
+- EOS is allowed only where the grammar accepts the output; the chain ends after one.
+
+Host synchronisation added per constrained step (on top of the loop's own, in decode.py):
+  1. the matcher runs on the host, so the next step is built only once this one's tokens are
+     read: a constrained plain step cannot be queued on the previous step's lazy token;
+  2. a draft model's proposal is read back (`tolist`) after drafting and before the verify
+     forward, to be walked by the matcher;
+  3. the masks are built on the host (numpy) and copied in as one (N, V) bool array.
+Only chain drafters fit (prompt lookup, a draft model): tree drafters (Medusa, EAGLE) read the
+target's features at the pending position, which a forced run moves, so they are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import llguidance
+import mlx.core as mx
+import numpy as np
+
+from .drafters.base import Draft, Drafter
+from .drafters.draft_model import DraftModelDrafter
+from .drafters.lookup import LookupDrafter
+from .grammar import Grammar, ll_tokenizer
+from .tree import Tree
+
+CHAIN_DRAFTERS = (LookupDrafter, DraftModelDrafter)
+
+
+@dataclass(frozen=True)
+class Guide:
+    """What the grammar makes of one step: the chain to verify and its rows' masks."""
+
+    draft: Draft | None  # the chain below the pending token; None: the pending token alone
+    allowed: mx.array  # (N, V) bool: row i, the tokens allowed after node i
+    forced: tuple[bool, ...]  # (N,) row i's token is forced (its mask is a point)
+    drafted: int  # the drafter's tokens in the chain (forced positions not counted)
+
+
+def check_drafter(drafter: Drafter | None) -> None:
+    """Grammars work with no drafter or a chain drafter."""
+    if drafter is not None and not isinstance(drafter, CHAIN_DRAFTERS):
+        raise ValueError(
+            f"grammar= works with prompt lookup, a draft model or no drafter, not with "
+            f"{type(drafter).__name__} (it drafts trees)"
+        )
+
+
+class Constraint:
+    """One generation's matcher: its state is the grammar after every emitted token."""
+
+    def __init__(self, grammar: Grammar, tokenizer, vocab_size: int):
+        if not isinstance(grammar, Grammar):
+            raise TypeError(f"grammar must be a Grammar, got {type(grammar).__name__}")
+        self._tokenizer = ll_tokenizer(tokenizer)
+        self._matcher = llguidance.LLMatcher(self._tokenizer, grammar.source, log_level=0)
+        if self._matcher.is_error():
+            raise ValueError(
+                f"the {grammar.description} is invalid for this tokenizer: "
+                f"{self._matcher.get_error().splitlines()[0]}"
+            )
+        self.vocab_size = vocab_size
+        self._eos = frozenset(self._tokenizer.eos_tokens)
+        self.finished = False  # an EOS was emitted
+
+    def first(self) -> Guide:
+        """The mask of the first token, which the prompt's forward chooses."""
+        allowed, forced = self._row()
+        return Guide(None, mx.array(allowed[None]), (forced is not None,), 0)
+
+    def guide(
+        self,
+        context: Sequence[int],
+        propose: Callable[[list[int], int], Draft | None] | None,
+        k: int,
+        room: int,
+    ) -> Guide:
+        """The step's chain (at most `room` nodes below the pending token) and its masks.
+        `propose(context, k)` drafts up to k tokens after a context (None: no drafter)."""
+        matcher, walked = self._matcher, 0
+        rows, forced, chain, q_rows = [], [], [], []  # q_rows: draft row per node, -1 a point
+        drafted = 0
+
+        def step(token: int, q_row: int) -> bool:
+            """Appends `token`; False when the chain must end after it."""
+            nonlocal walked
+            chain.append(token)
+            q_rows.append(q_row)
+            if token in self._eos:  # nothing follows an EOS: the row is never read
+                rows.append(np.ones(self.vocab_size, dtype=bool))
+                forced.append(False)
+                return False
+            if not matcher.consume_token(token):
+                raise RuntimeError(f"the grammar refused token {token}: {matcher.get_error()}")
+            walked += 1
+            allowed, point = self._row()
+            rows.append(allowed)
+            forced.append(point is not None)
+            return True
+
+        def run_forced() -> bool:
+            while forced[-1] and len(chain) < room:
+                token = int(np.flatnonzero(rows[-1])[0])
+                if token in self._eos:  # the target's own token after the chain is this EOS
+                    break
+                if not step(token, -1):
+                    return False
+            return True
+
+        allowed, point = self._row()
+        rows.append(allowed)
+        forced.append(point is not None)
+        live = run_forced()
+        budget = min(k, room - len(chain))
+        draft = propose(list(context) + chain, budget) if live and propose and budget > 0 else None
+        sampled = draft is not None and draft.logprobs is not None
+        if draft is not None:
+            for j, token in enumerate(draft.tokens.tolist()[:budget]):  # sync: the draft
+                if forced[-1]:
+                    if not (token < self.vocab_size and rows[-1][token]):
+                        break  # the drafter went another way: its later tokens follow that
+                    live = step(token, -1)
+                elif token < self.vocab_size and rows[-1][token]:
+                    drafted += 1
+                    live = step(token, j)
+                else:
+                    if sampled:  # a last node, rejected with certainty (see the docstring)
+                        drafted += 1
+                        chain.append(token)
+                        q_rows.append(j)
+                        rows.append(np.ones(self.vocab_size, dtype=bool))
+                        forced.append(False)
+                        live = False
+                    break
+                if not live:
+                    break
+        if live:
+            run_forced()
+        matcher.rollback(walked)
+        return Guide(
+            self._draft(chain, q_rows, draft if sampled else None),
+            mx.array(np.stack(rows)),
+            tuple(forced),
+            drafted,
+        )
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """The step emitted `tokens`: the matcher moves past them."""
+        for token in tokens:
+            if self.finished:
+                return
+            if token in self._eos:
+                self.finished = True
+            elif not self._matcher.consume_token(int(token)):
+                raise RuntimeError(
+                    f"the grammar refused token {token}: {self._matcher.get_error()}"
+                )
+
+    def _row(self) -> tuple[np.ndarray, int | None]:
+        """(V,) bool tokens allowed next, and the forced token, if any."""
+        if self.finished:
+            raise ValueError("the grammar's output is complete (an EOS was emitted)")
+        ff = self._matcher.compute_ff_tokens()
+        if ff and ff[0] < self.vocab_size:
+            allowed = np.zeros(self.vocab_size, dtype=bool)
+            allowed[ff[0]] = True
+            return allowed, ff[0]
+        bits = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little").astype(bool)[: self.vocab_size]
+        if len(allowed) < self.vocab_size:  # the model's vocabulary is padded
+            allowed = np.pad(allowed, (0, self.vocab_size - len(allowed)))
+        count = int(allowed.sum())
+        if count == 0:
+            raise ValueError(
+                "the grammar allows no token of the model's vocabulary here"
+                + (
+                    f" ({self._matcher.get_error().splitlines()[0]})"
+                    if self._matcher.is_error()
+                    else ""
+                )
+            )
+        return allowed, int(np.flatnonzero(allowed)[0]) if count == 1 else None
+
+    def _draft(self, chain: list[int], q_rows: list[int], sampled: Draft | None) -> Draft | None:
+        """The chain as a Draft; a sampled draft's rows by parent, points where forced."""
+        if not chain:
+            return None
+        tokens = mx.array(chain, dtype=mx.int32)
+        logprobs = None
+        if sampled is not None:
+            rows = sampled.logprobs[mx.array([max(r, 0) for r in q_rows], dtype=mx.int32)]
+            vocab = mx.arange(rows.shape[-1])
+            points = mx.where(vocab == tokens[:, None], 0.0, -mx.inf)  # (N - 1, V)
+            is_point = mx.array([r < 0 for r in q_rows])[:, None]
+            logprobs = mx.where(is_point, points, rows)
+        return Draft(tokens, Tree.chain(len(chain)), logprobs)
+
+
+def masked(logits: mx.array, guide: Guide | None) -> mx.array:
+    """The rows with the tokens the grammar forbids at -inf."""
+    return logits if guide is None else mx.where(guide.allowed, logits, -mx.inf)

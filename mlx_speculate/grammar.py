@@ -1,0 +1,109 @@
+"""Grammars for structured output: JSON schemas, any JSON object, Lark grammars.
+
+    stream_generate(model, tokenizer, prompt, grammar=Grammar.json_schema(schema))
+
+The engine is llguidance (guidance-ai), chosen over xgrammar for this loop because:
+- it runs on the host, token masks in microseconds, with no tensor library underneath, so it
+  needs nothing from MLX: a mask is a bitmask we unpack into an MLX array (xgrammar's
+  Python side is written around torch tensors for its masks and kernels);
+- it has what speculation needs on one matcher: `consume_token` / `rollback(n)` to walk a
+  draft and come back, and `compute_ff_tokens` for the tokens the grammar forces;
+- it reads Hugging Face `tokenizers` pipelines directly (`llguidance.hf`), and the JSON
+  schema support covers nested objects, enums, arrays, numbers with bounds, string lengths.
+
+A `Grammar` is the compiled grammar text, independent of any tokenizer; the per-tokenizer
+tables (`ll_tokenizer`, about a second for a 50k vocabulary) are built once per tokenizer.
+JSON comes out in `json.dumps`' default layout (", " and ": ", no other whitespace): models
+see that layout most, and free whitespace lets a small model wander into endless newlines.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import llguidance.hf
+
+# llguidance's JSON options: json.dumps' separators and no free whitespace.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A grammar the output must follow; build one with the constructors below."""
+
+    source: str  # llguidance's grammar (its JSON form), checked valid
+    description: str  # what it was built from, for messages
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str) -> Grammar:
+        """Output is one JSON value valid against `schema` (a dict or its JSON text)."""
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
+        try:
+            source = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"the JSON schema cannot be compiled: {_line(str(e))}") from None
+        return cls._checked(source, "JSON schema")
+
+    @classmethod
+    def json_object(cls) -> Grammar:
+        """Output is one JSON object (any keys and values)."""
+        return cls.json_schema({"type": "object"})
+
+    @classmethod
+    def lark(cls, source: str) -> Grammar:
+        """Output follows a Lark grammar in llguidance's dialect (its rule `start`; `%json {...}`
+        embeds a JSON schema, /regex/ terminals, `%ignore` as in Lark)."""
+        if not isinstance(source, str):
+            raise TypeError(f"a Lark grammar is a str, got {type(source).__name__}")
+        return cls._checked(llguidance.LLMatcher.grammar_from_lark(source), "Lark grammar")
+
+    @classmethod
+    def _checked(cls, source: str, description: str) -> Grammar:
+        error = llguidance.LLMatcher.validate_grammar(source)
+        if error:
+            raise ValueError(f"the {description} is invalid: {_line(error)}")
+        return cls(source, description)
+
+
+def _line(message: str) -> str:
+    """The first line of an llguidance message (later lines quote the grammar)."""
+    return message.strip().splitlines()[0] if message.strip() else "unknown error"
+
+
+_TOKENIZERS: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
+
+
+def ll_tokenizer(tokenizer) -> llguidance.LLTokenizer:
+    """llguidance's tables for `tokenizer`, built once per tokenizer object.
+
+    Takes what `load` returns (mlx-lm's wrapper of a fast Hugging Face tokenizer), a fast
+    tokenizer itself, or any object with llguidance's plain protocol (`tokens`: bytes per id,
+    `eos_token_id`, `bos_token_id`, and calling it encodes). Every id in the tokenizer's
+    `eos_token_ids` ends the grammar's output.
+    """
+    cached = _TOKENIZERS.get(tokenizer)
+    if cached is not None:
+        return cached
+    eos = sorted(getattr(tokenizer, "eos_token_ids", ()) or ())
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    if hasattr(inner, "tokens") and hasattr(inner, "eos_token_id"):
+        built = llguidance.LLTokenizer(
+            llguidance.TokenizerWrapper(inner), eos_token=eos or inner.eos_token_id
+        )
+    else:
+        try:
+            built = llguidance.hf.from_tokenizer(inner, eos_token=eos or None)
+        except ValueError as e:
+            raise ValueError(f"grammars need a fast Hugging Face tokenizer: {_line(str(e))}") from e
+    _TOKENIZERS[tokenizer] = built
+    return built
