@@ -23,7 +23,7 @@ from .gateway import Gateway
 from .metrics import Metrics
 from .responses import Completion
 from .schemas import ChatCompletionRequest, CompletionRequest
-from .tools import ToolParser, tool_format
+from .tools import ToolParser, call_grammar, tool_format
 from .worker import Worker
 
 MAX_BODY = 8 * 1024 * 1024
@@ -85,25 +85,34 @@ def create_app(
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         pool = gateway.served(body.model)
-        if body.response_format is not None and body.response_format.type != "text":
-            raise APIError(
-                400,
-                f"response_format {body.response_format.type!r} is not supported yet",
-                param="response_format",
-            )
-        tools, parser = None, None
-        if body.tool_mode in ("required", "function"):
-            raise APIError(
-                400,
-                "tool_choice 'required' or a named function is not supported yet",
-                param="tool_choice",
-            )
-        if body.tool_mode == "auto":
+        mode = body.tool_mode
+        tools, parser, grammar = None, None, None
+        if body.response_format is not None:
+            if mode in ("required", "function") and body.response_format.type != "text":
+                raise APIError(
+                    400,
+                    "response_format and a required tool call cannot both shape the output",
+                    param="response_format",
+                )
+            try:
+                grammar = body.response_format.grammar()
+            except ValueError as e:
+                raise APIError(400, str(e), param="response_format") from e
+        if mode != "none":
             format_ = tool_format(pool.tokenizer)
             if format_ is None:
                 raise APIError(400, "the model's chat template does not take tools", param="tools")
-            tools = [tool.as_template_input() for tool in body.tools or []]
-            parser = ToolParser(format_, [tool.function.name for tool in body.tools or []])
+            offered = body.tools or []
+            tools = [tool.as_template_input() for tool in offered]
+            parser = ToolParser(format_, [tool.function.name for tool in offered])
+            if mode in ("required", "function"):
+                schemas = {t.function.name: t.arguments_schema() for t in offered}
+                if body.forced_tool is not None:
+                    schemas = {body.forced_tool: schemas[body.forced_tool]}
+                try:
+                    grammar = call_grammar(format_, schemas, body.parallel_tool_calls)
+                except ValueError as e:
+                    raise APIError(400, f"a tool's parameters: {e}", param="tools") from e
         messages_in = [m.as_template_input() for m in body.messages]
         tokens = gateway.chat_tokens(pool, messages_in, tools)
         completion = Completion(
@@ -114,7 +123,9 @@ def create_app(
             tools=parser,
             parallel_tool_calls=body.parallel_tool_calls,
         )
-        return await gateway.respond(request, body, tokens, pool, completion, where="messages")
+        return await gateway.respond(
+            request, body, tokens, pool, completion, where="messages", grammar=grammar
+        )
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request) -> Response:

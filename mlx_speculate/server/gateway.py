@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 
 from ..chat import apply_chat_template
+from ..grammar import Grammar
 from ..sampling import SamplingParams
 from .errors import APIError
 from .metrics import Metrics
@@ -87,9 +88,11 @@ class Gateway:
         responder: Responder,
         *,
         where: str,
+        grammar: Grammar | None = None,
     ) -> Response:
-        """Queues the generation of `tokens` (the prompt, which `where` names in errors) and
-        answers with `responder`'s response, streamed if the body asks for it."""
+        """Queues the generation of `tokens` (the prompt, which `where` names in errors), under
+        `grammar` if given, and answers with `responder`'s response, streamed if the body asks
+        for it."""
         if not tokens:
             raise APIError(400, "the prompt is empty", param=where)
         if len(tokens) > pool.max_context:
@@ -101,6 +104,13 @@ class Gateway:
                 code="context_length_exceeded",
             )
         method, draft = speculation(body.speculative, pool)
+        if grammar is not None and method not in pool.constrainable:
+            raise APIError(
+                400,
+                f"structured output and required tool calls work with speculative methods "
+                f"{', '.join(sorted(pool.constrainable))}, not {method} (it drafts trees)",
+                param="speculative.method",
+            )
         try:
             sampling = body.sampling()
         except ValueError as e:  # pydantic checked the ranges; this is the sampler's word
@@ -113,6 +123,7 @@ class Gateway:
             method=method,
             num_draft_tokens=draft,
             top_logprobs=body.top_count(),
+            grammar=grammar,
         )
         try:
             job = self.worker.submit(generation)

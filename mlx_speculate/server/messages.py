@@ -19,50 +19,77 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
+from ..grammar import Grammar
 from .errors import APIError, anthropic_error_body
 from .gateway import Gateway
 from .messages_schemas import Conversation, MessagesRequest
 from .records import Delta, Failed, Finished, Job, Usage
+from .responses import usage_body
 from .sessions import SessionPool
-from .tools import ToolCall, ToolParser, tool_format
+from .tools import ToolCall, ToolParser, call_grammar, tool_format
 
 
 def install(app: FastAPI, gateway: Gateway, authorized: Callable[..., None]) -> None:
     @app.post("/v1/messages", dependencies=[Depends(authorized)])
     async def messages(body: MessagesRequest, request: Request) -> Response:
         pool = gateway.served(body.model)
-        tokens, parser = _prompt(gateway, pool, body)
-        choice = body.tool_choice
-        single = choice is not None and choice.disable_parallel_tool_use
-        message = Message(gateway.model_id, len(tokens), parser, parallel_tool_calls=not single)
-        return await gateway.respond(request, body, tokens, pool, message, where="messages")
+        tokens, parser, grammar = _prompt(gateway, pool, body)
+        output = body.output_config.format if body.output_config is not None else None
+        if output is not None:
+            if grammar is not None:
+                raise APIError(
+                    400,
+                    "output_config.format and a required tool call cannot both shape the output",
+                    param="output_config",
+                )
+            try:
+                grammar = Grammar.json_schema(output.schema_)
+            except ValueError as e:
+                raise APIError(400, str(e), param="output_config") from e
+        message = Message(gateway.model_id, len(tokens), parser, _parallel(body))
+        return await gateway.respond(
+            request, body, tokens, pool, message, where="messages", grammar=grammar
+        )
 
     @app.post("/v1/messages/count_tokens", dependencies=[Depends(authorized)])
     async def count_tokens(body: Conversation) -> dict[str, int]:
         pool = gateway.served(body.model)
-        tokens, _ = _prompt(gateway, pool, body)
+        tokens, _, _ = _prompt(gateway, pool, body)
         return {"input_tokens": len(tokens)}
+
+
+def _parallel(body: Conversation) -> bool:
+    return body.tool_choice is None or not body.tool_choice.disable_parallel_tool_use
 
 
 def _prompt(
     gateway: Gateway, pool: SessionPool, body: Conversation
-) -> tuple[list[int], ToolParser | None]:
-    """The prompt's tokens, and the parser of tool calls when the model may make them."""
-    if body.tool_mode in ("any", "tool"):
-        raise APIError(
-            400, f"tool_choice {body.tool_mode!r} is not supported yet", param="tool_choice"
-        )
+) -> tuple[list[int], ToolParser | None, Grammar | None]:
+    """The prompt's tokens, the parser of tool calls when the model may make them, and the
+    grammar of the calls when one is required (tool_choice "any" or "tool")."""
     try:
         messages = body.template_messages()
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from e
     if body.tool_mode == "none":
-        return gateway.chat_tokens(pool, messages), None
+        return gateway.chat_tokens(pool, messages), None, None
     format_ = tool_format(pool.tokenizer)
     if format_ is None:
         raise APIError(400, "the model's chat template does not take tools", param="tools")
     tokens = gateway.chat_tokens(pool, messages, body.template_tools())
-    return tokens, ToolParser(format_, [tool.name for tool in body.tools or []])
+    tools = body.tools or []
+    parser = ToolParser(format_, [tool.name for tool in tools])
+    if body.tool_mode not in ("any", "tool"):
+        return tokens, parser, None
+    schemas = {tool.name: tool.input_schema for tool in tools}
+    if body.tool_mode == "tool":
+        name = body.tool_choice.name
+        schemas = {name: schemas[name]}
+    try:
+        grammar = call_grammar(format_, schemas, _parallel(body))
+    except ValueError as e:
+        raise APIError(400, f"a tool's input_schema: {e}", param="tools") from e
+    return tokens, parser, grammar
 
 
 def _tool_use(call: ToolCall) -> dict[str, Any]:
@@ -74,7 +101,7 @@ def _tool_use(call: ToolCall) -> dict[str, Any]:
     }
 
 
-def _usage(usage: Usage | None) -> dict[str, int]:
+def _usage(usage: Usage | None) -> dict[str, Any]:
     if usage is None:
         return {"input_tokens": 0, "output_tokens": 0}
     return {
@@ -82,6 +109,7 @@ def _usage(usage: Usage | None) -> dict[str, int]:
         "cache_read_input_tokens": usage.cached_tokens,
         "cache_creation_input_tokens": 0,
         "output_tokens": usage.completion_tokens,
+        "speculative": usage_body(usage)["speculative"],  # the OpenAI routes' extension
     }
 
 

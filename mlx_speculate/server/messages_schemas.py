@@ -111,6 +111,15 @@ class ToolDefinition(_Body):
         return {"type": "function", "function": function}
 
 
+class OutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    format: OutputFormat | None = None  # structured output: the answer is JSON of this schema
+
+
 class ToolChoice(_Body):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
@@ -175,6 +184,7 @@ class MessagesRequest(Conversation):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     stream: bool = False
+    output_config: OutputConfig | None = None
     speculative: Speculative | None = None  # the extension the OpenAI routes take too
 
     @field_validator("stop_sequences")

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from ..generation import SpeculativeStats
+from ..grammar import Grammar
 from ..sampling import SamplingParams
 
 
@@ -27,6 +28,7 @@ class Generation:
     method: str
     num_draft_tokens: int | None = None
     top_logprobs: int | None = None  # alternatives per token; None: no log-probabilities
+    grammar: Grammar | None = None  # what the output must follow (structured output)
 
 
 @dataclass(frozen=True)

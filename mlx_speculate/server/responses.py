@@ -40,6 +40,8 @@ def usage_body(usage: Usage | None) -> dict[str, Any] | None:
         "acceptance_rate": stats.acceptance_rate if stats else 0.0,
         "target_forwards": stats.target_forwards if stats else 0,
         "tokens_per_target_forward": stats.tokens_per_forward if stats else 0.0,
+        # under a grammar: tokens it forced, emitted without being sampled
+        "fast_forwarded_tokens": stats.fast_forwarded if stats else 0,
     }
     return body
 

@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from ..grammar import Grammar
 from ..sampling import SamplingParams
 
 MAX_STOPS = 16
@@ -187,8 +188,11 @@ class Tool(_Body):
 
     def as_template_input(self) -> dict[str, Any]:
         function = self.function.model_dump(exclude_none=True, exclude={"strict"})
-        function.setdefault("parameters", {"type": "object", "properties": {}})
+        function["parameters"] = self.arguments_schema()
         return {"type": "function", "function": function}
+
+    def arguments_schema(self) -> dict[str, Any]:
+        return self.function.parameters or {"type": "object", "properties": {}}
 
 
 class NamedFunction(_Body):
@@ -216,6 +220,15 @@ class ResponseFormat(_Body):
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("type json_schema needs json_schema")
         return self
+
+    def grammar(self) -> Grammar | None:
+        """What the output must follow; every schema is enforced, `strict` or not. A schema
+        the engine cannot compile is a ValueError."""
+        if self.type == "text":
+            return None
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            return Grammar.json_object()
+        return Grammar.json_schema(self.json_schema.schema_)
 
 
 class ChatCompletionRequest(_Generation):

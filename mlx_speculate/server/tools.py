@@ -11,6 +11,10 @@ Formats, chosen from the template's source:
           fallback for any other template that takes `tools`.
 A call that does not parse as a call of an offered tool (bad JSON, no name, a tool not
 offered, arguments that are not an object) is returned as content, as the model wrote it.
+
+When a call is required (`tool_choice` "required" or a named function), `call_grammar` writes
+the format as a grammar whose arguments follow each tool's JSON schema, so the output is a
+well-formed call however small the model.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
+
+from ..grammar import JSON_LAYOUT, Grammar
 
 HERMES, JSON = "hermes", "json"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -52,6 +58,28 @@ def tool_format(tokenizer) -> str | None:
     if source is None or not re.search(r"\btools\b", source):
         return None
     return HERMES if OPEN in source else JSON
+
+
+def call_grammar(format_: str, tools: dict[str, dict[str, Any]], parallel: bool) -> Grammar:
+    """A Lark grammar of output that is only calls in `format_` of `tools` (name -> JSON schema
+    of its arguments): one call, or with `parallel` one or more (hermes; the json format
+    writes one). A schema llguidance cannot compile is a ValueError."""
+    key = "arguments" if format_ == HERMES else "parameters"
+    calls = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, key: schema},
+            "required": ["name", key],
+            "additionalProperties": False,
+        }
+        for name, schema in tools.items()
+    ]
+    body = json.dumps({"anyOf": calls, "x-guidance": JSON_LAYOUT})
+    if format_ == JSON:
+        return Grammar.lark(f"start: body\nbody: %json {body}\n")
+    start = 'call ("\\n" call)*' if parallel else "call"
+    call = f'"{OPEN}\\n" body "\\n{CLOSE}"'
+    return Grammar.lark(f"start: {start}\ncall: {call}\nbody: %json {body}\n")
 
 
 def new_call(name: str, arguments: dict[str, Any]) -> ToolCall:

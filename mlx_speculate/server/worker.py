@@ -122,6 +122,7 @@ class Worker:
             max_tokens=request.max_tokens,
             stop=request.stop,
             policy=policy,
+            grammar=request.grammar,
         )
         try:
             with closing(stream):
