@@ -15,12 +15,12 @@ import openai
 import pytest
 
 from mlx_speculate.convert import convert
-from mlx_speculate.drafters import DraftModelSpec
+from mlx_speculate.drafters import DraftModelSpec, EagleSpec, EagleTree
 from mlx_speculate.generation import stream_generate
 from mlx_speculate.grammar import Grammar
 from mlx_speculate.loading import load
 
-from .helpers import SHARED, SMOLLM2_GGUF, require
+from .helpers import SHARED, SMOLLM2_GGUF, random_eagle_head, require
 from .scripted import TEMPLATES
 from .serving import load_cached, serve
 
@@ -154,6 +154,28 @@ def test_bad_response_format_is_400(server, response_format, param):
     response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == (param or "response_format")
+
+
+def test_tree_methods_are_refused_under_a_grammar(stories):
+    model, tokenizer = stories
+    config = json.loads((SHARED / "models" / "stories260K-llama" / "config.json").read_text())
+    head = random_eagle_head(config, 1, seed=3)
+    spec = EagleSpec(heads=head, tree=EagleTree(16, 4, 4), num_draft_tokens=15)
+    with serve(model, tokenizer, spec) as running:
+        body = {
+            "model": "stories",
+            "messages": PROMPT,
+            "max_tokens": 20,
+            "response_format": {"type": "json_object"},
+            "speculative": {"method": "eagle"},
+        }
+        response = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "speculative.method" and "trees" in error["message"]
+        body["speculative"] = {"method": "prompt_lookup"}
+        response = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
 
 
 WEATHER = {
