@@ -5,7 +5,7 @@
 An agent asks SmolLM2-135M-Instruct (the default model's GGUF, converted to float32 as
 bench_server.py does: the 4-bit form prefills slowly on the CPU) to find a bug with two tools
 (read_file, search); each turn the history holds every earlier call and its result (a
-~150-token file excerpt), as a coding agent re-sends it. The history is fixed (the same
+~100-token file excerpt), as a coding agent re-sends it. The history is fixed (the same
 requests in every row; the model's answer is timed, then the scripted call is appended), so
 rows are comparable:
   cache   prefix cache on: a turn prefills only the last call and result
@@ -67,9 +67,9 @@ TOOLS = [
 
 
 def excerpt(turn: int) -> str:
-    """A tool result: ~150 tokens of code that mention what the next call reads."""
+    """A tool result: ~100 tokens of code that mention what the next call reads."""
     lines = [f"# src/config_{turn}.py"]
-    for i in range(8):
+    for i in range(4):
         lines.append(f"def load_{turn}_{i}(settings):")
         lines.append(f"    return settings['section_{i}'].get('key_{turn}', None)")
     lines.append(f"# see src/config_{turn + 1}.py for the loader")
@@ -168,6 +168,11 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument(
+        "--rows",
+        default="none/cache,prompt_lookup/cache,none/nocache,prompt_lookup/nocache",
+        help="method/cache pairs to run, in this order",
+    )
     add_blas_argument(parser)
     args = parser.parse_args()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -186,7 +191,7 @@ def main() -> None:
 
         convert(gguf_path(), model, dtype="float32")
     command += ["--model", str(model), "--prompt-cache-size", "4"]
-    rows = [(m, c) for m in ("none", "prompt_lookup") for c in (True, False)]
+    rows = [(m, c == "cache") for m, c in (r.split("/") for r in args.rows.split(","))]
     results: dict[tuple[str, bool], list[list[dict]]] = {row: [] for row in rows}
     with started(env, ours=(command, model.name)) as servers:
         server = servers["ours"]

@@ -12,6 +12,7 @@ import pytest
 
 from mlx_speculate.chat import apply_chat_template
 from mlx_speculate.server.schemas import Message
+from mlx_speculate.server.tools import ToolParser
 
 from .helpers import SHARED, require
 from .scripted import scripted
@@ -338,3 +339,32 @@ def test_bad_tool_requests_are_400(hermes, change, param):
     assert error["type"] == "invalid_request_error" and "Traceback" not in error["message"]
     if param is not None:
         assert error["param"] == param
+
+
+@pytest.mark.parametrize(
+    ("format_", "said"),
+    [
+        ("hermes", f"Let me look.\n{hermes_call('get_weather', {'city': 'Paris'})}\nDone <tool"),
+        ("hermes", f"{hermes_call('get_time', {})}\n{hermes_call('launch', {})}"),
+        ("json", '<|python_tag|>{"name": "get_time", "parameters": {}}; {"name": "get_time"}'),
+        ("json", '[{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}]'),
+        ("json", "  plain text"),
+    ],
+)
+def test_parser_splits_the_same_whatever_the_chunks(format_, said):
+    """Streamed a character at a time, the output parses as it does whole."""
+
+    def parse(chunks: list[str]) -> list:
+        parser = ToolParser(format_, {"get_weather", "get_time"})
+        pieces = [p for chunk in chunks for p in parser.feed(chunk)] + parser.end()
+        merged: list = []
+        for piece in pieces:
+            if isinstance(piece, str) and merged and isinstance(merged[-1], str):
+                merged[-1] += piece
+            else:
+                merged.append(piece if isinstance(piece, str) else (piece.name, piece.arguments))
+        return merged
+
+    whole = parse([said])
+    assert parse(list(said)) == whole
+    assert any(isinstance(p, tuple) for p in whole) != (said.strip() == "plain text")

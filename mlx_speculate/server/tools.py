@@ -146,6 +146,7 @@ class ToolParser:
         self._mode: str | None = None  # json: None (undecided), "json" or "content"
         self._space = ""  # whitespace held back: dropped if a call follows
         self._called = False
+        self._after_call = False  # whitespace here is dropped: it only separates calls
 
     def feed(self, text: str) -> list[Piece]:
         self._buffer += text
@@ -162,17 +163,20 @@ class ToolParser:
         return pieces
 
     def _content(self, text: str, pieces: list[Piece]) -> None:
-        if not text:
-            return
-        if not text.strip():
-            self._space += text
-            return
-        pieces.append(self._space + text)
-        self._space = ""
+        """Emits `text`, holding its trailing whitespace back (and, right after a call,
+        dropping its leading whitespace), so that chunking never changes the result."""
+        if self._after_call:
+            text = text.lstrip()
+            self._after_call = not text
+        body = text.rstrip()
+        if body:
+            pieces.append(self._space + body)
+            self._space = ""
+        self._space += text[len(body) :]
 
     def _called_with(self, call: ToolCall, pieces: list[Piece]) -> None:
         self._space = ""
-        self._called = True
+        self._called = self._after_call = True
         pieces.append(call)
 
     def _hermes(self, *, final: bool) -> list[Piece]:
