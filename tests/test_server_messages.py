@@ -193,6 +193,7 @@ def assert_anthropic_error(error: anthropic.APIStatusError, status: int, type_: 
         {"messages": [{"role": "system", "content": "Hi"}]},  # system goes in `system`
         {"messages": [{"role": "tool", "content": "Hi"}]},
         {"messages": []},
+        {"messages": [*HI, {"role": "assistant", "content": "Once"}]},  # a prefill
         {"temperature": 1.5},  # Anthropic's range is [0, 1]
         {"max_tokens": 0},
         {"stop_sequences": [""]},

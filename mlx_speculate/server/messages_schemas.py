@@ -135,6 +135,13 @@ class Conversation(_Body):
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
 
+    @field_validator("messages")
+    @classmethod
+    def _ends_with_user(cls, messages: list[InputMessage]) -> list[InputMessage]:
+        if messages[-1].role != "user":
+            raise ValueError("the last message must be the user's (prefilling is not supported)")
+        return messages
+
     @field_validator("tools")
     @classmethod
     def _distinct_names(cls, tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
