@@ -368,3 +368,39 @@ def test_parser_splits_the_same_whatever_the_chunks(format_, said):
     whole = parse([said])
     assert parse(list(said)) == whole
     assert any(isinstance(p, tuple) for p in whole) != (said.strip() == "plain text")
+
+
+@pytest.mark.parametrize("format_", ["hermes", "json"])
+def test_call_grammar_takes_exactly_calls_of_the_tools(tokenizer_path, format_):
+    """The grammar of a required call accepts well-formed calls of the offered tools in the
+    format's layout, one or (hermes, parallel) several, and nothing else."""
+    import llguidance
+
+    from mlx_speculate.grammar import ll_tokenizer
+    from mlx_speculate.loading import load_tokenizer
+    from mlx_speculate.server.tools import call_grammar
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+    def takes(text: str, parallel: bool = True) -> bool:
+        grammar = call_grammar(format_, schemas, parallel)
+        tables = ll_tokenizer(tokenizer)
+        matcher = llguidance.LLMatcher(tables, grammar.source)
+        ids = tables.tokenize_str(text)  # no SentencePiece dummy-prefix space
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+    def call(name: str, arguments: dict) -> str:
+        if format_ == "hermes":
+            return hermes_call(name, arguments)
+        return json.dumps({"name": name, "parameters": arguments})
+
+    paris = call("get_weather", {"city": "Paris"})
+    assert takes(paris) and takes(call("get_time", {"zone": "CET"}))
+    assert not takes(call("get_weather", {"city": 3}))  # against the schema
+    assert not takes(call("get_weather", {}))  # "city" is required
+    assert not takes(call("launch", {}))  # not a tool
+    assert not takes(f"Sure. {paris}")
+    two = f"{paris}\n{call('get_time', {})}"
+    assert takes(two) == (format_ == "hermes")
+    assert not takes(two, parallel=False)
