@@ -35,7 +35,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CACHE, SHARED, SMOLLM2_GGUF, add_blas_argument, median  # noqa: E402
+from common import CACHE, SHARED, add_blas_argument, median  # noqa: E402
+
+from mlx_speculate.default_model import gguf_path  # noqa: E402
+
+SMOLLM2_GGUF = gguf_path()  # where the package's own fetch keeps it
 
 STORY = (
     "Lily and Tom went to the park. They saw a big dog with a red ball. The dog wanted to play "

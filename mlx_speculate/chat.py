@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-Message = Mapping[str, str]  # {"role": ..., "content": ...}
+# {"role": ..., "content": ...}, and Hugging Face's "tool_calls" / "tool_call_id" in a tool loop
+Message = Mapping[str, Any]
 
 
 def apply_chat_template(
-    tokenizer, prompt: str | Sequence[Message], system: str | None = None
+    tokenizer,
+    prompt: str | Sequence[Message],
+    system: str | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of `prompt` (a user message, or a whole conversation of messages) through the
-    tokenizer's chat template with a generation prompt; `system` goes first when given.
+    tokenizer's chat template with a generation prompt; `system` goes first when given, and
+    `tools` (JSON-schema function definitions) go to the template's own `tools` argument.
 
     A tokenizer without a chat template gets the messages' text as is, one after another.
     Text that is not valid Unicode, and a template that fails or does not parse, are a
@@ -21,13 +27,16 @@ def apply_chat_template(
     if system:
         messages = [{"role": "system", "content": system}, *messages]
     for message in messages:
-        check_text(message["content"], f"the {message['role']} message")
+        check_text(message.get("content") or "", f"the {message['role']} message")
     if not has_chat_template(tokenizer):
-        return plain_tokens(tokenizer, [m["content"] for m in messages])
+        if tools:
+            raise ValueError("the model has no chat template to tell it about tools")
+        return plain_tokens(tokenizer, [m.get("content") or "" for m in messages])
     from jinja2 import TemplateError
 
+    extra = {} if tools is None else {"tools": list(tools)}
     try:
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra))
     except TemplateError as e:  # raise_exception(...) in the template, or it does not parse
         raise ValueError(f"the tokenizer's chat template failed: {e}") from None
 

@@ -80,3 +80,18 @@ def sse_events(response: httpx.Response) -> list[dict | str]:
         else:
             assert line == "", f"unexpected line in the stream: {line!r}"
     return events
+
+
+def sse_lines(response: httpx.Response) -> list[tuple[str, dict]]:
+    """(event name, data) of each event of a named-event stream (Anthropic's)."""
+    events, name = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            name = line.removeprefix("event: ")
+        elif line.startswith("data: "):
+            assert name is not None, f"data without an event name: {line!r}"
+            events.append((name, json.loads(line.removeprefix("data: "))))
+            name = None
+        else:
+            assert line == "", f"unexpected line in the stream: {line!r}"
+    return events

@@ -148,6 +148,32 @@ def test_bad_values_exit_2_before_loading(capsys, flag, value, why):
     assert last.endswith(f"error: argument {flag}: {why}")
 
 
+def test_missing_chat_template_exits_2(capsys, tmp_path):
+    assert main(["--model", "never/loaded", "--chat-template", str(tmp_path / "none.jinja")]) == 2
+    assert "none.jinja" in capsys.readouterr().err
+
+
+def test_chat_template_gives_a_model_tools(shared_models):
+    """The stories model has no chat template; given one that takes tools, it takes them."""
+    template = Path(__file__).resolve().parent / "templates" / "hermes.jinja"
+    process = start(
+        "--model", str(shared_models / "stories260K-llama"), "--chat-template", str(template)
+    )
+    try:
+        url = wait_for_url(process)
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+        completion = openai.OpenAI(base_url=url, api_key="unused").chat.completions.create(
+            model="stories260K-llama",
+            messages=[{"role": "user", "content": "Hi"}],
+            tools=[tool],
+            max_tokens=4,
+            temperature=0,
+        )
+        assert completion.usage.prompt_tokens > 100  # the tools section of the template
+    finally:
+        assert stop(process) == 0
+
+
 def test_no_model_serves_the_default_model(monkeypatch):
     folder = require(SHARED / "models" / "stories260K-llama", BESIDE)
     default = types.ModuleType("mlx_speculate.default_model")

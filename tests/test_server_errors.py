@@ -80,7 +80,14 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
         ("/v1/chat/completions", {"logit_bias": {"5": 1.0}}, "logit_bias"),
-        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"tools": [{"type": "function"}]}, "tools.0.function"),
+        # The stories model has no chat template, so no way to be told about tools.
+        (
+            "/v1/chat/completions",
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tools",
+        ),
+        ("/v1/chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
         ("/v1/chat/completions", {"model": None}, "model"),
         (
             "/v1/chat/completions",

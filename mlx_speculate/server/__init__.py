@@ -1,11 +1,17 @@
-"""An OpenAI-compatible HTTP server with speculative decoding: `python -m mlx_speculate.server`.
+"""An OpenAI- and Anthropic-compatible HTTP server with speculative decoding:
+`python -m mlx_speculate.server`.
 
-schemas.py    request bodies (pydantic), the `speculative` extension
-app.py        the FastAPI routes
-errors.py     OpenAI-shaped errors, the body size limit
-responses.py  response bodies and SSE chunks
-worker.py     the generation thread: bounded FIFO queue, cancellation
-sessions.py   the prompt-prefix cache: sessions per method over the one model
-metrics.py    Prometheus metrics
-__main__.py   the command line
+schemas.py           OpenAI request bodies (pydantic), the `speculative` extension
+app.py               the FastAPI app and OpenAI's routes
+gateway.py           what every generation route shares: checks, queueing, cancellation
+messages.py          Anthropic's Messages API: routes, messages and their event stream
+messages_schemas.py  Anthropic request bodies, as chat-template messages
+tools.py             tool calls: the template's format, parsing, the grammar of a call
+errors.py            errors in each API's shape, the body size limit
+responses.py         OpenAI response bodies and SSE chunks
+worker.py            the generation thread: bounded FIFO queue, cancellation
+records.py           what the parts pass each other: requests, events, jobs
+sessions.py          the prompt-prefix cache: sessions per method over the one model
+metrics.py           Prometheus metrics
+__main__.py          the command line
 """

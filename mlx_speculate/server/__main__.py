@@ -28,15 +28,25 @@ PORT = cli.bounded(int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=cli.prog("mlx_speculate.server"),
-        description="OpenAI-compatible HTTP server with lossless speculative decoding.",
+        description="OpenAI- and Anthropic-compatible HTTP server with lossless speculative "
+        "decoding.",
     )
     parser.add_argument(
         "--model", default=None, help="local folder or hub id (default: the default model)"
     )
+    parser.add_argument(
+        "--chat-template",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template to use instead of the model's own (one that takes tools)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=PORT, default=8080, help="port (0: any free one)")
     parser.add_argument(
-        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*"
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on /v1/*",
     )
     parser.add_argument(
         "--max-queue", type=cli.positive_int, default=16, help="requests waiting at most (then 429)"
@@ -80,14 +90,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         spec = drafter_cli.spec_from_args(args)
+        template = None if args.chat_template is None else args.chat_template.read_text()
         source = model_source(args.model)
-    except (ValueError, FileNotFoundError, ImportError) as e:
+    except (ValueError, OSError, ImportError) as e:
         return cli.fail(e)
 
     def load() -> SessionPool:
         from ..loading import load as load_model
 
         model, tokenizer = load_model(source)
+        if template is not None:
+            tokenizer.chat_template = template
+            tokenizer.has_chat_template = True
         return SessionPool(model, tokenizer, spec, args.prompt_cache_size)
 
     metrics = Metrics()

@@ -1,7 +1,8 @@
-"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, for every way a
-request can fail: bad JSON or values (400), API key (401), unknown model or route (404), body
-too large (413), queue full (429, with Retry-After), loading or shutting down (503), and bugs
-(500: logged with their traceback, which the client never sees)."""
+"""Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, or on Anthropic's
+routes (/v1/messages*) in Anthropic's, `{"type": "error", "error": {"type", "message"}}`, for
+every way a request can fail: bad JSON or values (400), API key (401), unknown model or route
+(404), body too large (413), queue full (429, with Retry-After), loading or shutting down
+(503), and bugs (500: logged with their traceback, which the client never sees)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,18 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .metrics import Metrics
 from .responses import error_body
+
+ANTHROPIC_ROUTES = "/v1/messages"
+# Anthropic's error types by status; 503 is its "overloaded" (it sends 529).
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 log = logging.getLogger("mlx_speculate.server")
 
@@ -36,8 +49,19 @@ class APIError(Exception):
         self.type, self.headers = type_, headers
 
 
-def error_response(error: APIError) -> JSONResponse:
-    body = error_body(error.message, error.type, error.param, error.code)
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    return {
+        "type": "error",
+        "error": {"type": ANTHROPIC_TYPES.get(status, "api_error"), "message": message},
+    }
+
+
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    """`error` in the shape of the API `path` belongs to."""
+    if path.startswith(ANTHROPIC_ROUTES):
+        body = anthropic_error_body(error.status, error.message)
+    else:
+        body = error_body(error.message, error.type, error.param, error.code)
     return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
@@ -66,7 +90,7 @@ def install(app: FastAPI, metrics: Metrics) -> None:
         route = request.scope.get("route")
         endpoint = getattr(route, "path", "other")
         metrics.requests.labels(endpoint, str(error.status)).inc()
-        return error_response(error)
+        return error_response(error, request.url.path)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -103,9 +127,8 @@ class BodyLimit:
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         too_large = HTTPException(413, f"the request body is larger than {self.max_bytes} bytes")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            await error_response(APIError(413, str(too_large.detail), code="request_too_large"))(
-                scope, receive, send
-            )
+            error = APIError(413, str(too_large.detail), code="request_too_large")
+            await error_response(error, scope["path"])(scope, receive, send)
             return
         received = 0
 

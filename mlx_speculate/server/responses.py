@@ -3,7 +3,9 @@
 Streaming follows OpenAI's protocol: one id for every chunk; in a chat, the role only in the
 first chunk; exactly one chunk with a `finish_reason`; with `stream_options.include_usage`, a
 last chunk with `choices: []` and the usage (and `usage: null` in the others); then
-`data: [DONE]`. Usage carries the prompt-cache hits (`prompt_tokens_details.cached_tokens`)
+`data: [DONE]`. Tool calls stream as OpenAI's `tool_calls` deltas, each call whole once its
+text is complete: its index, id and name, then its arguments; `finish_reason` is then
+"tool_calls". Usage carries the prompt-cache hits (`prompt_tokens_details.cached_tokens`)
 and, as an extension, what speculation did (`usage.speculative`).
 """
 
@@ -15,7 +17,8 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from .worker import Delta, Failed, Finished, Job, TokenLogprob, Usage
+from .records import Delta, Failed, Finished, Job, TokenLogprob, Usage
+from .tools import Piece, ToolCall, ToolParser
 
 DONE = "data: [DONE]\n\n"
 
@@ -37,6 +40,8 @@ def usage_body(usage: Usage | None) -> dict[str, Any] | None:
         "acceptance_rate": stats.acceptance_rate if stats else 0.0,
         "target_forwards": stats.target_forwards if stats else 0,
         "tokens_per_target_forward": stats.tokens_per_forward if stats else 0.0,
+        # under a grammar: tokens it forced, emitted without being sampled
+        "fast_forwarded_tokens": stats.fast_forwarded if stats else 0,
     }
     return body
 
@@ -79,7 +84,15 @@ class Completion:
     """One request's response in the shape of its endpoint: `chat` (chat.completion) or a text
     completion; whole (`collect`) or streamed (`stream`)."""
 
-    def __init__(self, chat: bool, model: str, logprobs: bool, include_usage: bool = False):
+    def __init__(
+        self,
+        chat: bool,
+        model: str,
+        logprobs: bool,
+        include_usage: bool = False,
+        tools: ToolParser | None = None,
+        parallel_tool_calls: bool = True,
+    ):
         self.chat = chat
         self.model = model
         self.logprobs = logprobs
@@ -88,6 +101,24 @@ class Completion:
         self.created = int(time.time())
         self.outcome = "cancelled"  # then the finish reason, or "error"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+        self.tools = tools
+        self.parallel_tool_calls = parallel_tool_calls
+        self.calls: list[ToolCall] = []
+
+    def _split(self, pieces: list[Piece]) -> tuple[str, list[ToolCall]]:
+        """The content and the new calls in `pieces` (past the first, when calls are not
+        parallel, calls are dropped)."""
+        text, calls = [], []
+        for piece in pieces:
+            if isinstance(piece, str):
+                text.append(piece)
+            elif self.parallel_tool_calls or not self.calls:
+                calls.append(piece)
+                self.calls.append(piece)
+        return "".join(text), calls
+
+    def _finish_reason(self, reason: str) -> str:
+        return "tool_calls" if self.calls and reason == "stop" else reason
 
     def _envelope(self, object_: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -115,15 +146,20 @@ class Completion:
                 self.outcome = "error" if isinstance(event, Failed) else "cancelled"
                 return None, event
             else:
-                self.outcome = event.reason
                 content = "".join(text)
+                if self.tools is not None:
+                    content, _ = self._split([*self.tools.feed(content), *self.tools.end()])
+                self.outcome = reason = self._finish_reason(event.reason)
                 choice: dict[str, Any] = {"index": 0}
                 if self.chat:
                     choice["message"] = {"role": "assistant", "content": content}
+                    if self.calls:
+                        choice["message"]["content"] = content or None
+                        choice["message"]["tool_calls"] = [_call_body(c) for c in self.calls]
                 else:
                     choice["text"] = content
                 choice["logprobs"] = self._logprobs(entries)
-                choice["finish_reason"] = event.reason
+                choice["finish_reason"] = reason
                 body = self._envelope(
                     "chat.completion" if self.chat else "text_completion", [choice]
                 )
@@ -155,9 +191,15 @@ class Completion:
                 if not event.text and event.logprob is None:
                     continue
                 entries = [] if event.logprob is None else [event.logprob]
-                delta = {"content": event.text} if self.chat else event.text
-                yield self._chunk(delta, self._logprobs(entries, offset), None)
-                offset += sum(len(e.token) for e in entries)
+                text, calls = event.text, []
+                if self.tools is not None:
+                    text, calls = self._split(self.tools.feed(event.text))
+                if text or entries:
+                    delta = {"content": text} if self.chat else text
+                    yield self._chunk(delta, self._logprobs(entries, offset), None)
+                    offset += sum(len(e.token) for e in entries)
+                for chunk in self._call_chunks(calls):
+                    yield chunk
             elif isinstance(event, Failed):
                 self.outcome = "error"
                 yield _sse(error_body(event.message, "server_error", code="internal"))
@@ -166,13 +208,39 @@ class Completion:
                     error_body("the generation was cancelled", "server_error", None, "cancelled")
                 )
             else:
-                self.outcome = event.reason
-                yield self._chunk({} if self.chat else "", None, event.reason)
+                if self.tools is not None:
+                    text, calls = self._split(self.tools.end())
+                    if text:
+                        yield self._chunk({"content": text}, None, None)
+                    for chunk in self._call_chunks(calls):
+                        yield chunk
+                self.outcome = reason = self._finish_reason(event.reason)
+                yield self._chunk({} if self.chat else "", None, reason)
                 if self.include_usage:
                     usage = self._envelope(self.chunk_object, [])
                     usage["usage"] = usage_body(event.usage)
                     yield _sse(usage)
         yield DONE
+
+    def _call_chunks(self, calls: list[ToolCall]) -> list[str]:
+        """Each call as OpenAI streams one: its id and name, then its arguments."""
+        chunks = []
+        for call in calls:
+            index = self.calls.index(call)
+            head = {"index": index, "id": call.id, "type": "function"}
+            head["function"] = {"name": call.name, "arguments": ""}
+            chunks.append(self._chunk({"tool_calls": [head]}, None, None))
+            tail = {"index": index, "function": {"arguments": call.arguments}}
+            chunks.append(self._chunk({"tool_calls": [tail]}, None, None))
+        return chunks
+
+
+def _call_body(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
 
 
 def error_body(

@@ -2,16 +2,25 @@
 out-of-range value is a 400 naming the field, never a silent coercion.
 
 Fields that would change the output in ways this server does not implement (penalties, logit
-bias, tools, n > 1, ...) are refused when set to anything but their neutral value, rather than
+bias, n > 1, ...) are refused when set to anything but their neutral value, rather than
 ignored; unknown fields are ignored, as OpenAI's clients send a few of their own.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from ..grammar import Grammar
 from ..sampling import SamplingParams
 
 MAX_STOPS = 16
@@ -103,18 +112,123 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+
+    def as_template_input(self) -> dict[str, Any]:
+        """{"name", "arguments"} with the arguments decoded: templates write them out as JSON."""
+        try:
+            arguments = json.loads(self.arguments)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the arguments of {self.name!r} are not JSON: {e}") from None
+        if not isinstance(arguments, dict):
+            raise ValueError(f"the arguments of {self.name!r} are not a JSON object")
+        return {"name": self.name, "arguments": arguments}
+
+
+class AssistantToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
-    def as_template_input(self) -> dict[str, str]:
-        """{"role", "content"} as chat templates expect; "developer" is OpenAI's new name for
-        the system role, which templates do not know."""
+    @model_validator(mode="after")
+    def _tool_fields(self) -> Message:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.tool_calls:
+            for call in self.tool_calls:
+                call.function.as_template_input()
+        return self
+
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as chat templates expect it (Hugging Face's convention): "developer" is
+        OpenAI's new name for the system role, which templates do not know; calls carry their
+        arguments decoded."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": c.function.as_template_input()}
+                for c in self.tool_calls
+            ]
+        if self.role == "tool":
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+ToolName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(_Body):
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def as_template_input(self) -> dict[str, Any]:
+        function = self.function.model_dump(exclude_none=True, exclude={"strict"})
+        function["parameters"] = self.arguments_schema()
+        return {"type": "function", "function": function}
+
+    def arguments_schema(self) -> dict[str, Any]:
+        return self.function.parameters or {"type": "object", "properties": {}}
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Body):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs json_schema")
+        return self
+
+    def grammar(self) -> Grammar | None:
+        """What the output must follow; every schema is enforced, `strict` or not. A schema
+        the engine cannot compile is a ValueError."""
+        if self.type == "text":
+            return None
+        if self.json_schema is None or self.json_schema.schema_ is None:
+            return Grammar.json_object()
+        return Grammar.json_schema(self.json_schema.schema_)
 
 
 class ChatCompletionRequest(_Generation):
@@ -122,20 +236,47 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    tools: list[Any] | None = None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, tools: list[Any] | None) -> list[Any] | None:
-        if tools:
-            raise ValueError("tools are not supported")
-        return tools
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @field_validator("tools")
+    @classmethod
+    def _distinct_names(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in tools or []]
+        if len(set(names)) < len(names):
+            raise ValueError("two tools have the same name")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_names_a_tool(cls, choice: Any, info: ValidationInfo) -> Any:
+        names = [t.function.name for t in info.data.get("tools") or []]
+        if choice is not None and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"{choice.function.name!r} is not one of the tools")
+        return choice
+
+    @property
+    def tool_mode(self) -> str:
+        """ "none", "auto", "required", or "function" (the one `forced_tool` names)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "function"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    @property
+    def forced_tool(self) -> str | None:
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return None
 
     def token_limit(self) -> int | None:
         # The newer name wins: clients that send both mean it.

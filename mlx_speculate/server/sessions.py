@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..constraint import CHAIN_DRAFTERS
 from ..drafters import DrafterSpec, LookupSpec, make_drafter
 from ..generation import Session
 from ..models.base import CausalLM
@@ -52,10 +53,15 @@ class SessionPool:
             self.methods[spec.method] = spec.resolve(model)
         self.default = NONE if spec is None else spec.method
         # Built once now: a method that does not fit the model fails at start, not per request.
-        self.max_draft = {
-            name: make_drafter(spec, model, tokenizer).max_draft
+        drafters = {
+            name: make_drafter(spec, model, tokenizer)
             for name, spec in self.methods.items()
             if spec is not None
+        }
+        self.max_draft = {name: drafter.max_draft for name, drafter in drafters.items()}
+        # Methods whose drafts a grammar can constrain (chains; not trees).
+        self.constrainable = {NONE} | {
+            name for name, drafter in drafters.items() if isinstance(drafter, CHAIN_DRAFTERS)
         }
         # One draft-length policy per method, shared by its sessions and kept across requests:
         # the costs and acceptance it measured hold for the next conversation too.

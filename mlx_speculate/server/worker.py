@@ -12,73 +12,22 @@ chunk; a cancelled job still waiting is skipped.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import closing
-from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..generation import GenerationResponse, SpeculativeStats
+from ..generation import GenerationResponse
 from ..policy import FixedPolicy
-from ..sampling import SamplingParams
 from .metrics import Metrics
+from .records import Delta, Failed, Finished, Generation, Job, TokenLogprob, Usage
 from .sessions import SessionPool
 
 log = logging.getLogger("mlx_speculate.server")
-
-
-@dataclass(frozen=True)
-class Generation:
-    """A validated generation request, its prompt already in token ids."""
-
-    tokens: list[int]
-    sampling: SamplingParams
-    max_tokens: int
-    stop: list[str]
-    method: str
-    num_draft_tokens: int | None = None
-    top_logprobs: int | None = None  # alternatives per token; None: no log-probabilities
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    token: str
-    logprob: float
-    top: list[tuple[str, float]]  # the most likely tokens at this position, best first
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str  # may be empty (text held back until a stop string is ruled out)
-    logprob: TokenLogprob | None = None  # None for the EOS token and when not asked for
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens whose cache carried over from an earlier request
-    completion_tokens: int
-    method: str
-    stats: SpeculativeStats | None
-
-
-@dataclass(frozen=True)
-class Finished:
-    reason: str  # "stop", "length" or "cancelled"
-    usage: Usage | None  # None when cancelled before it started
-
-
-@dataclass(frozen=True)
-class Failed:
-    message: str
-
-
-Event = Delta | Finished | Failed
 
 
 class QueueFull(Exception):
@@ -87,39 +36,6 @@ class QueueFull(Exception):
 
 class NotReady(Exception):
     pass
-
-
-class Job:
-    """One request's generation as the event loop sees it: the events come in order, from
-    the worker thread, through an asyncio queue of the loop that submitted it."""
-
-    def __init__(self, request: Generation):
-        self.request = request
-        self.submitted = time.perf_counter()
-        self._loop = asyncio.get_running_loop()
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
-        self._cancelled = threading.Event()
-
-    def cancel(self) -> None:
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def emit(self, event: Event) -> None:
-        """From the worker thread. A loop already closed (shutdown) has nobody to tell."""
-        try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, event)
-        except RuntimeError:
-            self.cancel()
-
-    async def events(self) -> AsyncIterator[Event]:
-        while True:
-            event = await self._events.get()
-            yield event
-            if not isinstance(event, Delta):
-                return
 
 
 class Worker:
@@ -200,6 +116,7 @@ class Worker:
         eos = set(pool.tokenizer.eos_token_ids)
         last: GenerationResponse | None = None
         first = True
+        text, tokens = [], []  # what was sent, and every token but an EOS
         stream = entry.session.stream(
             request.tokens,
             sampling=request.sampling,
@@ -207,6 +124,7 @@ class Worker:
             stop=request.stop,
             policy=policy,
             cancelled=lambda: job.cancelled,
+            grammar=request.grammar,
         )
         try:
             with closing(stream):
@@ -220,6 +138,9 @@ class Worker:
                     ):
                         logprob = self._logprob(last, request.top_logprobs)
                     job.emit(Delta(last.text, logprob))
+                    text.append(last.text)
+                    if last.token not in eos:
+                        tokens.append(last.token)
                     if job.cancelled:
                         break
         except Exception:
@@ -237,8 +158,11 @@ class Worker:
             stats=last.stats,
         )
         metrics.generation_done(usage)
+        stop = None
+        if reason == "stop" and last.token not in eos:
+            stop = _stop_string(pool.tokenizer.decode(tokens), len("".join(text)), request.stop)
         # OpenAI knows no "context": the model's context ending the output is a length limit.
-        job.emit(Finished("length" if reason == "context" else reason, usage))
+        job.emit(Finished("length" if reason == "context" else reason, usage, stop))
 
     def _logprob(self, response: GenerationResponse, top: int) -> TokenLogprob:
         logprobs = response.logprobs  # (V,)
@@ -253,3 +177,10 @@ class Worker:
                 for i, v in zip(ids[order].tolist(), values[order].tolist(), strict=True)
             ]
         return TokenLogprob(decode([response.token]), logprobs[response.token].item(), alternatives)
+
+
+def _stop_string(full: str, sent: int, stops: list[str]) -> str | None:
+    """The stop string that cut `full` (every token's text) after `sent` characters: the
+    one found first from there (a character of slack for a tokenizer's leading space)."""
+    found = [(at, s) for s in stops if (at := full.find(s, max(0, sent - 1))) >= 0]
+    return min(found)[1] if found else None

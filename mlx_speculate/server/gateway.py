@@ -1,0 +1,200 @@
+"""What every generation route shares, whichever API it speaks: the served model, prompts
+through the chat template, the checks before queueing, the queue, cancellation when the client
+goes away, and the request metric. A route brings its request body and a `Responder` that
+writes the response in its API's shape, whole or streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+
+from ..chat import apply_chat_template
+from ..grammar import Grammar
+from ..sampling import SamplingParams
+from .errors import APIError
+from .metrics import Metrics
+from .records import Failed, Finished, Generation, Job
+from .schemas import Speculative
+from .sessions import NONE, SessionPool
+from .worker import NotReady, QueueFull, Worker
+
+
+class Body(Protocol):
+    """What a generation request body tells the gateway."""
+
+    stream: bool
+    speculative: Speculative | None
+
+    def sampling(self) -> SamplingParams: ...
+    def stops(self) -> list[str]: ...
+    def token_limit(self) -> int | None: ...
+    def top_count(self) -> int | None: ...
+
+
+class Responder(Protocol):
+    outcome: str  # for the requests metric: a finish reason, "cancelled" or "error"
+
+    async def collect(self, job: Job) -> tuple[dict[str, Any] | None, Finished | Failed]: ...
+    def stream(self, job: Job) -> AsyncIterator[str]: ...
+
+
+class Gateway:
+    def __init__(self, worker: Worker, model_id: str, metrics: Metrics):
+        self.worker = worker
+        self.model_id = model_id
+        self.metrics = metrics
+
+    def loaded(self) -> SessionPool:
+        if self.worker.pool is None:
+            message = self.worker.load_error or "the model is still loading"
+            raise APIError(503, message, type_="server_error", code="model_not_ready")
+        return self.worker.pool
+
+    def served(self, model: str) -> SessionPool:
+        pool = self.loaded()
+        if model != self.model_id:
+            raise APIError(
+                404,
+                f"model {model!r} is not served here (this server serves {self.model_id!r})",
+                param="model",
+                code="model_not_found",
+            )
+        return pool
+
+    @staticmethod
+    def chat_tokens(
+        pool: SessionPool,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        try:
+            return apply_chat_template(pool.tokenizer, messages, tools=tools)
+        except (TemplateError, ValueError, TypeError) as e:
+            message = f"the chat template refused the messages: {e}"
+            raise APIError(400, message, param="messages") from e
+
+    async def respond(
+        self,
+        request: Request,
+        body: Body,
+        tokens: list[int],
+        pool: SessionPool,
+        responder: Responder,
+        *,
+        where: str,
+        grammar: Grammar | None = None,
+    ) -> Response:
+        """Queues the generation of `tokens` (the prompt, which `where` names in errors), under
+        `grammar` if given, and answers with `responder`'s response, streamed if the body asks
+        for it."""
+        if not tokens:
+            raise APIError(400, "the prompt is empty", param=where)
+        if len(tokens) > pool.max_context:
+            raise APIError(
+                400,
+                f"the prompt has {len(tokens)} tokens, more than the model's context of "
+                f"{pool.max_context}",
+                param=where,
+                code="context_length_exceeded",
+            )
+        method, draft = speculation(body.speculative, pool)
+        if grammar is not None and method not in pool.constrainable:
+            raise APIError(
+                400,
+                f"structured output and required tool calls work with speculative methods "
+                f"{', '.join(sorted(pool.constrainable))}, not {method} (it drafts trees)",
+                param="speculative.method",
+            )
+        try:
+            sampling = body.sampling()
+        except ValueError as e:  # pydantic checked the ranges; this is the sampler's word
+            raise APIError(400, str(e), code="invalid_value") from e
+        generation = Generation(
+            tokens=tokens,
+            sampling=sampling,
+            max_tokens=body.token_limit() or pool.max_context,
+            stop=body.stops(),
+            method=method,
+            num_draft_tokens=draft,
+            top_logprobs=body.top_count(),
+            grammar=grammar,
+        )
+        try:
+            job = self.worker.submit(generation)
+        except QueueFull as e:
+            raise APIError(
+                429,
+                f"the server is busy: {e}; retry later",
+                type_="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            ) from e
+        except NotReady as e:
+            raise APIError(503, str(e), type_="server_error", code="model_not_ready") from e
+        endpoint = request.scope["route"].path
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
+
+        def done() -> None:
+            watcher.cancel()
+            job.cancel()  # a no-op once it finished; otherwise nobody is left to read it
+            self.metrics.requests.labels(endpoint, responder.outcome).inc()
+
+        if body.stream:
+
+            async def events():
+                try:
+                    async for chunk in responder.stream(job):
+                        yield chunk
+                finally:
+                    done()
+
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+        try:
+            result, end = await responder.collect(job)
+        finally:
+            done()
+        if isinstance(end, Failed):
+            raise APIError(500, end.message, type_="server_error")
+        if result is None:
+            raise APIError(503, "the generation was cancelled", type_="server_error")
+        return JSONResponse(result)
+
+
+def speculation(options: Speculative | None, pool: SessionPool) -> tuple[str, int | None]:
+    """The method and fixed draft length a request asks for (None: adaptive)."""
+    method = pool.default if options is None or options.method is None else options.method
+    if method not in pool.methods:
+        raise APIError(
+            400,
+            f"speculative method {method!r} is not served (served: {', '.join(pool.methods)})",
+            param="speculative.method",
+        )
+    draft = None if options is None else options.num_draft_tokens
+    if draft is not None:
+        if method == NONE:
+            raise APIError(
+                400,
+                "num_draft_tokens needs a speculative method",
+                param="speculative.num_draft_tokens",
+            )
+        if draft > pool.max_draft[method]:
+            raise APIError(
+                400,
+                f"num_draft_tokens must be <= {pool.max_draft[method]} for {method} here",
+                param="speculative.num_draft_tokens",
+            )
+    return method, draft
+
+
+async def _cancel_on_disconnect(request: Request, job: Job) -> None:
+    """Cancels `job` when the client disconnects (the body is read: the next message is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancel()

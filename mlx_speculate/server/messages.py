@@ -1,0 +1,267 @@
+"""Anthropic's Messages API over the same gateway, worker, prefix cache and metrics as the
+OpenAI routes: `POST /v1/messages` (whole or streamed) and `POST /v1/messages/count_tokens`.
+
+A streamed message follows Anthropic's event sequence: `message_start`, a `ping`, then per
+content block `content_block_start`, its `content_block_delta`s (`text_delta`, or one
+`input_json_delta` per tool call, sent whole once its text is complete) and
+`content_block_stop`; then `message_delta` (stop reason, final usage) and `message_stop`. A
+generation that fails midway ends with an `error` event. Usage counts `input_tokens` past the
+prefix cache and the cached ones as `cache_read_input_tokens`, as Anthropic's prompt caching.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+
+from ..grammar import Grammar
+from .errors import APIError, anthropic_error_body
+from .gateway import Gateway
+from .messages_schemas import Conversation, MessagesRequest
+from .records import Delta, Failed, Finished, Job, Usage
+from .responses import usage_body
+from .sessions import SessionPool
+from .tools import ToolCall, ToolParser, call_grammar, tool_format
+
+
+def install(app: FastAPI, gateway: Gateway, authorized: Callable[..., None]) -> None:
+    @app.post("/v1/messages", dependencies=[Depends(authorized)])
+    async def messages(body: MessagesRequest, request: Request) -> Response:
+        pool = gateway.served(body.model)
+        tokens, parser, grammar = _prompt(gateway, pool, body)
+        output = body.output_config.format if body.output_config is not None else None
+        if output is not None:
+            if grammar is not None:
+                raise APIError(
+                    400,
+                    "output_config.format and a required tool call cannot both shape the output",
+                    param="output_config",
+                )
+            try:
+                grammar = Grammar.json_schema(output.schema_)
+            except ValueError as e:
+                raise APIError(400, str(e), param="output_config") from e
+        message = Message(gateway.model_id, len(tokens), parser, _parallel(body))
+        return await gateway.respond(
+            request, body, tokens, pool, message, where="messages", grammar=grammar
+        )
+
+    @app.post("/v1/messages/count_tokens", dependencies=[Depends(authorized)])
+    async def count_tokens(body: Conversation) -> dict[str, int]:
+        pool = gateway.served(body.model)
+        tokens, _, _ = _prompt(gateway, pool, body)
+        return {"input_tokens": len(tokens)}
+
+
+def _parallel(body: Conversation) -> bool:
+    return body.tool_choice is None or not body.tool_choice.disable_parallel_tool_use
+
+
+def _prompt(
+    gateway: Gateway, pool: SessionPool, body: Conversation
+) -> tuple[list[int], ToolParser | None, Grammar | None]:
+    """The prompt's tokens, the parser of tool calls when the model may make them, and the
+    grammar of the calls when one is required (tool_choice "any" or "tool")."""
+    try:
+        messages = body.template_messages()
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages") from e
+    if body.tool_mode == "none":
+        return gateway.chat_tokens(pool, messages), None, None
+    format_ = tool_format(pool.tokenizer)
+    if format_ is None:
+        raise APIError(400, "the model's chat template does not take tools", param="tools")
+    tokens = gateway.chat_tokens(pool, messages, body.template_tools())
+    tools = body.tools or []
+    parser = ToolParser(format_, [tool.name for tool in tools])
+    if body.tool_mode not in ("any", "tool"):
+        return tokens, parser, None
+    schemas = {tool.name: tool.input_schema for tool in tools}
+    if body.tool_mode == "tool":
+        name = body.tool_choice.name
+        schemas = {name: schemas[name]}
+    try:
+        grammar = call_grammar(format_, schemas, _parallel(body))
+    except ValueError as e:
+        raise APIError(400, f"a tool's input_schema: {e}", param="tools") from e
+    return tokens, parser, grammar
+
+
+def _tool_use(call: ToolCall) -> dict[str, Any]:
+    return {
+        "type": "tool_use",
+        "id": f"toolu_{call.id.removeprefix('call_')}",
+        "name": call.name,
+        "input": json.loads(call.arguments),
+    }
+
+
+def _usage(usage: Usage | None) -> dict[str, Any]:
+    if usage is None:
+        return {"input_tokens": 0, "output_tokens": 0}
+    return {
+        "input_tokens": usage.prompt_tokens - usage.cached_tokens,
+        "cache_read_input_tokens": usage.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": usage.completion_tokens,
+        "speculative": usage_body(usage)["speculative"],  # the OpenAI routes' extension
+    }
+
+
+def _event(name: str, body: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+class Message:
+    """One request's answer as an Anthropic message, whole (`collect`) or streamed (`stream`)."""
+
+    def __init__(
+        self,
+        model: str,
+        prompt_tokens: int,
+        tools: ToolParser | None,
+        parallel_tool_calls: bool = True,
+    ):
+        self.model = model
+        self.prompt_tokens = prompt_tokens
+        self.tools = tools
+        self.parallel_tool_calls = parallel_tool_calls
+        self.id = f"msg_{uuid.uuid4().hex}"
+        self.outcome = "cancelled"  # then the finish reason, or "error"
+        self.calls = 0
+
+    def _pieces(self, text: str, *, end: bool = False) -> list[str | ToolCall]:
+        """Content and calls in `text` (the rest, at the end); calls past the first are dropped
+        when parallel ones are not wanted."""
+        if self.tools is None:
+            return [text] if text else []
+        pieces = [*self.tools.feed(text), *(self.tools.end() if end else [])]
+        kept: list[str | ToolCall] = []
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                if self.calls and not self.parallel_tool_calls:
+                    continue
+                self.calls += 1
+            kept.append(piece)
+        return kept
+
+    def _stop(self, end: Finished) -> tuple[str, str | None]:
+        """Anthropic's stop_reason and stop_sequence."""
+        self.outcome = "tool_calls" if self.calls and end.reason == "stop" else end.reason
+        if self.outcome == "tool_calls":
+            return "tool_use", None
+        if end.reason == "length":
+            return "max_tokens", None
+        if end.stop_sequence is not None:
+            return "stop_sequence", end.stop_sequence
+        return "end_turn", None
+
+    def _envelope(self, content: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": None,
+            "stop_sequence": None,
+        }
+
+    async def collect(self, job: Job) -> tuple[dict[str, Any] | None, Finished | Failed]:
+        text = []
+        async for event in job.events():
+            if isinstance(event, Delta):
+                text.append(event.text)
+            elif isinstance(event, Failed) or event.reason == "cancelled":
+                self.outcome = "error" if isinstance(event, Failed) else "cancelled"
+                return None, event
+            else:
+                content: list[dict[str, Any]] = []
+                for piece in self._pieces("".join(text), end=True):
+                    if isinstance(piece, ToolCall):
+                        content.append(_tool_use(piece))
+                    elif content and content[-1]["type"] == "text":
+                        content[-1]["text"] += piece
+                    else:
+                        content.append({"type": "text", "text": piece})
+                body = self._envelope(content)
+                body["stop_reason"], body["stop_sequence"] = self._stop(event)
+                body["usage"] = _usage(event.usage)
+                return body, event
+        raise RuntimeError("the job's events ended without a finish")
+
+    async def stream(self, job: Job) -> AsyncIterator[str]:
+        start = self._envelope([])
+        start["usage"] = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
+        yield _event("message_start", {"type": "message_start", "message": start})
+        yield _event("ping", {"type": "ping"})
+        blocks = 0
+        text_open = False  # whether block `blocks - 1` is a text block still open
+
+        def close() -> list[str]:
+            nonlocal text_open
+            if not text_open:
+                return []
+            text_open = False
+            return [
+                _event("content_block_stop", {"type": "content_block_stop", "index": blocks - 1})
+            ]
+
+        def pieces_events(pieces: list[str | ToolCall]) -> list[str]:
+            nonlocal blocks, text_open
+            events = []
+            for piece in pieces:
+                if isinstance(piece, ToolCall):
+                    events += close()
+                    block = {**_tool_use(piece), "input": {}}
+                    events.append(_block_start(blocks, block))
+                    delta = {"type": "input_json_delta", "partial_json": piece.arguments}
+                    events.append(_block_delta(blocks, delta))
+                    events.append(
+                        _event(
+                            "content_block_stop", {"type": "content_block_stop", "index": blocks}
+                        )
+                    )
+                    blocks += 1
+                    continue
+                if not text_open:
+                    events.append(_block_start(blocks, {"type": "text", "text": ""}))
+                    blocks, text_open = blocks + 1, True
+                events.append(_block_delta(blocks - 1, {"type": "text_delta", "text": piece}))
+            return events
+
+        async for event in job.events():
+            if isinstance(event, Delta):
+                for chunk in pieces_events(self._pieces(event.text)):
+                    yield chunk
+            elif isinstance(event, Failed) or event.reason == "cancelled":
+                self.outcome = "error" if isinstance(event, Failed) else "cancelled"
+                message = (
+                    event.message if isinstance(event, Failed) else "the generation was cancelled"
+                )
+                status = 500 if isinstance(event, Failed) else 503
+                yield _event("error", anthropic_error_body(status, message))
+            else:
+                for chunk in [*pieces_events(self._pieces("", end=True)), *close()]:
+                    yield chunk
+                reason, sequence = self._stop(event)
+                delta = {"stop_reason": reason, "stop_sequence": sequence}
+                body = {"type": "message_delta", "delta": delta, "usage": _usage(event.usage)}
+                yield _event("message_delta", body)
+                yield _event("message_stop", {"type": "message_stop"})
+
+
+def _block_start(index: int, block: dict[str, Any]) -> str:
+    body = {"type": "content_block_start", "index": index, "content_block": block}
+    return _event("content_block_start", body)
+
+
+def _block_delta(index: int, delta: dict[str, Any]) -> str:
+    return _event(
+        "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+    )

@@ -1,0 +1,304 @@
+"""Structured output through the server: `response_format` (json_object, json_schema) on the
+stories models with every chain method, whole and streamed, greedy and sampled, always parses
+and validates, and greedy equals `stream_generate(grammar=...)`; a required or named tool call
+(OpenAI's tool_choice, Anthropic's "any" / "tool") from SmolLM2 under the Hermes-style test
+template is always a well-formed call whose arguments validate."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from mlx_speculate.convert import convert
+from mlx_speculate.drafters import DraftModelSpec, EagleSpec, EagleTree
+from mlx_speculate.generation import stream_generate
+from mlx_speculate.grammar import Grammar
+from mlx_speculate.loading import load
+
+from .helpers import SHARED, SMOLLM2_GGUF, random_eagle_head, require
+from .scripted import TEMPLATES
+from .serving import load_cached, serve
+
+BESIDE = "it ships beside the development checkout, not in the repository"
+SCHEMAS = {
+    "nested": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "pet": {
+                "type": "object",
+                "properties": {
+                    "kind": {"enum": ["dog", "cat", "bird"]},
+                    "age": {"type": "integer", "minimum": 0, "maximum": 20},
+                },
+                "required": ["kind", "age"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "pet"],
+        "additionalProperties": False,
+    },
+    "array": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": -10, "maximum": 10},
+        "minItems": 1,
+        "maxItems": 4,
+    },
+    "enum": {"enum": ["happy", "sad", "angry"]},
+    "flags": {
+        "type": "object",
+        "properties": {
+            "done": {"type": "boolean"},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        },
+        "required": ["done", "tags"],
+        "additionalProperties": False,
+    },
+}
+METHODS = ["none", "prompt_lookup", "draft_model"]
+PROMPT = [{"role": "user", "content": "Lily and Tom went to the park. They saw a big dog."}]
+
+
+@pytest.fixture(scope="module")
+def stories():
+    return load_cached(require(SHARED / "models" / "stories260K-llama", BESIDE))
+
+
+@pytest.fixture(scope="module")
+def server(stories):
+    draft, draft_tokenizer = load_cached(require(SHARED / "models" / "llama2xs281K-llama", BESIDE))
+    with serve(*stories, DraftModelSpec(model=draft, tokenizer=draft_tokenizer)) as running:
+        yield running
+
+
+def response_format(name: str) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name]}}
+
+
+def chat(running, stream: bool, **kwargs) -> tuple[str, str]:
+    args = dict(model="stories", messages=PROMPT, max_tokens=120, **kwargs)
+    client = running.client()
+    if not stream:
+        choice = client.chat.completions.create(**args).choices[0]
+        return choice.message.content, choice.finish_reason
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    return text, chunks[-1].choices[0].finish_reason
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_every_answer_validates(server, name):
+    for i, method in enumerate(METHODS):
+        for temperature in (0.0, 0.8):
+            text, finish = chat(
+                server,
+                stream=i % 2 == 1,
+                temperature=temperature,
+                seed=i,
+                response_format=response_format(name),
+                extra_body={"speculative": {"method": method}},
+            )
+            assert finish == "stop", (method, temperature, text)
+            jsonschema.validate(json.loads(text), SCHEMAS[name])
+
+
+def test_json_object(server):
+    for stream in (False, True):
+        text, finish = chat(
+            server, stream, temperature=0.8, seed=5, response_format={"type": "json_object"}
+        )
+        if finish == "stop":  # a free object may run past max_tokens; then it is cut short
+            assert isinstance(json.loads(text), dict)
+        else:
+            assert text.startswith("{")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_equals_constrained_generate(server, stories, method):
+    model, tokenizer = stories
+    tokens = list(tokenizer.encode(PROMPT[0]["content"]))
+    grammar = Grammar.json_schema(SCHEMAS["nested"])
+    want = "".join(
+        r.text for r in stream_generate(model, tokenizer, tokens, max_tokens=120, grammar=grammar)
+    )
+    speculative = {"method": method}
+    if method != "none":
+        speculative["num_draft_tokens"] = 3
+    completion = server.client().chat.completions.create(
+        model="stories",
+        messages=PROMPT,
+        max_tokens=120,
+        temperature=0,
+        response_format=response_format("nested"),
+        extra_body={"speculative": speculative},
+    )
+    assert completion.choices[0].message.content == want
+    usage = completion.usage.speculative
+    assert usage["fast_forwarded_tokens"] > 0  # `{"name": "` at least is forced
+
+
+@pytest.mark.parametrize(
+    ("response_format", "param"),
+    [
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}, None),
+        ({"type": "xml"}, "response_format.type"),
+    ],
+)
+def test_bad_response_format_is_400(server, response_format, param):
+    body = {"model": "stories", "messages": PROMPT, "response_format": response_format}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == (param or "response_format")
+
+
+def test_tree_methods_are_refused_under_a_grammar(stories):
+    model, tokenizer = stories
+    config = json.loads((SHARED / "models" / "stories260K-llama" / "config.json").read_text())
+    head = random_eagle_head(config, 1, seed=3)
+    spec = EagleSpec(heads=head, tree=EagleTree(16, 4, 4), num_draft_tokens=15)
+    with serve(model, tokenizer, spec) as running:
+        body = {
+            "model": "stories",
+            "messages": PROMPT,
+            "max_tokens": 20,
+            "response_format": {"type": "json_object"},
+            "speculative": {"method": "eagle"},
+        }
+        response = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "speculative.method" and "trees" in error["message"]
+        body["speculative"] = {"method": "prompt_lookup"}
+        response = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "London", "Tokyo"]},
+                "unit": {"enum": ["C", "F"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Adds two numbers",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": 0, "maximum": 1000},
+                "b": {"type": "integer", "minimum": 0, "maximum": 1000},
+            },
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, ADD)}
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """SmolLM2 (its 4-bit GGUF tensors, as the default model) under the Hermes-style test
+    template: a real small model that was never asked to follow it."""
+    gguf = require(SMOLLM2_GGUF, "fetch it with benchmarks/fetch_smollm2.sh")
+    folder = convert(gguf, tmp_path_factory.mktemp("smollm2") / "q4", quantize=True)
+    model, own = load(folder)
+    _, tokenizer = load(folder)
+    tokenizer.chat_template = (TEMPLATES / "hermes.jinja").read_text()
+    with serve(model, tokenizer, model_id="smollm2") as tools_server:
+        with serve(model, own, model_id="smollm2") as plain_server:
+            yield tools_server, plain_server
+
+
+def assert_valid_calls(calls, names: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
+
+
+ASK = [{"role": "user", "content": "Tell me a joke about cats."}]  # asks for no tool
+NAMED = {"type": "function", "function": {"name": "add"}}
+REQUIRED = [("none", 0.0, "required")] + [
+    pytest.param(method, temperature, choice, marks=pytest.mark.slow)
+    for method in ("none", "prompt_lookup")
+    for temperature in (0.0, 0.8)
+    for choice in ("required", "named")
+    if (method, temperature, choice) != ("none", 0.0, "required")
+]
+
+
+@pytest.mark.parametrize(("method", "temperature", "choice"), REQUIRED)
+def test_required_and_named_calls_are_well_formed(smollm2, method, temperature, choice):
+    running, _ = smollm2
+    completion = running.client(timeout=600).chat.completions.create(
+        model="smollm2",
+        messages=ASK,
+        tools=[WEATHER, ADD],
+        tool_choice=NAMED if choice == "named" else "required",
+        parallel_tool_calls=False,  # one call: a small model may go on calling to max_tokens
+        max_tokens=80,
+        temperature=temperature,
+        seed=1,
+        extra_body={"speculative": {"method": method}},
+    )
+    choice_ = completion.choices[0]
+    assert choice_.finish_reason == "tool_calls" and len(choice_.message.tool_calls) == 1
+    assert_valid_calls(choice_.message.tool_calls, {"add"} if choice == "named" else set(SCHEMA_OF))
+    assert completion.usage.speculative["fast_forwarded_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+        pytest.param({"type": "any", "disable_parallel_tool_use": True}, marks=pytest.mark.slow),
+    ],
+    ids=["tool", "any"],
+)
+def test_anthropic_any_and_named_tool_are_well_formed(smollm2, choice):
+    running, _ = smollm2
+    client = anthropic.Anthropic(base_url=running.url, api_key="unused", max_retries=0, timeout=600)
+    tools = [
+        {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+        for t in (WEATHER, ADD)
+    ]
+    message = client.messages.create(
+        model="smollm2",
+        max_tokens=80,
+        messages=[{"role": "user", "content": "Hello!"}],
+        tools=tools,
+        tool_choice=choice,
+    )
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert len(uses) == 1 and message.stop_reason == "tool_use"
+    assert choice["type"] == "any" or uses[0].name == "get_weather"
+    jsonschema.validate(uses[0].input, SCHEMA_OF[uses[0].name])
+
+
+def test_a_template_without_tools_is_400(smollm2):
+    _, plain = smollm2
+    with pytest.raises(openai.BadRequestError) as refused:
+        plain.client().chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Hi"}], tools=[WEATHER]
+        )
+    assert refused.value.status_code == 400
+    error = refused.value.response.json()["error"]
+    assert error["param"] == "tools" and "does not take tools" in error["message"]
