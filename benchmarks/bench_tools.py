@@ -204,7 +204,7 @@ def main() -> None:
     print(f"\n## Tool loop on {model.name}: {args.turns} turns, {args.runs} runs (blas: {blas})")
     print("TTFT ms per turn (median over runs), prompt tokens, cached tokens (cache rows)")
     header = f"{'turn':>4} {'prompt':>7}" + "".join(
-        f" {m[:6] + ('/cache' if c else '/nocache'):>17}" for m, c in rows
+        f" {m.removeprefix('prompt_') + ('/cache' if c else '/nocache'):>17}" for m, c in rows
     )
     print(header)
     for turn in range(args.turns):
