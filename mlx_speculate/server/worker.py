@@ -21,6 +21,7 @@ from contextlib import closing
 
 import mlx.core as mx
 
+from ..device import clear_cache
 from ..generation import GenerationResponse
 from ..policy import FixedPolicy
 from .metrics import Metrics
@@ -105,6 +106,7 @@ class Worker:
                 job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
             finally:
                 self._running = None
+                clear_cache()  # the request's buffers go back, as mlx-lm's server does
 
     def _generate(self, job: Job) -> None:
         request, pool, metrics = job.request, self.pool, self._metrics
