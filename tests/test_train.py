@@ -17,11 +17,11 @@ from mlx_speculate.heads.eagle_format import load_eagle_heads
 from mlx_speculate.heads.medusa import load_medusa_heads
 from mlx_speculate.train import loop
 from mlx_speculate.train.__main__ import main
-from mlx_speculate.train.data import read_prompts
+from mlx_speculate.train.data import make_data, read_prompts
 from mlx_speculate.train.loop import TrainConfig
 from mlx_speculate.train.recipe import Recipe, train_head
 
-from .helpers import SHARED, require
+from .helpers import SHARED, require, tiny_model
 
 STORIES = SHARED / "models" / "stories260K-llama"
 SAMPLES = dict(self_samples=24, max_tokens=64)
@@ -166,3 +166,30 @@ def test_bad_input_is_one_line_with_exit_2(data_cache, tmp_path, capsys):
     assert main([*args, *base]) == 2
     err = capsys.readouterr().err
     assert "feature cache" in err and "corrupt" in err and err.count("\n") == 1
+
+
+class ChatStub:
+    """A tokenizer whose chat template makes `length` tokens of any prompt."""
+
+    has_chat_template = True
+    eos_token_ids = [3]
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        return [1 + i % 90 for i in range(self.length)]
+
+
+def test_prompts_longer_than_the_context_and_answers_with_a_template(tmp_path):
+    model = tiny_model("llama")  # context 256
+    with pytest.raises(ValueError, match="prompt 0 has 300 tokens, the model's context is 256"):
+        make_data(model, ChatStub(300), tmp_path, prompts=["a", "b"], progress=False)
+    data = make_data(model, ChatStub(20), tmp_path, prompts=["a", "b", "c"], max_tokens=8,
+                     progress=False)  # fmt: skip
+    assert [c.answer for c in data] == [20, 20, 20]
+    assert all(20 < len(c.tokens) <= 28 for c in data)
+    assert data[0].tokens == data[1].tokens  # greedy answers, batched alike
+    again = make_data(model, ChatStub(20), tmp_path, prompts=["a", "b", "c"], max_tokens=8,
+                      progress=False)  # fmt: skip
+    assert again == data  # read back from data.jsonl, not answered again
