@@ -174,7 +174,12 @@ def test_first_run_converts_the_default_model_without_torch(first_runs):
     assert "Traceback" not in err and "torch" not in err.lower()
     assert json.loads((folder / "config.json").read_text())["quantization"]["bits"] == 4
     assert not leftover.exists()
-    assert sorted(p.name for p in cache.iterdir()) == [".default-model.lock", folder.name]
+    assert sorted(p.name for p in cache.iterdir()) == [
+        ".default-model.lock",
+        folder.name,
+        "calibration",  # the adaptive policy's measured costs, one file per model
+    ]
+    assert [p.suffix for p in (cache / "calibration").iterdir()] == [".json"]
 
 
 def test_second_run_reuses_the_converted_model(first_runs):
