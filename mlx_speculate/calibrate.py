@@ -172,7 +172,10 @@ def load_costs(
         return _costs(record, name)
     verify, draft, catch_up, trees = measure(model, drafter, wanted, progress=progress)
     if not fresh or "verify" not in record:
-        record = {"key": target_key(model), "created": now(), "verify": verify, "drafters": {}}
+        record = {"key": target_key(model), "created": now(), "drafters": {}}
+    # The verify curve measured beside this draft curve: the policy weighs one against the
+    # other, so both come from the same conditions (a busy machine slows both).
+    record["verify"] = verify
     if name is not None:
         entry = {"sizes": wanted, "draft": draft, "catch_up": catch_up, "trees": trees}
         record.setdefault("drafters", {})[name] = entry
