@@ -9,7 +9,7 @@ prompt, and for a drafter one proposal per draft length the policy weighs (`poli
 and, for drafters that keep a cache, catching up on `CATCH_UP` skipped tokens. Points are
 measured smallest first within `BUDGET` seconds each for the verify and the draft curve; where
 the budget runs out (a slow CPU: a 64-row forward of a 4-bit model takes seconds) the curve
-goes on at its last measured slope, which on such a machine is linear anyway. The curve is
+goes on in proportion to the rows, as it does on such a machine. The curve is
 cached on disk (`calibration_dir()`, one JSON file per target key, written atomically) and
 measured again when older than `MAX_AGE` or when the key changes (another model, dtype,
 quantization, device, BLAS or MLX version): a few seconds on first use, with a progress bar.
@@ -62,8 +62,18 @@ class StepCosts:
     catch_up: float = 0.0
     trees: bool = False
 
+    def __post_init__(self) -> None:
+        # A forward over fewer rows costs no more than one over more: a point measured slow
+        # (another process took the CPU) takes the cost of the next larger one.
+        for name in ("verify", "draft"):
+            curve = dict(sorted(getattr(self, name).items()))
+            cap = float("inf")
+            for x in reversed(curve):
+                cap = curve[x] = min(curve[x], cap)
+            object.__setattr__(self, name, curve)
+
     def verify_cost(self, rows: int) -> float:
-        """Linear between measured row counts, and past the last at the last slope."""
+        """Linear between measured row counts, and past the last in proportion to the rows."""
         return _interpolate(self.verify, rows)
 
     def draft_cost(self, k: int) -> float:
@@ -75,18 +85,18 @@ class StepCosts:
 
 
 def _interpolate(points: dict[int, float], x: int) -> float:
+    """Linear between points; below the first, its value; past the last, in proportion to x
+    (where a time budget cut the curve short, the machine is compute-bound)."""
     xs = sorted(points)
     if x in points:
         return points[x]
-    if len(xs) == 1:
-        return points[xs[0]]
     if x < xs[0]:
-        lo, hi = xs[0], xs[1]
-    else:
-        i = next((i for i, v in enumerate(xs) if v > x), len(xs) - 1)
-        lo, hi = xs[max(i - 1, 0)], xs[max(i, 1)]
-    slope = (points[hi] - points[lo]) / (hi - lo)
-    return max(points[lo] + slope * (x - lo), 0.0)
+        return points[xs[0]]
+    if x > xs[-1]:
+        return points[xs[-1]] * x / xs[-1]
+    hi = next(v for v in xs if v > x)
+    lo = xs[xs.index(hi) - 1]
+    return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
 
 
 def calibration_dir() -> Path:
@@ -162,7 +172,10 @@ def load_costs(
         return _costs(record, name)
     verify, draft, catch_up, trees = measure(model, drafter, wanted, progress=progress)
     if not fresh or "verify" not in record:
-        record = {"key": target_key(model), "created": now(), "verify": verify, "drafters": {}}
+        record = {"key": target_key(model), "created": now(), "drafters": {}}
+    # The verify curve measured beside this draft curve: the policy weighs one against the
+    # other, so both come from the same conditions (a busy machine slows both).
+    record["verify"] = verify
     if name is not None:
         entry = {"sizes": wanted, "draft": draft, "catch_up": catch_up, "trees": trees}
         record.setdefault("drafters", {})[name] = entry

@@ -73,7 +73,9 @@ class AdaptivePolicy:
     drafting could not pay even if every draft passed), a drafter is re-checked with two steps
     of the cheapest draft that could pay, at gaps that keep that check (and a draft model's
     catch-up on the skipped tokens) within `PROBE_BUDGET` of plain decoding time, doubling
-    while it stays off. Switching off and on again is logged (`--verbose` shows it).
+    while it stays off; where the prior says drafting does not pay, the first check comes at
+    once for drafters with no catch-up and after one gap for the others. Switching off and on
+    again is logged (`--verbose` shows it).
     """
 
     def __init__(
@@ -149,8 +151,10 @@ class AdaptivePolicy:
                     100 * self.acceptance,
                 )
             self._gap = self._probe_gap()
-            # Never drafted yet: check the prior against two real steps at once.
-            self._until_explore = 1 if self.drafting is None else self._gap
+            # Never drafted yet: check the prior against two real steps at once, unless the
+            # check costs a catch-up (a draft model would first prefill the whole prompt).
+            first = self.drafting is None and not self.costs.catch_up
+            self._until_explore = 1 if first else self._gap
         elif self.drafting is False and best > 0:
             log.info("drafting on: acceptance %.0f%%", 100 * self.acceptance)
             self._until_explore = self.explore_every

@@ -24,11 +24,19 @@ def calibration_dir(tmp_path, monkeypatch):
 def test_step_costs_interpolate_and_extrapolate():
     costs = StepCosts({1: 1.0, 2: 1.5, 4: 2.0}, {1: 0.1, 3: 0.3})
     assert costs.verify_cost(3) == pytest.approx(1.75)
-    assert costs.verify_cost(8) == pytest.approx(3.0)  # the last slope, 0.25 per row
+    assert costs.verify_cost(8) == pytest.approx(4.0)  # past the last point: in proportion
     assert costs.draft_cost(2) == pytest.approx(0.2)
     assert costs.draft_cost(0) == 0.0
     assert costs.step(3) == pytest.approx(0.3 + 2.0)
-    assert StepCosts({1: 1.0}, {}).step(5) == 1.0
+    assert StepCosts({1: 1.0}, {}).step(5) == 6.0  # six rows
+
+
+def test_a_point_measured_slow_takes_the_next_larger_ones_cost():
+    # Under load one forward over 1 row took longer than the one over 2.
+    costs = StepCosts({1: 4.0, 2: 2.4, 4: 3.0}, {1: 0.5, 2: 0.2})
+    assert costs.verify == {1: 2.4, 2: 2.4, 4: 3.0}
+    assert costs.draft == {1: 0.2, 2: 0.2}
+    assert costs.verify_cost(8) == pytest.approx(6.0)  # never below what was measured
 
 
 class Counting:

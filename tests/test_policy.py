@@ -183,3 +183,14 @@ def test_tree_sizes_are_searched_on_a_grid():
 def test_zero_max_is_plain_decoding():
     policy = AdaptivePolicy(METAL, 0)
     assert set(run(policy, METAL, 0.9, 50)[0]) == {0}
+
+
+def test_first_check_waits_where_it_costs_a_catch_up():
+    # The prior (acceptance 1/2) says drafting does not pay on a linear-ish CPU curve: a
+    # lookup-like drafter checks at once, a draft model (whose first draft prefills the prompt)
+    # only after a gap.
+    verify = lambda r: 0.01 * (0.2 + 0.8 * r)  # noqa: E731
+    cheap, dear = curve(verify), curve(verify, lambda k: 0.002 * k, catch_up=0.05)
+    assert AdaptivePolicy(cheap, 8).best() == AdaptivePolicy(dear, 8).best() == 0
+    assert run(AdaptivePolicy(cheap, 8), cheap, 0.0, 4)[0][:2] == [1, 1]
+    assert set(run(AdaptivePolicy(dear, 8), dear, 0.0, 30)[0]) == {0}
