@@ -14,8 +14,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_speculate.distributed import init_group, shard  # noqa: E402
+from mlx_speculate.distributed import (  # noqa: E402
+    decoding_options,
+    init_group,
+    shard,
+    shared_seed,
+)
+from mlx_speculate.drafters.lookup import LookupSpec  # noqa: E402
 from mlx_speculate.generation import stream_generate  # noqa: E402
+from mlx_speculate.sampling import SamplingParams  # noqa: E402
 from tests.helpers import tiny_model  # noqa: E402
 from tests.markov import StubTokenizer  # noqa: E402
 
@@ -31,7 +38,7 @@ def tokens(model, tokenizer, **options) -> list[int]:
     return [r.token for r in stream_generate(model, tokenizer, PROMPT, max_tokens=12, **options)]
 
 
-def record(model, prefix: str, out: dict, draft, generations: bool) -> None:
+def record(model, prefix: str, out: dict, draft, generations: bool, group) -> None:
     out[f"{prefix}logits"] = np.array(model(mx.array([PROMPT])).logits)
     if not generations:
         return
@@ -40,8 +47,10 @@ def record(model, prefix: str, out: dict, draft, generations: bool) -> None:
         if name == "draft":
             options = {**options, "draft_model": draft}
         out[f"{prefix}{name}"] = np.array(tokens(model, tokenizer, **options))
-    sampled = tokens(model, tokenizer, prompt_lookup=True, temperature=1.0, seed=7)
-    out[f"{prefix}sampled"] = np.array(sampled)
+    # No seed and no fixed draft length: rank 0's seed and rank 0's adaptive choices.
+    sampling = SamplingParams(temperature=1.0, seed=shared_seed(None, group))
+    options = decoding_options(model, tokenizer, LookupSpec(), group)
+    out[f"{prefix}sampled"] = np.array(tokens(model, tokenizer, sampling=sampling, **options))
 
 
 def main() -> None:
@@ -55,9 +64,9 @@ def main() -> None:
         if spec.get("quantize"):
             nn.quantize(model, group_size=32, bits=8)
         generations = family in spec.get("generate", ())
-        record(model, f"{family}/single/", out, draft, generations)
+        record(model, f"{family}/single/", out, draft, generations, group)
         shard(model, group)
-        record(model, f"{family}/sharded/", out, draft, generations)
+        record(model, f"{family}/sharded/", out, draft, generations, group)
     np.savez(out_dir / f"rank{group.rank()}.npz", **out)
 
 

@@ -101,7 +101,7 @@ class FakeGroup:
     ("overrides", "name"),
     [
         ({}, "num_key_value_heads=2"),
-        ({"num_key_value_heads": 4, "intermediate_size": 100}, "intermediate_size=100"),
+        ({"num_key_value_heads": 4, "intermediate_size": 99}, "intermediate_size=99"),
     ],
 )
 def test_indivisible_counts_raise(overrides, name):
