@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 from . import cli
 from .chat import apply_chat_template, has_chat_template, plain_tokens
+from .distributed import decoding_options, describe, init_group, shard, shared_seed
 from .drafters import cli as drafter_cli
 from .generation import GenerationResponse, stream_generate
 from .loading import DTYPES
@@ -90,12 +93,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.min_p or 0.0,
         args.seed,
     )
+    group = init_group()
+    if group is not None:
+        sampling = replace(sampling, seed=shared_seed(args.seed, group))
+        if group.rank() != 0:  # every rank decodes the same tokens; rank 0 prints them
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
     response = None
     try:
         prompt = _read_prompt(args.prompt)
         system = cli.utf8_argument(args.system_prompt, "--system-prompt")
         stops = [cli.utf8_argument(stop, "--stop") for stop in args.stop]
         model, tokenizer = _load(args.model, args.dtype)
+        options = {"drafter": spec}
+        if group is not None:
+            shard(model, group)
+            if args.verbose and group.rank() == 0:
+                print(describe(model, group), file=sys.stderr)
+            options = decoding_options(model, tokenizer, spec, group)
         if args.ignore_chat_template or not has_chat_template(tokenizer):
             if system:
                 why = "--ignore-chat-template" if args.ignore_chat_template else "no chat template"
@@ -109,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             logging.getLogger("mlx_speculate.policy").setLevel(logging.INFO)
         for response in stream_generate(
             model, tokenizer, tokens, max_tokens=args.max_tokens, sampling=sampling,
-            stop=stops, drafter=spec,
+            stop=stops, **options,
         ):
             print(response.text, end="", flush=True)
         print()
@@ -128,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if response.finish_reason == "context":
         print(f"note: stopped after {response.generation_tokens} tokens: the model's context "
               f"of {model.args.max_position_embeddings} tokens is full", file=sys.stderr)
-    if args.verbose:
+    if args.verbose and (group is None or group.rank() == 0):
         _print_stats(response, model.compute_dtype)
     return 0
 

@@ -1,0 +1,74 @@
+"""Run by tests/test_distributed.py under `mlx.launch`: each rank builds the same tiny models,
+records their single-process outputs, shards them over the group and records the sharded
+ones, then writes `<out>/rank<r>.npz`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mlx_speculate.distributed import (  # noqa: E402
+    decoding_options,
+    init_group,
+    shard,
+    shared_seed,
+)
+from mlx_speculate.drafters.lookup import LookupSpec  # noqa: E402
+from mlx_speculate.generation import stream_generate  # noqa: E402
+from mlx_speculate.sampling import SamplingParams  # noqa: E402
+from tests.helpers import tiny_model  # noqa: E402
+from tests.markov import StubTokenizer  # noqa: E402
+
+PROMPT = [5, 17, 3, 5, 17, 3, 44, 12, 5, 17, 3, 9]
+METHODS = {
+    "plain": {},
+    "lookup": {"prompt_lookup": True, "num_draft_tokens": 3},
+    "draft": {"num_draft_tokens": 3},  # the draft model is added below
+}
+
+
+def tokens(model, tokenizer, **options) -> list[int]:
+    return [r.token for r in stream_generate(model, tokenizer, PROMPT, max_tokens=12, **options)]
+
+
+def record(model, prefix: str, out: dict, draft, generations: bool, group) -> None:
+    out[f"{prefix}logits"] = np.array(model(mx.array([PROMPT])).logits)
+    if not generations:
+        return
+    tokenizer = StubTokenizer()
+    for name, options in METHODS.items():
+        if name == "draft":
+            options = {**options, "draft_model": draft}
+        out[f"{prefix}{name}"] = np.array(tokens(model, tokenizer, **options))
+    # No seed and no fixed draft length: rank 0's seed and rank 0's adaptive choices.
+    sampling = SamplingParams(temperature=1.0, seed=shared_seed(None, group))
+    options = decoding_options(model, tokenizer, LookupSpec(), group)
+    out[f"{prefix}sampled"] = np.array(tokens(model, tokenizer, sampling=sampling, **options))
+
+
+def main() -> None:
+    out_dir, spec = Path(sys.argv[1]), json.loads(sys.argv[2])
+    group = init_group()
+    assert group is not None, "run under mlx.launch with more than one rank"
+    out: dict[str, np.ndarray] = {}
+    draft = tiny_model("llama", seed=11, **spec.get("overrides", {}))
+    for family in spec["families"]:
+        model = tiny_model(family, seed=3, **spec.get("overrides", {}))
+        if spec.get("quantize"):
+            nn.quantize(model, group_size=32, bits=8)
+        generations = family in spec.get("generate", ())
+        record(model, f"{family}/single/", out, draft, generations, group)
+        shard(model, group)
+        record(model, f"{family}/sharded/", out, draft, generations, group)
+    np.savez(out_dir / f"rank{group.rank()}.npz", **out)
+
+
+if __name__ == "__main__":
+    main()

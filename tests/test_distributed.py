@@ -1,0 +1,134 @@
+"""Tensor parallelism on one machine: ranks over the ring backend on loopback (`mlx.launch`),
+CPU. Sharded logits match the single-process ones; greedy decoding (plain, prompt lookup,
+draft model) is token for token the same; seeded sampling is identical across ranks."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlx_speculate.distributed import check_shardable, shard
+
+from .helpers import tiny_model
+from .test_cli import tiny_folder
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ("llama", "qwen2", "phi3", "qwen3", "gemma3_text")
+LAUNCH = Path(sys.executable).with_name("mlx.launch")
+
+
+def free_port(count: int) -> int:
+    """A port p with p .. p + count - 1 free now (the ring backend listens on consecutive ones)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + count < 65535 and all(_free(port + i) for i in range(count)):
+            return port
+    raise RuntimeError("no free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def launch(tmp_path: Path, ranks: int, spec: dict) -> list[dict[str, np.ndarray]]:
+    command = [
+        str(LAUNCH), "--backend", "ring", "-n", str(ranks), "--hosts", "127.0.0.1",
+        "--starting-port", str(free_port(ranks)), "--python", sys.executable, "--cwd", str(ROOT),
+        str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), json.dumps(spec),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=500)
+    # mlx.launch exits 0 even when a rank fails: the files are the evidence.
+    missing = [r for r in range(ranks) if not (tmp_path / f"rank{r}.npz").exists()]
+    assert done.returncode == 0 and not missing, done.stdout[-3000:] + done.stderr[-3000:]
+    return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(ranks)]
+
+
+def assert_sharded_matches(results, families, generate=(), atol=2e-5) -> None:
+    for family in families:
+        for rank in results:
+            single = rank[f"{family}/single/logits"]
+            np.testing.assert_allclose(rank[f"{family}/sharded/logits"], single, atol=atol)
+        for method in ("plain", "lookup", "draft") if family in generate else ():
+            for rank in results:
+                assert list(rank[f"{family}/sharded/{method}"]) == list(
+                    rank[f"{family}/single/{method}"]
+                ), (family, method)
+        if family in generate:
+            sampled = [list(rank[f"{family}/sharded/sampled"]) for rank in results]
+            assert all(s == sampled[0] for s in sampled), sampled
+
+
+def test_two_ranks_every_family(tmp_path):
+    spec = {"families": FAMILIES, "generate": ["llama", "phi3"]}
+    results = launch(tmp_path, 2, spec)
+    assert_sharded_matches(results, FAMILIES, spec["generate"])
+
+
+def test_three_ranks_and_quantized(tmp_path):
+    overrides = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}
+    spec = {"families": ["llama", "phi3"], "generate": ["phi3"], "overrides": overrides}
+    assert_sharded_matches(launch(tmp_path, 3, spec), ["llama", "phi3"], ["phi3"])
+
+
+def test_two_ranks_quantized(tmp_path):
+    overrides = {"intermediate_size": 128}  # 64 inputs of down_proj per rank: 2 groups of 32
+    spec = {"families": ["llama", "phi3"], "quantize": True, "overrides": overrides}
+    assert_sharded_matches(launch(tmp_path, 2, spec), ["llama", "phi3"], atol=1e-4)
+
+
+class FakeGroup:
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize(
+    ("overrides", "name"),
+    [
+        ({}, "num_key_value_heads=2"),
+        ({"num_key_value_heads": 4, "intermediate_size": 99}, "intermediate_size=99"),
+    ],
+)
+def test_indivisible_counts_raise(overrides, name):
+    model = tiny_model("llama", **overrides)
+    with pytest.raises(ValueError, match=name):
+        shard(model, FakeGroup(4 if not overrides else 2))
+    with pytest.raises(ValueError, match="num_attention_heads=4"):
+        check_shardable(model, 3)
+
+
+def test_generate_cli_under_mlx_launch(tmp_path):
+    """`mlx.launch ... -- python -m mlx_speculate.generate --draft-model ...` prints once, the
+    single-process greedy text, and says how the target is split."""
+    folder = tiny_folder(tmp_path / "tiny", 64)
+    flags = ["--model", str(folder), "--draft-model", str(folder), "--prompt", "w1 w2 w3"]
+    flags += ["--ignore-chat-template", "-m", "12"]
+    alone = subprocess.run(
+        [sys.executable, "-m", "mlx_speculate.generate", *flags],
+        capture_output=True, text=True, cwd=ROOT, timeout=500,
+    )  # fmt: skip
+    assert alone.returncode == 0, alone.stderr
+    command = [
+        str(LAUNCH), "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1",
+        "--starting-port", str(free_port(2)), "--cwd", str(ROOT),
+        "--", sys.executable, "-m", "mlx_speculate.generate", *flags, "--verbose",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count(alone.stdout.strip()) == 1, (done.stdout, alone.stdout)
+    assert "Sharded: tensor parallel over 2 ranks" in done.stdout + done.stderr
