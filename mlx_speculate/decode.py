@@ -13,9 +13,7 @@ Host synchronisation, per step:
   1. `mx.eval` of the acceptance (path, tokens, count), then `.item()`/`.tolist()` on the
      already-evaluated arrays. Drafting, the target forward and the acceptance rule are one
      lazy graph, scheduled with `mx.async_eval` as soon as it is built.
-  2. A dynamic tree (EAGLE-2) reads its candidates' scores back once, after drafting and
-     before the verify forward, to choose its shape (drafters/eagle.py).
-  3. Only when the rope type depends on the largest position (dynamic NTK, longrope) does a tree
+  2. Only when the rope type depends on the largest position (dynamic NTK, longrope) does a tree
      forward read that position back (models/base.py).
   4. Under a grammar, its host-side matcher builds each step's chain and masks from the tokens
      read at 1, and reads a draft model's tokens back before the verify forward

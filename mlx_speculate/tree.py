@@ -205,6 +205,52 @@ class PaddedTree:
     ancestors: mx.array  # (N, N) bool
 
 
+@dataclass(frozen=True, eq=False)
+class DeviceTree:
+    """A tree chosen on the device (EAGLE-2 selection): lazy arrays, static size and bounds, so
+    that no read-back stands between drafting and the verify forward. The acceptance rules
+    and `padded` take it as they take a Tree; `host()` reads it back (one sync), for the rare
+    step that must cut it (`Draft.limited`) and for inspection."""
+
+    num_nodes: int
+    depth: int  # a bound: no node is deeper
+    width: int  # a bound on the children of a node
+    parent_index: mx.array  # (N,) int32, the root pointing at itself
+    depth_index: mx.array  # (N,) int32
+    ancestors: mx.array  # (N, N) bool
+
+    is_chain = False
+
+    def padded(self, rows: int) -> PaddedTree:
+        """The arrays padded on the device: padding nodes hang off the root."""
+        n = self.num_nodes
+        if rows < n:
+            raise ValueError(f"cannot pad a tree of {n} nodes to {rows} rows")
+        pad = rows - n
+        padding = mx.arange(rows) >= n
+        seen = mx.pad(self.ancestors, [(0, pad), (0, pad)]) | mx.eye(rows, dtype=mx.bool_)
+        seen = seen | (padding[:, None] & (mx.arange(rows) == 0)[None, :])
+        return PaddedTree(
+            rows,
+            self.depth,
+            self.width,
+            False,
+            mx.concatenate([self.parent_index, mx.zeros((pad,), mx.int32)]),
+            mx.concatenate([self.depth_index, mx.ones((pad,), mx.int32)]),
+            seen,
+        )
+
+    def host(self) -> Tree:
+        return Tree((-1, *self.parent_index[1:].tolist()))
+
+    @property
+    def depths(self) -> tuple[int, ...]:
+        return self.host().depths
+
+    def subtree(self, kept: Sequence[int]) -> Tree:
+        return self.host().subtree(kept)
+
+
 @lru_cache(maxsize=256)  # dynamic trees differ every step
 def _padded(tree: Tree, rows: int) -> PaddedTree:
     n = tree.num_nodes

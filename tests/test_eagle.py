@@ -14,6 +14,7 @@ from mlx_speculate.drafters.eagle import EagleDrafter
 from mlx_speculate.generation import Session
 from mlx_speculate.policy import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
+from mlx_speculate.tree import Tree
 
 from .helpers import (
     assert_clear_argmax,
@@ -88,9 +89,8 @@ def brute_force_tree(drafter: EagleDrafter, context: list[int], settings: EagleT
 
 def tree_paths(draft):
     tokens = [None, *draft.tokens.tolist()]
-    return [
-        tuple(tokens[j] for j in draft.tree.path(i)[1:]) for i in range(1, draft.tree.num_nodes)
-    ]
+    tree = draft.tree if isinstance(draft.tree, Tree) else draft.tree.host()  # device-chosen
+    return [tuple(tokens[j] for j in tree.path(i)[1:]) for i in range(1, tree.num_nodes)]
 
 
 @pytest.mark.parametrize("version", [1, 3])

@@ -11,8 +11,9 @@ The tree (EAGLE-2, SafeAILab/EAGLE `topK_genrate`): the root's `top_k` best toke
 mask over the draft cache) and each proposes its `top_k` best children; a node's score is the
 cumulative draft log-probability of its path. The best `k` nodes of all candidates (k from the
 policy, at most `total - 1`) are verified, and the children of a node being deterministic
-top-k picks, tree rejection sampling stays lossless. Building the tree reads the candidates'
-scores back once per step; a chain (`top_k` 1) needs no read-back.
+top-k picks, tree rejection sampling stays lossless. The selection runs on the device
+(`select`): the chosen tree's arrays feed the verify forward lazily, so a step's only host
+sync is the acceptance read-back.
 """
 
 from __future__ import annotations
@@ -24,14 +25,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import mlx.core as mx
-import numpy as np
 
 from ..cli import bounded, non_negative_int, positive_int
 from ..heads.eagle import EagleHead
 from ..heads.eagle_format import EAGLE_DIR, load_eagle_heads
 from ..models.base import CausalLM, additive_mask
 from ..sampling import SamplingParams
-from ..tree import Tree
+from ..tree import DeviceTree, Tree
 from .base import Draft, DrafterSpec, TargetFeatures
 
 
@@ -231,14 +231,12 @@ class EagleDrafter:
             seen = mx.concatenate([seen[rows], mx.eye(top_k, dtype=mx.bool_)], axis=1)
             start += top_k * top_k
         tokens, scores, parents = (mx.concatenate(c) for c in zip(*candidates, strict=True))
-        if top_k == 1:  # a chain: its first k nodes are its best ones, no read-back needed
+        if top_k == 1:  # a chain: its first k nodes are its best ones
             n = min(k, tokens.shape[0])
             return Draft(tokens[:n], Tree.chain(n))
-        mx.eval(tokens, scores, parents)
-        tree, kept = Tree.from_scores(
-            [-1, *parents.tolist()], np.concatenate([[0.0], np.array(scores)]), k
-        )
-        index = mx.array([i - 1 for i in kept[1:]], dtype=mx.int32)
+        levels = [mx.full((top_k,), 1, mx.int32)]
+        levels += [mx.full((top_k * top_k,), d + 2, mx.int32) for d in range(depth)]
+        tree, index = select(scores, parents, mx.concatenate(levels), k, depth + 1, top_k)
         return Draft(tokens[index], tree)
 
     def _embed(self, tokens: mx.array) -> mx.array:
@@ -254,3 +252,28 @@ class EagleDrafter:
         order = mx.argsort(-scores, axis=-1)
         ids = mx.take_along_axis(ids, order, axis=-1).astype(mx.int32)
         return mx.take_along_axis(scores, order, axis=-1), self.head.to_target(ids)
+
+
+def select(
+    scores: mx.array, parents: mx.array, depths: mx.array, k: int, depth: int, width: int
+) -> tuple[DeviceTree, mx.array]:
+    """EAGLE-2 on the device: the root and the k best-scoring of C candidates (scores are
+    cumulative draft log-probs, so no child outscores its parent; ties go to the earlier
+    candidate, so every kept node's ancestors are kept), as `Tree.from_scores` does on the
+    host. `parents` are node ids (candidate index + 1, 0 the root), `depths` the candidates'.
+    Returns the tree (its nodes in candidate order) and the kept candidates' indices (k,)."""
+    c = scores.shape[0]
+    index = mx.arange(c, dtype=mx.int32)
+    ahead = (scores[None, :] > scores[:, None]) | (
+        (scores[None, :] == scores[:, None]) & (index[None, :] < index[:, None])
+    )  # (C, C): [i, j] when j ranks before i
+    kept = mx.sum(ahead, axis=1) < k
+    order = mx.argsort(mx.where(kept, index, c + index))[:k].astype(mx.int32)  # ascending
+    renumber = mx.zeros((c + 1,), mx.int32).at[order + 1].add(mx.arange(1, k + 1, dtype=mx.int32))
+    parent_index = mx.concatenate([mx.zeros((1,), mx.int32), renumber[parents[order]]])
+    depth_index = mx.concatenate([mx.zeros((1,), mx.int32), depths[order]])
+    eye = mx.eye(k + 1, dtype=mx.bool_)
+    ancestors = eye
+    for _ in range(depth):  # a node's row is itself plus its parent's row
+        ancestors = eye | ancestors[parent_index]
+    return DeviceTree(k + 1, depth, width, parent_index, depth_index, ancestors), order
