@@ -39,6 +39,7 @@ from .default_model import cache_dir
 from .drafters.base import Drafter
 from .models.base import CausalLM
 from .sampling import SamplingParams
+from .step import verify as verify_step
 from .tree import Tree
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -109,7 +110,8 @@ def fingerprint(module: nn.Module) -> dict[str, Any]:
     """What a module's speed depends on: its class, configuration and parameter bytes by
     dtype (quantization and dtype change them, the weights' values do not)."""
     sizes: dict[str, int] = {}
-    for _, p in tree_flatten(module.parameters()):
+    params = module.parameters() if isinstance(module, nn.Module) else {}  # a stand-in: none
+    for _, p in tree_flatten(params):
         sizes[str(p.dtype)] = sizes.get(str(p.dtype), 0) + p.nbytes
     args = getattr(module, "args", None) or getattr(module, "config", None)
     return {"class": type(module).__name__, "args": repr(args), "bytes": sizes}
@@ -235,17 +237,19 @@ def measure(
     decoder = Decoder(model, drafter)
     decoder.prefill(prompt)
     offset = decoder.cache.offset
+    pending = mx.ones((1,), dtype=mx.int32)
     verify: dict[int, float] = {}
     start = time.perf_counter()
     for r in rows:
         if len(verify) >= 2 and time.perf_counter() - start > BUDGET:
             break
-        tree = Tree.chain(r - 1)  # the cost depends on the row count, not the tree's shape
-        tokens = mx.ones((1, r), dtype=mx.int32)
-        positions, mask = tree.positions(offset), tree.attention_mask(offset, model.compute_dtype)
+        # The loop's own compiled verify step over r rows (a row bucket): the cost depends on
+        # the row count, not the tree's shape.
+        tree, drafted = Tree.chain(r - 1), mx.ones((r - 1,), dtype=mx.int32)
 
-        def forward(tokens=tokens, positions=positions, mask=mask):
-            mx.eval(model(tokens, decoder.cache, positions=positions, mask=mask).logits)
+        def forward(tree=tree, drafted=drafted):
+            out = verify_step(model, decoder.cache, pending, tree, drafted, None, SamplingParams())
+            mx.eval(out.acceptance.tokens, out.logits)
             decoder.cache.truncate(offset)
 
         verify[r] = _time(forward)

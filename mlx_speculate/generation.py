@@ -23,7 +23,7 @@ from .drafters import (
 )
 from .grammar import Grammar
 from .models.base import CausalLM
-from .policy import Policy, default_policy
+from .policy import FixedPolicy, Policy, default_policy
 from .sampling import SamplingParams
 
 
@@ -134,8 +134,10 @@ def stream_generate(
         sampling=sampling,
         max_tokens=max_tokens,
         stop=stop,
+        # A fixed length when asked for; else the session's default, built once the method
+        # is known to fit the request (calibrating a drafter runs it).
         policy=policy
-        or (None if drafter is None else default_policy(drafter, model, num_draft_tokens)),
+        or (None if drafter is None or num_draft_tokens is None else FixedPolicy(num_draft_tokens)),
         grammar=grammar,
     )
 

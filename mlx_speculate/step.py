@@ -89,6 +89,10 @@ def verify(
     Fixed shapes: every array is padded to the row bucket of N (the q rows too) and the
     cache is read whole; no host sync. Writes the padded rows from the cache offset and
     advances the offset by N."""
+    if not isinstance(model, CausalLM):
+        return _stand_in(
+            model, cache, pending, tree, draft, draft_logprobs, sampling, taps, typical, allowed
+        )
     n = tree.num_nodes
     rows = bucket(n)
     padded = tree.padded(rows)
@@ -147,18 +151,42 @@ def _verify_fn(
         logits = out.logits[0]  # (rows, V)
         if allowed is not None:
             logits = mx.where(allowed, logits, -mx.inf)
-        if sampling.greedy:
-            acceptance = greedy_accept(tree, drafted, logits)
-        elif typical:
-            acceptance = typical_accept(tree, drafted, log_probs(logits, sampling))
-        else:
-            acceptance = rejection_accept(tree, drafted, log_probs(logits, sampling), q)
+        acceptance = _accept(tree, drafted, logits, sampling, typical, q)
         return (
             acceptance.path, acceptance.tokens, acceptance.num_accepted, logits, out.hidden[0],
             *(t[0] for t in out.taps), *(view.state if view is not None else ()),
         )  # fmt: skip
 
     return step
+
+
+def _accept(tree, drafted, logits, sampling: SamplingParams, typical: bool, q) -> Acceptance:
+    """The step's rule: greedy, Medusa's typical (lossy, opt-in) or lossless rejection."""
+    if sampling.greedy:
+        return greedy_accept(tree, drafted, logits)
+    if typical:
+        return typical_accept(tree, drafted, log_probs(logits, sampling))
+    return rejection_accept(tree, drafted, log_probs(logits, sampling), q)
+
+
+def _stand_in(
+    model, cache, pending, tree: Tree, draft, draft_logprobs, sampling, taps, typical, allowed
+) -> Verified:
+    """A stand-in target (a test's scripted or Markov model, not a CausalLM) verifies eagerly,
+    unpadded, on the real cache, with the additive (N, offset + N) tree mask: such models read
+    their context on the host and cannot be traced."""
+    inputs = pending if draft is None else mx.concatenate([pending, draft])
+    positions = mask = None
+    if not tree.is_chain:
+        positions, mask = tree.positions(cache.offset), tree.attention_mask(cache.offset)
+    out = model(inputs[None], cache, positions=positions, mask=mask, taps=taps)
+    logits = out.logits[0]  # (N, V)
+    if allowed is not None:
+        logits = mx.where(allowed, logits, -mx.inf)
+    drafted = mx.zeros((0,), mx.int32) if draft is None else draft.astype(mx.int32)
+    q = None if draft_logprobs is None or typical else draft_logprobs.astype(mx.float32)
+    acceptance = _accept(tree, drafted, logits, sampling, typical, q)
+    return Verified(acceptance, logits, out.hidden[0], tuple(t[0] for t in out.taps))
 
 
 def _reserve(model, cache: KVCache, length: int) -> None:
