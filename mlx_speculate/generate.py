@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if response is not None:
             print()
             if args.verbose:
-                _print_stats(response, model.compute_dtype)
+                _print_stats(response, model.compute_dtype, spec)
         return cli.INTERRUPTED
     except BrokenPipeError:
         return cli.stdout_gone()
@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"note: stopped after {response.generation_tokens} tokens: the model's context "
               f"of {model.args.max_position_embeddings} tokens is full", file=sys.stderr)
     if args.verbose and (group is None or group.rank() == 0):
-        _print_stats(response, model.compute_dtype)
+        _print_stats(response, model.compute_dtype, spec)
     return 0
 
 
@@ -166,7 +166,7 @@ def _load(model: str | None, dtype: str | None):
     return load(model, dtype=None if dtype is None else DTYPES[dtype])
 
 
-def _print_stats(response: GenerationResponse, dtype) -> None:
+def _print_stats(response: GenerationResponse, dtype, spec) -> None:
     import mlx.core as mx
 
     print("=" * 10, file=sys.stderr)
@@ -184,6 +184,12 @@ def _print_stats(response: GenerationResponse, dtype) -> None:
             f"Speculation: {stats.accepted}/{stats.drafted} drafted tokens accepted "
             f"({stats.acceptance_rate:.1%}), {stats.tokens_per_forward:.2f} tokens per "
             f"target forward",
+            file=sys.stderr,
+        )
+    elif spec is not None:  # asked for, and the adaptive policy judged it would not pay
+        print(
+            f"Speculation: {spec.method} drafted nothing: the measured costs say drafting "
+            "does not pay on this device (--num-draft-tokens K drafts anyway)",
             file=sys.stderr,
         )
 

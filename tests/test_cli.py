@@ -174,8 +174,8 @@ def test_first_run_converts_the_default_model_without_torch(first_runs):
     assert f"Converting SmolLM2-135M-Instruct.Q4_1.gguf into {folder} (once)" in err
     assert "Compute: float32 on the cpu" in err
     # --verbose says what speculation did: its counts, or that the policy, from the costs it
-    # calibrated here (verifying k tokens costs about k forwards), kept drafting off.
-    assert "Speculation: " in err or "drafting off: " in err
+    # calibrated here (verifying k tokens costs about k forwards), drafted nothing.
+    assert "Speculation: " in err
     assert "Traceback" not in err and "torch" not in err.lower()
     assert json.loads((folder / "config.json").read_text())["quantization"]["bits"] == 4
     assert not leftover.exists()
