@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from .cache import KVCache
-from .models.base import CausalLM
+from .models.base import CausalLM, additive_mask
 from .models.rope import LENGTH_DEPENDENT
 from .sampling import SamplingParams, log_probs, pick
 from .tree import PaddedTree, Tree
@@ -170,15 +170,17 @@ def _accept(tree, drafted, logits, sampling: SamplingParams, typical: bool, q) -
 
 
 def _stand_in(
-    model, cache, pending, tree: Tree, draft, draft_logprobs, sampling, taps, typical, allowed
+    model, cache, pending, tree, draft, draft_logprobs, sampling, taps, typical, allowed
 ) -> Verified:
     """A stand-in target (a test's scripted or Markov model, not a CausalLM) verifies eagerly,
     unpadded, on the real cache, with the additive (N, offset + N) tree mask: such models read
     their context on the host and cannot be traced."""
     inputs = pending if draft is None else mx.concatenate([pending, draft])
+    tree = tree.padded(tree.num_nodes)  # no padding: the rules' array form of a host or device tree
     positions = mask = None
     if not tree.is_chain:
-        positions, mask = tree.positions(cache.offset), tree.attention_mask(cache.offset)
+        positions = cache.offset + tree.depth_index
+        mask = additive_mask(tree.ancestors, mx.float32, cache.offset)
     out = model(inputs[None], cache, positions=positions, mask=mask, taps=taps)
     logits = out.logits[0]  # (N, V)
     if allowed is not None:
