@@ -212,44 +212,70 @@ def _view(model, arrays, start) -> KVCache | None:
 
 
 def decode(
-    model, cache: KVCache, tokens: mx.array, sampling: SamplingParams, shared: int, vocab: int
+    model,
+    cache: KVCache,
+    tokens: mx.array,
+    k: int,
+    sampling: SamplingParams,
+    shared: int,
+    vocab: int,
 ) -> tuple[mx.array, mx.array | None]:
-    """Feeds `tokens` (L,) to `model` and picks the token after the last one (a drafter's
-    step) among the first `shared` ids of a `vocab`-sized vocabulary (the target's): returns
-    the token (1,) and, when sampling, the processed log-probabilities (vocab,).
+    """A drafter's chain: feeds `tokens` (L,) to `model`, then picks k tokens one after the
+    other, each fed back for the next, among the first `shared` ids of a `vocab`-sized
+    vocabulary (the target's). Returns the tokens (k,) and, when sampling, the processed
+    log-probabilities each was drawn from (k, vocab). The cache advances by L + k - 1: the
+    last token is not fed.
 
-    Fixed shapes: L is padded to its row bucket (the padding comes after the real tokens, so
-    causal attention keeps it out of their rows; its slots lie past the advanced offset); the
-    cache is read whole; no host sync."""
+    Fixed shapes: the k forwards are one compiled graph per (row bucket of L, k); L is padded
+    to its bucket (the padding comes after the real tokens, so causal attention keeps it out of
+    their rows, and the next forward overwrites its slots); the cache is read whole; every
+    token is fed back on the device: no host sync."""
     n = tokens.shape[0]
     if not isinstance(model, CausalLM):  # a stand-in (a test's wrapper) runs as it is
-        logits = model(tokens[None], cache).logits[0, -1][:shared].astype(mx.float32)
-        token, logprobs = pick(_widened(logits, vocab), sampling)
-        return token.reshape(1), logprobs
+        return _stand_in_chain(model, cache, tokens, k, sampling, shared, vocab)
     rows = bucket(n)
     inputs = mx.concatenate([tokens.astype(mx.int32), mx.zeros((rows - n,), mx.int32)])[None]
     sampling = replace(sampling, seed=None)
-    key = ("decode", sampling, shared, vocab)
-    fn = _compiled(model, key, lambda: _decode_fn(model, sampling, shared, vocab))
-    _reserve(model, cache, cache.offset + rows)
+    key = ("decode", k, sampling, shared, vocab)
+    fn = _compiled(model, key, lambda: _decode_fn(model, k, sampling, shared, vocab))
+    _reserve(model, cache, cache.offset + max(rows, n + k - 1))
     start = mx.array(cache.offset, dtype=mx.int32)
     last = mx.array(n - 1, dtype=mx.int32)
-    token, logprobs, *arrays = fn(start, last, inputs, *cache.state)
+    picked, logprobs, *arrays = fn(start, last, inputs, *cache.state)
     cache.set_arrays(arrays)
-    cache.advance(n)
-    return token, None if sampling.greedy else logprobs
+    cache.advance(n + k - 1)
+    return picked, None if sampling.greedy else logprobs
 
 
-def _decode_fn(model, sampling: SamplingParams, shared: int, vocab: int) -> Callable:
+def _decode_fn(model, k: int, sampling: SamplingParams, shared: int, vocab: int) -> Callable:
     def step(start, last, inputs, *arrays):
         view = _view(model, arrays, start)
-        logits = model(inputs, view).logits[0]  # (rows, V_draft)
-        row = mx.take(logits, last, axis=0)[:shared].astype(mx.float32)  # the last real row
-        row = _widened(row, vocab)
-        token, logprobs = pick(row, sampling)
-        return token.reshape(1), row if logprobs is None else logprobs, *view.state
+        logits = mx.take(model(inputs, view).logits[0], last, axis=0)  # the last real row
+        picked, rows = [], []
+        for i in range(k):
+            if i > 0:
+                view.start = start + last + i  # the slot after the previous token
+                logits = model(picked[-1][None], view).logits[0, 0]
+            row = _widened(logits[:shared].astype(mx.float32), vocab)
+            token, logprobs = pick(row, sampling)
+            picked.append(token.reshape(1))
+            rows.append(row if logprobs is None else logprobs)
+        return mx.concatenate(picked), mx.stack(rows), *view.state
 
     return step
+
+
+def _stand_in_chain(
+    model, cache, tokens, k: int, sampling: SamplingParams, shared: int, vocab: int
+) -> tuple[mx.array, mx.array | None]:
+    picked, rows = [], []
+    for _ in range(k):
+        logits = model(tokens[None], cache).logits[0, -1][:shared].astype(mx.float32)
+        tokens, logprobs = pick(_widened(logits, vocab), sampling)
+        tokens = tokens.reshape(1)
+        picked.append(tokens)
+        rows.append(logprobs)
+    return mx.concatenate(picked), None if sampling.greedy else mx.stack(rows)
 
 
 def _widened(logits: mx.array, vocab: int) -> mx.array:

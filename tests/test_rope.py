@@ -197,3 +197,29 @@ def test_unknown_rope_type_is_a_clear_error():
     """An unsupported rope type names itself and the supported ones."""
     with pytest.raises(ValueError, match=r"'mrope' is not supported \(supported: default, "):
         rope_parameters({"rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]}})
+
+
+@pytest.mark.parametrize("name", ["default", "partial", "longrope-attention-factor"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_shared_tables_equal_fast_rope_bit_for_bit(name, dtype):
+    """The per-forward tables (what CPU forwards use) rotate exactly as mx.fast.rope does, at a
+    scalar offset and at per-token (B, L) positions."""
+    rope = RotaryEmbedding(HEAD_DIM, rope_parameters({"rope_parameters": CASES[name]}), MAX_POS)
+    x = (4 * mx.random.normal((2, 3, 5, HEAD_DIM), key=mx.random.key(2))).astype(dtype)
+    freqs = rope.freqs(MAX_POS)
+    scaled = x if rope._scale is None else x * rope._scale.astype(dtype)
+    for offset in (0, 9, 3000):
+        tables = rope.tables(mx.array(offset), None, 5, freqs, dtype)
+        expected = mx.fast.rope(
+            scaled, rope.dims, traditional=False, base=None, scale=1.0, offset=offset, freqs=freqs
+        )
+        assert mx.array_equal(rope.rotate(x, tables), expected)
+    positions = mx.array([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
+    rotated = rope.rotate(x, rope.tables(0, positions, 5, freqs, dtype))
+    for b in range(2):
+        for i in range(5):
+            one = mx.fast.rope(
+                scaled[b : b + 1, :, i : i + 1], rope.dims, traditional=False, base=None,
+                scale=1.0, offset=positions[b, i].item(), freqs=freqs,
+            )  # fmt: skip
+            assert mx.array_equal(rotated[b : b + 1, :, i : i + 1], one)

@@ -118,3 +118,25 @@ def test_draft_rows_of_a_cut_chain():
     expected = n * np.array(target, dtype=np.float64)
     statistic = float(((observed - expected) ** 2 / expected).sum())
     assert statistic < chi_square_limit(96)
+
+
+@pytest.mark.parametrize("fed", [1, 3])
+def test_chained_draft_equals_eager_greedy_steps(fed):
+    """k draft tokens from one compiled graph (each fed back on the device) are the eager
+    one-token-at-a-time argmaxes; the cache holds every fed token (not the last draft), and a
+    second chain from there goes on exactly as the eager decoding does."""
+    model = tiny_model("llama", seed=5)
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(0, 97, 7).tolist()
+    eager, compiled = model.make_cache(), model.make_cache()
+    for cache in (eager, compiled):
+        model(mx.array([prefix[:-fed]]), cache)
+    inputs, expected = prefix[-fed:], []
+    for _ in range(9):
+        inputs = [int(mx.argmax(model(mx.array([inputs]), eager).logits[0, -1]).item())]
+        expected.append(inputs[0])
+    first, q = step.decode(model, compiled, mx.array(prefix[-fed:]), 4, SamplingParams(), 97, 97)
+    assert q is None and first.tolist() == expected[:4]
+    assert compiled.offset == len(prefix) + 3
+    second, _ = step.decode(model, compiled, first[-1:], 5, SamplingParams(), 97, 97)
+    assert second.tolist() == expected[4:]

@@ -173,16 +173,11 @@ class DraftModelDrafter:
         )
         # Ids beyond the shared range are clipped: a worse guess, never a wrong output.
         inputs = mx.array([min(t, self.shared - 1) for t in fresh], dtype=mx.int32)
-        tokens, rows = [], []
-        for _ in range(k):
-            # A compiled step per row bucket: no host sync, no offset-dependent shape.
-            inputs, logprobs = decode(
-                self.model, self.cache, inputs, sampling, self.shared, self.target_vocab_size
-            )
-            tokens.append(inputs)
-            if logprobs is not None:
-                rows.append(logprobs)  # (V_target,)
-        return Draft(mx.concatenate(tokens), Tree.chain(k), mx.stack(rows) if rows else None)
+        # One compiled graph per row bucket and k: no host sync, no offset-dependent shape.
+        tokens, logprobs = decode(
+            self.model, self.cache, inputs, k, sampling, self.shared, self.target_vocab_size
+        )
+        return Draft(tokens, Tree.chain(k), logprobs)
 
     def rewind(self, length: int) -> None:
         if length >= self.SINK + self.skipped:

@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KVCache
-from .rope import RotaryEmbedding, rope_parameters
+from .rope import RotaryEmbedding, native, rope_parameters
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,16 @@ class ForwardContext:
     mask: mx.array | str | None  # additive (..., L, capacity), or "causal" without a cache
     window_mask: mx.array | None  # set when a sliding-window layer must mask old keys
     sliding: tuple[bool, ...]
+    # RoPE tables per rotary embedding (by id), built by the first layer that needs them
+    rotations: dict[int, tuple[mx.array, ...]] = field(default_factory=dict, compare=False)
+
+    def rotation(self, rope: RotaryEmbedding, length: int, dtype: mx.Dtype) -> tuple:
+        """`rope`'s tables for this forward (RotaryEmbedding.tables), shared by its layers."""
+        if id(rope) not in self.rotations:
+            freqs = rope.freqs(self.seq_len)
+            tables = rope.tables(self.start, self.positions, length, freqs, dtype)
+            self.rotations[id(rope)] = tables
+        return self.rotations[id(rope)]
 
 
 def additive_mask(allowed: mx.array, dtype: mx.Dtype, prefix: int = 0) -> mx.array:
@@ -225,9 +235,13 @@ def attend(
     """RoPE at the context's positions, cache write, SDPA. Takes (B, H, L, D) heads; `rope` is
     the layer's own (Gemma 3's local layers have another base)."""
     B, _, L, _ = queries.shape
-    freqs = rope.freqs(ctx.seq_len)
-    queries = rope(queries, ctx.start, ctx.positions, freqs)
-    keys = rope(keys, ctx.start, ctx.positions, freqs)
+    if native():
+        freqs = rope.freqs(ctx.seq_len)
+        queries = rope(queries, ctx.start, ctx.positions, freqs)
+        keys = rope(keys, ctx.start, ctx.positions, freqs)
+    else:
+        tables = ctx.rotation(rope, L, queries.dtype)
+        queries, keys = rope.rotate(queries, tables), rope.rotate(keys, tables)
     if ctx.cache is not None:
         keys, values = ctx.cache.write(layer, keys, values, ctx.start, ctx.end)
     mask = ctx.window_mask if ctx.window_mask is not None and ctx.sliding[layer] else ctx.mask

@@ -97,6 +97,11 @@ class RotaryEmbedding:
 
     def __init__(self, head_dim: int, params: dict[str, Any], max_position_embeddings: int):
         self.dims = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        self.head_dim = head_dim
+        half = self.dims // 2  # rotate_half: features [half, dims) then [0, half), then the rest
+        self._half = mx.array(
+            [*range(half, self.dims), *range(half), *range(self.dims, head_dim)], dtype=mx.int32
+        )
         self.rope_type = params["rope_type"]
         self.base = float(params["rope_theta"])
         self.max_position_embeddings = max_position_embeddings
@@ -155,6 +160,8 @@ class RotaryEmbedding:
     def __call__(
         self, x: mx.array, offset: int | mx.array, positions: mx.array | None, freqs: mx.array
     ) -> mx.array:
+        if not native():
+            return self.rotate(x, self.tables(offset, positions, x.shape[2], freqs, x.dtype))
         if self._scale is not None:
             x = x * self._scale.astype(x.dtype)
         if positions is None:
@@ -174,6 +181,44 @@ class RotaryEmbedding:
             freqs=freqs,
         )
         return x.reshape(B, L, H, D).transpose(0, 2, 1, 3)  # (B, H, L, D)
+
+    def tables(
+        self,
+        offset: int | mx.array,
+        positions: mx.array | None,
+        length: int,
+        freqs: mx.array,
+        dtype: mx.Dtype,
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """What `rotate` needs for a forward of `length` tokens at `positions` (default
+        consecutive from `offset`): (cos, signed sin, the rotate-half permutation). cos and sin
+        are (L, D), or (B, 1, L, D) for (B, L) positions, in `dtype`. Every layer of a forward
+        shares them: on the CPU, where mx.fast.rope falls back to a dozen ops per call, this
+        saves most of them; the arithmetic is mx.fast.rope's fallback, so results are equal
+        bit for bit."""
+        if positions is None:
+            positions = mx.arange(length, dtype=mx.int32) + offset
+        theta = positions.astype(mx.float32)[..., None] * mx.reciprocal(freqs)  # (..., L, dims/2)
+        cos, sin = mx.cos(theta).astype(dtype), mx.sin(theta).astype(dtype)
+        rest = self.head_dim - self.dims
+        kept = (*cos.shape[:-1], rest)  # the unrotated rest passes through
+        cos = mx.concatenate([cos, cos, mx.ones(kept, dtype)], axis=-1)
+        sin = mx.concatenate([-sin, sin, mx.zeros(kept, dtype)], axis=-1)
+        if cos.ndim == 3:
+            cos, sin = cos[:, None], sin[:, None]
+        return cos, sin, self._half
+
+    def rotate(self, x: mx.array, tables: tuple[mx.array, mx.array, mx.array]) -> mx.array:
+        """(B, H, L, D) x rotated by `tables` (HF rotate-half: x * cos + rotate_half(x) * sin)."""
+        cos, sin, half = tables
+        if self._scale is not None:
+            x = x * self._scale.astype(x.dtype)
+        return x * cos + mx.take(x, half, axis=-1) * sin
+
+
+def native() -> bool:
+    """Whether mx.fast.rope runs as one kernel (on a GPU); on the CPU it is a composite."""
+    return mx.default_device() != mx.cpu
 
 
 def _inv_freq(base: float, dims: int) -> list[float]:
