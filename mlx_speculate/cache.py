@@ -37,7 +37,7 @@ class KVCache:
         return max(self.capacity, -(-length // self.step) * self.step)
 
     def reserve(self, length: int, like: mx.array | None = None) -> None:
-        """Room for `length` slots in every layer, copying what is committed; `like`, a
+        """Room for `length` slots in every layer, copying what it holds; `like`, a
         (B, H_kv, 0, D) array, gives unallocated layers their shape and dtype."""
         for layer, k in enumerate(self.keys):
             if k is not None:
@@ -54,9 +54,12 @@ class KVCache:
         B, H, _, Dk = keys.shape
         new_k = mx.zeros((B, H, capacity, Dk), keys.dtype)  # (B, H_kv, capacity, D)
         new_v = mx.zeros((B, H, capacity, values.shape[-1]), values.dtype)
-        if current_k is not None and self.offset > 0:
-            new_k[..., : self.offset, :] = current_k[..., : self.offset, :]
-            new_v[..., : self.offset, :] = current_v[..., : self.offset, :]
+        if current_k is not None:
+            # All of it, not just the committed slots: a step queued before the last one was
+            # read (decode.py) attends to that one's slots past the offset.
+            old = current_k.shape[2]
+            new_k[..., :old, :] = current_k
+            new_v[..., :old, :] = current_v
         self.keys[layer], self.values[layer] = new_k, new_v
 
     def write(

@@ -20,7 +20,10 @@ Host synchronisation, per step:
      (constraint.py): no plain step is queued ahead then.
 When a plain step follows a plain one (always without a drafter; with one, when the policy
 chooses 0), step t+1 is queued on step t's lazy token before step t is read, as mlx-lm does, so
-host work overlaps the next forward.
+host work overlaps the next forward. A draft model's chain step is followed the same way
+(`_Queue.follow`): the next chain and its verify are queued on step t's lazy accepted count
+(pending token, root slot and the draft's first slot are arrays), when the worst case fits the
+room left; its `settle` then tells the drafter (drafters/draft_model.py) the count once read.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from .models.base import CausalLM
 from .policy import FixedPolicy, Policy
 from .quantized_prefill import prefilling
 from .sampling import SamplingParams, log_probs
-from .step import verify
+from .step import compilable, verify
 from .tree import ROOT, Tree
 from .verify import Acceptance, greedy_accept, rejection_accept, typical_accept
 
@@ -72,13 +75,14 @@ class Step:
 class _Pending:
     """A queued step: lazy until `_finish` evaluates it."""
 
-    offset: int  # cache slot of the root
+    offset: int | None  # cache slot of the root; None: the one after the step before it
     tree: Tree
     acceptance: Acceptance
     logits: mx.array  # (N, V) one row per tree node
     # (N, ...) rows; None for the prompt's first token, whose features went in at prefill
     features: TargetFeatures | None = None
     guide: Guide | None = None  # under a grammar: its chain and masks (constraint.py)
+    draft: mx.array | None = None  # a chain's tokens, which the next chain may follow lazily
 
 
 class Decoder:
@@ -216,7 +220,13 @@ class Decoder:
                 k = policy.choose()
                 if k == 0:
                     upcoming = queue(step.acceptance.tokens[:1], 0)
-            result = self._finish(step)
+            elif step.draft is not None:
+                # A chain step: the next chain and its verify are queued on this one's lazy
+                # count, so that building them overlaps this verify (room for the worst case).
+                k = policy.choose()
+                if 0 < k <= self.room() - step.tree.num_nodes:
+                    upcoming = queue.follow(step, k)
+            result = self._finish(step, followed=upcoming is not None and upcoming.offset is None)
             if constraint is not None:
                 constraint.commit(result.tokens)
             if result.verified:
@@ -229,19 +239,26 @@ class Decoder:
                 upcoming = queue(mx.array(self.context[-1:]), k)
             step = upcoming
 
-    def _finish(self, step: _Pending) -> Step:
-        """Reads the step's acceptance (the one sync) and commits the accepted path."""
+    def _finish(self, step: _Pending, followed: bool = False) -> Step:
+        """Reads the step's acceptance (the one sync) and commits the accepted path;
+        `followed`: the drafter's next chain is queued already (`_Queue.follow`)."""
         acceptance = step.acceptance
         mx.eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
         n = acceptance.num_accepted.item()
         tokens = acceptance.tokens[: n + 1].tolist()
         path = acceptance.path[: n + 1].tolist()
+        root = step.offset
+        if root is None:  # queued before the step ahead was read, which ended at the offset
+            root = self.cache.offset
+            self.cache.advance(step.tree.num_nodes)
         if step.tree.num_nodes > 1:  # a plain step's one slot is already in place
-            self.cache.compact(step.offset, [step.offset + i for i in path])
+            self.cache.compact(root, [root + i for i in path])
         rows = slice(0, n + 1) if path == list(range(n + 1)) else mx.array(path)
         logits = step.logits[rows]
         self.context.extend(tokens)
-        if self.drafter is not None and step.features is not None:
+        if followed:
+            self.drafter.settle(n)
+        elif self.drafter is not None and step.features is not None:
             self.drafter.rewind(len(self.context) - 1)
             self.drafter.extend(step.features.rows(rows))
         # Wall time since the previous step finished: what the step cost the stream, also
@@ -306,7 +323,45 @@ class _Queue:
         acceptance = verified.acceptance
         mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
         features = TargetFeatures(verified.hidden, verified.taps)
-        return _Pending(offset, tree, acceptance, verified.logits, features, guide)
+        chain = None if draft is None or guide is not None or not self._follows() else draft
+        return _Pending(
+            offset, tree, acceptance, verified.logits, features, guide,
+            None if chain is None else chain.tokens,
+        )  # fmt: skip
+
+    def _follows(self) -> bool:
+        """Whether a chain can be queued on the last one's lazy count: the drafter continues
+        chains (`follow`) and the target's step is compiled, so the root slot may be lazy."""
+        decoder = self.decoder
+        return (
+            hasattr(decoder.drafter, "follow")  # and `settle`
+            and isinstance(decoder.model, CausalLM)
+            and compilable(decoder.model)
+        )
+
+    def follow(self, step: _Pending, k: int) -> _Pending | None:
+        """The step after chain step `step`, queued before `step` is read: its pending token,
+        root slot and draft are lazy in `step`'s accepted count. None when the drafter cannot
+        follow (the loop then proposes once the count is read)."""
+        with mx.stream(GENERATION_STREAM):
+            decoder, acceptance = self.decoder, step.acceptance
+            accepted = acceptance.num_accepted
+            pending = mx.take(acceptance.tokens, accepted.reshape(1))  # (1,)
+            draft = decoder.drafter.follow(step.draft, accepted, pending, k, self.sampling)
+            if draft is None:
+                return None
+            last = decoder.cache.offset if step.offset is None else step.offset
+            at = ((last + 1 + accepted).astype(mx.int32), last + step.tree.num_nodes)
+            verified = verify(
+                decoder.model, decoder.cache, pending, draft.tree, draft.tokens,
+                draft.logprobs, self.sampling, taps=decoder.taps, typical=self.typical, at=at,
+            )  # fmt: skip
+            acceptance = verified.acceptance
+            mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
+            features = TargetFeatures(verified.hidden, verified.taps)
+            return _Pending(
+                None, draft.tree, acceptance, verified.logits, features, draft=draft.tokens
+            )
 
     def accept(
         self, tree: Tree, tokens: mx.array, logits: mx.array, draft: Draft | None

@@ -82,13 +82,15 @@ def verify(
     taps: tuple[int, ...] = (),
     typical: bool = False,
     allowed: mx.array | None = None,
+    at: tuple[mx.array, int] | None = None,
 ) -> Verified:
     """Queues one verify step (lazy): `pending` (1,) and `draft` (N - 1,) tokens of `tree`;
     `allowed` (N, V) bool, a grammar's mask per row: the rule sees forbidden tokens at -inf.
 
     Fixed shapes: every array is padded to the row bucket of N (the q rows too) and the
     cache is read whole; no host sync. Writes the padded rows from the cache offset and
-    advances the offset by N."""
+    advances the offset by N; or, with `at` (a lazy root slot and a host bound on it), from
+    that slot, leaving the offset to the caller (a step queued before the last one is read)."""
     if not isinstance(model, CausalLM):
         return _stand_in(
             model, cache, pending, tree, draft, draft_logprobs, sampling, taps, typical, allowed
@@ -117,13 +119,14 @@ def verify(
         key,
         lambda: _verify_fn(model, padded, sampling, typical, taps, sampled_q, masked),
     )
-    _reserve(model, cache, cache.offset + rows)
-    start = mx.array(cache.offset, dtype=mx.int32)
+    _reserve(model, cache, (cache.offset if at is None else at[1]) + rows)
+    start = mx.array(cache.offset, dtype=mx.int32) if at is None else at[0]
     out = fn(start, *args, *cache.state)
     k = 4 + len(taps)
     path, tokens, num_accepted, logits, hidden = out[:5]
     cache.set_arrays(out[k + 1 :])
-    cache.advance(n)
+    if at is None:
+        cache.advance(n)
     return Verified(Acceptance(path, tokens, num_accepted), logits, hidden, tuple(out[5 : k + 1]))
 
 
@@ -233,17 +236,35 @@ def decode(
     n = tokens.shape[0]
     if not isinstance(model, CausalLM):  # a stand-in (a test's wrapper) runs as it is
         return _stand_in_chain(model, cache, tokens, k, sampling, shared, vocab)
-    rows = bucket(n)
-    inputs = mx.concatenate([tokens.astype(mx.int32), mx.zeros((rows - n,), mx.int32)])[None]
+    inputs = mx.concatenate([tokens.astype(mx.int32), mx.zeros((bucket(n) - n,), mx.int32)])
+    start = mx.array(cache.offset, dtype=mx.int32)
+    out = decode_at(model, cache, inputs, n - 1, (start, cache.offset), k, sampling, shared, vocab)
+    cache.advance(n + k - 1)
+    return out
+
+
+def decode_at(
+    model: CausalLM,
+    cache: KVCache,
+    inputs: mx.array,
+    last: int | mx.array,
+    at: tuple[mx.array, int],
+    k: int,
+    sampling: SamplingParams,
+    shared: int,
+    vocab: int,
+) -> tuple[mx.array, mx.array | None]:
+    """`decode` of bucket-padded `inputs` (R,) whose last real one is `last`, written from the
+    slot `at[0]` (lazy; `at[1]` a host bound on it), so that a chain can be queued before the
+    count it starts from is read. The cache's offset is left to the caller."""
+    rows = inputs.shape[0]
     sampling = replace(sampling, seed=None)
     key = ("decode", k, sampling, shared, vocab)
     fn = _compiled(model, key, lambda: _decode_fn(model, k, sampling, shared, vocab))
-    _reserve(model, cache, cache.offset + max(rows, n + k - 1))
-    start = mx.array(cache.offset, dtype=mx.int32)
-    last = mx.array(n - 1, dtype=mx.int32)
-    picked, logprobs, *arrays = fn(start, last, inputs, *cache.state)
+    _reserve(model, cache, at[1] + rows + k)
+    last = mx.array(last, dtype=mx.int32)
+    picked, logprobs, *arrays = fn(at[0], last, inputs[None], *cache.state)
     cache.set_arrays(arrays)
-    cache.advance(n + k - 1)
     return picked, None if sampling.greedy else logprobs
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from mlx_speculate import step
+from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
 from mlx_speculate.policy import FixedPolicy
 from mlx_speculate.sampling import SamplingParams, log_probs
@@ -140,3 +141,45 @@ def test_chained_draft_equals_eager_greedy_steps(fed):
     assert compiled.offset == len(prefix) + 3
     second, _ = step.decode(model, compiled, first[-1:], 5, SamplingParams(), 97, 97)
     assert second.tolist() == expected[4:]
+
+
+def test_followed_chains_sample_the_target():
+    """Chains queued on the last step's lazy count (`_Queue.follow`) stay lossless when
+    sampling: the fourth token's frequencies over many seeded generations match the target's
+    exact marginal. The first token comes from the prompt's forward; with k = 1 the fourth
+    comes from the first verify step or from a followed one, whose pending token and draft
+    depend on how many the step before accepted."""
+    vocab, prompt, temperature = 13, [1, 5, 9], 0.25
+    target = tiny_model("llama", seed=0, vocab_size=vocab)
+    draft = tiny_model("llama", seed=7, num_hidden_layers=1, vocab_size=vocab)
+    sampling = SamplingParams(temperature=temperature)
+    contexts, joint = [[]], mx.ones((1,))  # every continuation so far and its probability
+    for _ in range(4):
+        logits = target(mx.array([prompt + c for c in contexts])).logits[:, -1]
+        rows = mx.softmax(logits / temperature, axis=-1)  # (contexts, V) next-token rows
+        marginal = (joint[:, None] * rows).sum(axis=0)  # of the token after them
+        joint = (joint[:, None] * rows).reshape(-1)
+        contexts = [c + [t] for c in contexts for t in range(vocab)]
+    settled = []
+
+    class Counting(DraftModelDrafter):
+        def settle(self, accepted: int) -> None:
+            settled.append(accepted)  # a followed chain's step was read
+            super().settle(accepted)
+
+    decoder = Decoder(target, Counting(draft, vocab))
+    mx.random.seed(0)
+    n, fourths = 2000, []
+    for _ in range(n):
+        decoder.prefill(prompt)
+        tokens = []
+        for s in decoder.steps(sampling, FixedPolicy(1), max_tokens=8):
+            tokens.extend(s.tokens)
+            if len(tokens) >= 4:
+                break
+        fourths.append(tokens[3])
+    assert sum(a > 0 for a in settled) > 0.2 * n  # followed steps after an accepted draft
+    observed = np.bincount(fourths, minlength=vocab)
+    expected = n * np.array(marginal, dtype=np.float64)
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    assert statistic < chi_square_limit(vocab - 1)

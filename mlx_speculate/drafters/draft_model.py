@@ -13,7 +13,7 @@ import mlx.core as mx
 from ..loading import token_count
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
-from ..step import decode
+from ..step import compilable, decode, decode_at
 from ..tree import Tree
 from .base import MAX_DRAFT, Draft, DrafterSpec, TargetFeatures
 
@@ -152,6 +152,11 @@ class DraftModelDrafter:
         self.max_catch_up = max_catch_up
         # The cache holds context[:SINK] and then context[SINK + skipped : offset + skipped].
         self.skipped = 0
+        # The last chain: the cache slot of its first token and its length (for `follow`).
+        self._chain: tuple[int, int] | None = None
+        # A chain `follow` queued, whose start waits on the count of the one before: (that
+        # one's first slot and length, this one's length), resolved by the next `rewind`.
+        self._queued: tuple[int, int, int] | None = None
 
     def extend(self, features: TargetFeatures) -> None:
         pass  # it reads tokens, not the target's features
@@ -177,9 +182,63 @@ class DraftModelDrafter:
         tokens, logprobs = decode(
             self.model, self.cache, inputs, k, sampling, self.shared, self.target_vocab_size
         )
+        self._chain = (self.cache.offset - (k - 1), k)
         return Draft(tokens, Tree.chain(k), logprobs)
 
+    def follow(
+        self,
+        drafted: mx.array,
+        accepted: mx.array,
+        pending: mx.array,
+        k: int,
+        sampling: SamplingParams,
+    ) -> Draft | None:
+        """The next chain, queued while the last one (`drafted`, its tokens) is verified: lazy
+        in the count of them the target `accepted` (an int32 scalar) and in the `pending`
+        token (1,) it chose after them. The cache holds the last chain's first k - 1 tokens
+        from its first slot p: after n accepted, the next chain feeds the pending token at
+        p + n (and the last draft before it when all k were accepted). None when the chain
+        could overflow the model's positions or the draft is a stand-in: `propose` then runs
+        once the count is read. The next `rewind` settles the host offset."""
+        k = min(k, self.max_draft)
+        last = self._chain
+        traced = isinstance(self.model, CausalLM) and compilable(self.model)
+        if k <= 0 or last is None or self._queued is not None or not traced:
+            return None
+        first, length = last
+        if first + length + k > self.model.args.max_position_embeddings:
+            return None
+        full = accepted == length
+        pending = mx.minimum(pending.astype(mx.int32), self.shared - 1)
+        inputs = mx.where(
+            full,
+            mx.concatenate([mx.minimum(drafted[-1:], self.shared - 1), pending]),
+            mx.concatenate([pending, mx.zeros((1,), mx.int32)]),
+        )  # (2,): one row bucket
+        start = first + mx.minimum(accepted, length - 1)
+        tokens, logprobs = decode_at(
+            self.model, self.cache, inputs, full.astype(mx.int32), (start, first + length - 1),
+            k, sampling, self.shared, self.target_vocab_size,
+        )  # fmt: skip
+        self._queued = (first, length, k)
+        return Draft(tokens, Tree.chain(k), logprobs)
+
+    def settle(self, accepted: int) -> None:
+        """The target accepted `accepted` tokens of the chain before the one `follow` queued:
+        the committed context ends at that chain's first slot + `accepted`; past it the pending
+        token and the queued chain's first k - 1 tokens wait on their verify (the offset stays
+        at the committed end, as after `rewind`)."""
+        first, _, k = self._queued
+        self._queued = None
+        self.cache.truncate(min(self.cache.offset, first))
+        self.cache.advance(first + accepted - self.cache.offset)
+        self._chain = (first + accepted + 1, k)
+
     def rewind(self, length: int) -> None:
+        if self._queued is not None:  # a queued chain nobody settled wrote from its first slot
+            self.cache.truncate(min(self.cache.offset, self._queued[0]))
+            self._queued = None
+        self._chain = None
         if length >= self.SINK + self.skipped:
             self.cache.truncate(min(self.cache.offset, length - self.skipped))
         else:  # only a reset reaches back into the skipped stretch
