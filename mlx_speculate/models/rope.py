@@ -200,10 +200,11 @@ class RotaryEmbedding:
             positions = mx.arange(length, dtype=mx.int32) + offset
         theta = positions.astype(mx.float32)[..., None] * mx.reciprocal(freqs)  # (..., L, dims/2)
         cos, sin = mx.cos(theta).astype(dtype), mx.sin(theta).astype(dtype)
-        rest = self.head_dim - self.dims
-        kept = (*cos.shape[:-1], rest)  # the unrotated rest passes through
-        cos = mx.concatenate([cos, cos, mx.ones(kept, dtype)], axis=-1)
-        sin = mx.concatenate([-sin, sin, mx.zeros(kept, dtype)], axis=-1)
+        cos, sin = [cos, cos], [-sin, sin]
+        if self.dims < self.head_dim:  # the unrotated rest passes through
+            kept = (*cos[0].shape[:-1], self.head_dim - self.dims)
+            cos, sin = cos + [mx.ones(kept, dtype)], sin + [mx.zeros(kept, dtype)]
+        cos, sin = mx.concatenate(cos, axis=-1), mx.concatenate(sin, axis=-1)
         if cos.ndim == 3:
             cos, sin = cos[:, None], sin[:, None]
         return cos, sin, self._half
