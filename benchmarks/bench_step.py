@@ -44,7 +44,9 @@ class Probe:
         self.host = self.wait = 0.0
         self.syncs = self.steps = 0
         self._in_queue_wait = 0.0
-        original_eval, original_queue = mx.eval, decode._Queue.__call__
+        original_eval = mx.eval
+        # A step is queued by `__call__`, or by `follow` on the step before's lazy count.
+        original_queue, original_follow = decode._Queue.__call__, decode._Queue.follow
 
         def timed_eval(*args):
             start = time.perf_counter()
@@ -54,16 +56,20 @@ class Probe:
             self._in_queue_wait += spent
             self.syncs += 1
 
-        def timed_queue(queue, *args):
-            self._in_queue_wait = 0.0
-            start = time.perf_counter()
-            result = original_queue(queue, *args)
-            self.host += time.perf_counter() - start - self._in_queue_wait
-            self.steps += 1
-            return result
+        def timed(original):
+            def queue(*args):
+                self._in_queue_wait = 0.0
+                start = time.perf_counter()
+                result = original(*args)
+                self.host += time.perf_counter() - start - self._in_queue_wait
+                self.steps += result is not None
+                return result
+
+            return queue
 
         mx.eval = timed_eval
-        decode._Queue.__call__ = timed_queue
+        decode._Queue.__call__ = timed(original_queue)
+        decode._Queue.follow = timed(original_follow)
 
     def measure(self, generate) -> tuple[float, ...]:
         """(host ms, wait ms, syncs, total ms, tokens) per step of one generation, and its
