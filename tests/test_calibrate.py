@@ -103,3 +103,15 @@ def test_cli_prints_the_curve(tmp_path, capsys):
         calibrate.main(["--model", str(folder), "--eagle", "--medusa-tree", "mc_sim_7b_63"])
     assert exit_info.value.code == 2
     assert "--medusa-tree applies to --medusa only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("longest, rows", [((), [1, 2]), ((1, 8), [1, 2, 4, 8, 16])])
+def test_the_longest_drafts_rows_are_measured_past_the_budget(monkeypatch, longest, rows):
+    # A machine so slow that the budget is spent at once: the curve still reaches the rows a
+    # step of the longest draft verifies (8 drafts: 9 rows, bucket 16), never carried on in
+    # proportion below them.
+    monkeypatch.setattr(calibrate, "BUDGET", 1e-9)  # each point timed once
+    model = tiny_model()
+    drafter = make_drafter(LookupSpec(), model) if longest else None
+    verify, *_ = calibrate.measure(model, drafter, longest, progress=False)
+    assert sorted(verify) == rows
