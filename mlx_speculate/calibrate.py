@@ -264,7 +264,9 @@ def measure(
     draft: dict[int, float] = {}
     catch_up, trees = 0.0, False
     if drafter is not None:
-        context, greedy = decoder.context, SamplingParams()
+        # The prompt and the pending token (the verify's): a head drafter proposes from the
+        # features of every committed position, so it drafts nothing on the prompt alone.
+        context, greedy = [*decoder.context, 1], SamplingParams()
         start = time.perf_counter()
         for k in sizes:
             if len(draft) >= 2 and time.perf_counter() - start > BUDGET:
