@@ -50,7 +50,7 @@ BUDGET = 3.0  # seconds for the verify curve, and again for the draft curve
 NEEDED_ROWS = 16  # verify rows measured past the budget where the longest draft needs them
 CATCH_UP = 32  # skipped tokens a drafter catches up on (DraftModelDrafter's window)
 MAX_AGE = 30 * 24 * 3600.0  # seconds before a curve is measured again
-FORMAT = 1
+FORMAT = 2  # 2: the longest draft's rows always measured, head drafters timed drafting
 
 
 @dataclass(frozen=True)
