@@ -123,7 +123,7 @@ def write(rows: list[tuple], out: Path, title: str) -> None:
     lines.append("|---|---|---|---|---|")
     for label, name, tps, tau in rows:
         lines.append(f"| {label} | {name} | {tps:.1f} | {tau:.2f} | {tps / plain[label]:.2f}x |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    _install(out.with_suffix(".md"), lambda path: path.write_text("\n".join(lines) + "\n"))
 
     import matplotlib
 
@@ -146,7 +146,17 @@ def write(rows: list[tuple], out: Path, title: str) -> None:
         ax.invert_yaxis()
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=120)
+    _install(out.with_suffix(".png"), lambda path: fig.savefig(path, dpi=120))
+
+
+def _install(path: Path, write) -> None:
+    """Writes `path` through `write(staged)` in one rename: a re-run never leaves half a file."""
+    from mlx_speculate.atomic import install_file, staging_folder
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = staging_folder(path) / path.name
+    write(staged)
+    install_file(staged, path)
 
 
 def main(argv=None) -> None:

@@ -7,9 +7,10 @@ weighs draft lengths with, instead of probing them during generation.
 It times one target forward over r rows (`ROWS`, the verify buckets: 1 to 64) after a short
 prompt, and for a drafter one proposal per draft length the policy weighs (`policy.sizes`)
 and, for drafters that keep a cache, catching up on `CATCH_UP` skipped tokens. Points are
-measured smallest first within `BUDGET` seconds each for the verify and the draft curve; where
-the budget runs out (a slow CPU: a 64-row forward of a 4-bit model takes seconds) the curve
-goes on in proportion to the rows, as it does on such a machine. The curve is
+measured smallest first within `BUDGET` seconds each for the verify and the draft curve (the
+verify rows of the longest draft, up to `NEEDED_ROWS`, whatever the time); where the budget
+runs out (a slow CPU: a 64-row forward of a 4-bit model takes seconds) the curve goes on in
+proportion to the rows, as it does on such a machine. The curve is
 cached on disk (`calibration_dir()`, one JSON file per target key, written atomically) and
 measured again when older than `MAX_AGE` or when the key changes (another model, dtype,
 quantization, device, BLAS or MLX version): a few seconds on first use, with a progress bar.
@@ -46,9 +47,10 @@ ROWS = (1, 2, 4, 8, 16, 32, 64)
 PROMPT = 64  # tokens before the timed forwards: a short context, as a chat turn starts
 RUNS = 3  # timed runs per point (after one warm-up); the median is kept
 BUDGET = 3.0  # seconds for the verify curve, and again for the draft curve
+NEEDED_ROWS = 16  # verify rows measured past the budget where the longest draft needs them
 CATCH_UP = 32  # skipped tokens a drafter catches up on (DraftModelDrafter's window)
 MAX_AGE = 30 * 24 * 3600.0  # seconds before a curve is measured again
-FORMAT = 1
+FORMAT = 2  # 2: the longest draft's rows always measured, head drafters timed drafting
 
 
 @dataclass(frozen=True)
@@ -239,9 +241,14 @@ def measure(
     offset = decoder.cache.offset
     pending = mx.ones((1,), dtype=mx.int32)
     verify: dict[int, float] = {}
+    # The rows a step of the longest draft verifies are measured whatever the budget (up to
+    # 16): a curve cut short and carried on in proportion would price long drafts far above
+    # their cost where rows are cheap (float32 with BLAS), and the policy would draft short.
+    needed = min(max(sizes, default=0) + 1, NEEDED_ROWS)
     start = time.perf_counter()
     for r in rows:
-        if len(verify) >= 2 and time.perf_counter() - start > BUDGET:
+        late = time.perf_counter() - start > BUDGET
+        if len(verify) >= 2 and max(verify) >= needed and late:
             break
         # The loop's own compiled verify step over r rows (a row bucket): the cost depends on
         # the row count, not the tree's shape.
@@ -257,7 +264,9 @@ def measure(
     draft: dict[int, float] = {}
     catch_up, trees = 0.0, False
     if drafter is not None:
-        context, greedy = decoder.context, SamplingParams()
+        # The prompt and the pending token (the verify's): a head drafter proposes from the
+        # features of every committed position, so it drafts nothing on the prompt alone.
+        context, greedy = [*decoder.context, 1], SamplingParams()
         start = time.perf_counter()
         for k in sizes:
             if len(draft) >= 2 and time.perf_counter() - start > BUDGET:

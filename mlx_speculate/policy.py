@@ -95,7 +95,9 @@ class AdaptivePolicy:
         self._until_explore = explore_every
         self._gap = 0  # plain steps between re-checks while switched off
         self.drafting: bool | None = None  # whether the last choice drafted (None: none yet)
-        self._useful = [k for k in self.sizes if k and (k + 1) * costs.step(0) > costs.step(k)]
+        # Looked up every step (a tiny model's step takes a few milliseconds): computed once.
+        self._step = {k: costs.step(k) for k in self.sizes}
+        self._useful = [k for k in self.sizes if k and (k + 1) * self._step[0] > self._step[k]]
         if not self._useful and max_k:
             log.info("drafting off: even if every draft passed it would not pay here")
 
@@ -108,29 +110,38 @@ class AdaptivePolicy:
         """Tokens a step drafting k yields: at the given per-token acceptance, or as learned."""
         if acceptance is not None:
             return sum(acceptance**i for i in range(k + 1))
-        chain = self._chain(k)
+        return self._learned(k, self._chains(k)[k])
+
+    def _learned(self, k: int, chain: float) -> float:
+        """A tree drafter's yield at size k behind the prior of a chain's; a chain's as is."""
         if not self.costs.trees:
             return chain
         tokens, steps = self._yield.get(k, (0.0, 0.0))
         return (tokens + PRIOR * chain) / (steps + PRIOR)
 
-    def _chain(self, k: int) -> float:
-        """1 + q_1 + q_1 q_2 + ... + q_1...q_k, from the per-depth counts; each depth's prior is
-        the estimate of the depth above it (the first's, the pooled rate), so depths never
-        verified yet go on like the deepest ones that were."""
-        q, chain, reach = self.acceptance, 1.0, 1.0
+    def _chains(self, k: int) -> list[float]:
+        """[1, 1 + q_1, 1 + q_1 + q_1 q_2, ...] up to depth k, from the per-depth counts; each
+        depth's prior is the estimate of the depth above it (the first's, the pooled rate), so
+        depths never verified yet go on like the deepest ones that were."""
+        q, chains, reach = self.acceptance, [1.0], 1.0
         for d in range(k):
             q = (self._passed[d] + PRIOR * q) / (self._tried[d] + PRIOR)
             reach *= q
-            chain += reach
-        return chain
+            chains.append(chains[-1] + reach)
+        return chains
 
     def rates(self, acceptance: float | None = None) -> dict[int, float]:
         """Expected tokens per second of each candidate k (E never falls with k)."""
+        chains = None if acceptance is not None else self._chains(self.sizes[-1])
         rates, floor = {}, 0.0
         for k in self.sizes:
-            floor = max(floor, self.expected_tokens(k, acceptance))
-            rates[k] = floor / self.costs.step(k)
+            tokens = (
+                self.expected_tokens(k, acceptance)
+                if chains is None
+                else self._learned(k, chains[k])
+            )
+            floor = max(floor, tokens)
+            rates[k] = floor / self._step[k]
         return rates
 
     def best(self, acceptance: float | None = None) -> int:

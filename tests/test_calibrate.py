@@ -103,3 +103,29 @@ def test_cli_prints_the_curve(tmp_path, capsys):
         calibrate.main(["--model", str(folder), "--eagle", "--medusa-tree", "mc_sim_7b_63"])
     assert exit_info.value.code == 2
     assert "--medusa-tree applies to --medusa only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("longest, rows", [((), [1, 2]), ((1, 8), [1, 2, 4, 8, 16])])
+def test_the_longest_drafts_rows_are_measured_past_the_budget(monkeypatch, longest, rows):
+    # A machine so slow that the budget is spent at once: the curve still reaches the rows a
+    # step of the longest draft verifies (8 drafts: 9 rows, bucket 16), never carried on in
+    # proportion below them.
+    monkeypatch.setattr(calibrate, "BUDGET", 1e-9)  # each point timed once
+    model = tiny_model()
+    drafter = make_drafter(LookupSpec(), model) if longest else None
+    verify, *_ = calibrate.measure(model, drafter, longest, progress=False)
+    assert sorted(verify) == rows
+
+
+def test_eagle_drafts_are_timed_as_trees():
+    # EAGLE proposes from the features of every committed position: timed on the prompt alone
+    # it proposed nothing, and its drafts were priced as free chains.
+    from mlx_speculate.drafters import EagleSpec, EagleTree
+
+    from .helpers import random_eagle_head, tiny_config
+
+    model = tiny_model("llama", num_hidden_layers=6)
+    head = random_eagle_head(tiny_config("llama", num_hidden_layers=6), 1, 5)
+    drafter = make_drafter(EagleSpec(heads=head, tree=EagleTree(16, 4, 4)), model)
+    _, draft, _, trees = calibrate.measure(model, drafter, (1, 4, 8), progress=False)
+    assert trees and all(t > 0 for t in draft.values())
