@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -91,6 +92,9 @@ def main(argv=None) -> None:
             print(f"{stage:<9} {seconds:8.1f} s")
         print(f"held-out top-1 {result.held_out_top1:.1%}; {result.tokens} tokens cached at "
               f"{result.bytes_per_token:.0f} bytes a token")  # fmt: skip
+        # The CPU may be shared: the load says how far these times are from an idle machine's.
+        print("load average (1, 5, 15 min) after training: "
+              + ", ".join(f"{x:.1f}" for x in os.getloadavg()))  # fmt: skip
     else:
         print(f"{out} exists: measuring it (delete it to train again)")
         history = json.loads((out / "training.json").read_text())["history"]

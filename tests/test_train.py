@@ -193,3 +193,37 @@ def test_prompts_longer_than_the_context_and_answers_with_a_template(tmp_path):
     again = make_data(model, ChatStub(20), tmp_path, prompts=["a", "b", "c"], max_tokens=8,
                       progress=False)  # fmt: skip
     assert again == data  # read back from data.jsonl, not answered again
+
+
+def test_saved_heads_have_the_official_keys_shapes_and_dtypes(tmp_path):
+    """What the recipe writes for SmolLM2 matches, key for key, the heads the official trainer
+    made (../shared/eagle), and the speculators layout up to its `layers.0` prefix; the
+    package's loader reads it back."""
+    from types import SimpleNamespace
+
+    from mlx_speculate.heads.eagle import Eagle1Head, Eagle3Head, EagleConfig
+    from mlx_speculate.heads.eagle_format import save_official
+    from mlx_speculate.train.recipe import _layer
+
+    eagle = require(SHARED / "eagle", "the shared official EAGLE heads")
+    torch = pytest.importorskip("torch")  # the official heads are torch pickles
+    config = json.loads((eagle / "smollm2-eagle1" / "config.json").read_text())
+    target = SimpleNamespace(args=SimpleNamespace(**config))  # the target's sizes and rope
+    heads = {
+        "smollm2-eagle1": Eagle1Head(EagleConfig(version=1, layer=_layer(target, None))),
+        "smollm2-eagle3": Eagle3Head(EagleConfig(version=3, layer=_layer(target, 10000.0),
+                                                 taps=(2, 15, 27), draft_vocab_size=4096)),
+    }  # fmt: skip
+
+    def layout(weights) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {k: (tuple(v.shape), str(v.dtype).rpartition(".")[2]) for k, v in weights.items()}
+
+    for name, head in heads.items():
+        out = save_official(head, tmp_path / name)
+        ours = layout(mx.load(str(out / "model.safetensors")))
+        official = torch.load(eagle / name / "pytorch_model.bin", map_location="cpu")
+        assert ours == layout(official), name
+        assert load_eagle_heads(out).config.version == head.config.version
+    speculators = mx.load(str(eagle / "smollm2-eagle3-speculators" / "model.safetensors"))
+    renamed = {k.replace("midlayer.", "layers.0."): v for k, v in layout(official).items()}
+    assert layout(speculators) == renamed

@@ -2,13 +2,14 @@
 
 A batch holds B conversations padded to T: `tokens` (B, T), `answer` (B, T) 1 on the target's
 own tokens (0 on padding), `features` (B, T, F), `top_ids`/`top_logits` (B, T, k): the target's
-likeliest next tokens after each position. Every loss counts only positions whose predicted
-token is an answer token, and returns (loss, (top-1 hits, positions counted)); the accuracy is
-the first draft token's, against the target's own top-1.
+likeliest next tokens after each position (EAGLE-3's target). Every loss counts only positions
+whose predicted token is an answer token, and returns (loss, (top-1 hits, positions counted));
+the accuracy is the first draft token's, against the target's own top-1.
 
 - EAGLE-1 (SafeAILab `eagle/train/main.py`): position t reads embed(x_{t+1}) and f_t plus
   uniform noise and regresses f_{t+1} (SmoothL1), plus 0.1 x cross-entropy of the target's
-  lm_head over its output against the target's distribution of x_{t+2}.
+  lm_head over its output against the target's full distribution of x_{t+2} (its lm_head
+  over f_{t+1}).
 - EAGLE-3 (`eagle/traineagle3`, SpecForge): training-time test, 7 steps unrolled; step i feeds
   step i-1's outputs back, attends to the real prefix and its own earlier steps at the same
   position, predicts x_{t+2+i} with weight 0.8^i, against the target's distribution restricted
@@ -60,9 +61,12 @@ def eagle1_loss(
     logits = out @ lm_head.T  # (B, T, V)
     mask = _shift(answer, 2).astype(mx.float32)
     v = nn.losses.smooth_l1_loss(out, _shift(feats, 1), reduction="none").mean(-1)
-    ids, tl = _shift(top_ids, 1), _shift(top_logits, 1)
-    p = _soft_ce(logits, ids, tl, mx.ones(ids.shape, dtype=mx.bool_))
-    hits = (mx.argmax(logits, axis=-1) == ids[..., 0]) * mask
+    # As the official trainer: the target's full distribution, from its stored final state
+    # through the frozen lm_head, not the cache's top-k.
+    target = mx.stop_gradient(mx.softmax(_shift(feats, 1) @ lm_head.T, axis=-1))
+    logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    p = -mx.sum(target * logq, axis=-1)
+    hits = (mx.argmax(logits, axis=-1) == _shift(top_ids, 1)[..., 0]) * mask
     return _masked_mean(v + p_weight * p, mask), (mx.sum(hits), mx.sum(mask))
 
 
