@@ -772,7 +772,6 @@ def test_a_file_as_parent_of_the_destination(tmp_path, capsys):
     assert err == f"error: cannot create {dst}: {tmp_path / 'notes.txt'} is a file, not a folder\n"
 
 
-@pytest.mark.xfail(reason="known defect: fails in the full suite, passes alone", strict=False)
 def test_ctrl_c_exits_130_quietly_and_leaves_nothing(tmp_path):
     src = save_hf_model(tmp_path / "hf")
     script = (
