@@ -38,6 +38,7 @@ from .checkpoint import quantize_model, write_safetensors
 from .gguf_arch import ARCHITECTURES
 from .loading import DTYPES, build_model, load_config, load_weights, resolve_path
 from .models import MODEL_TYPES
+from .models.gemma3 import mlx_lm_layout
 from .models.rope import rope_both_forms
 
 GGUF_DEFAULT_DTYPE = "float16"
@@ -156,7 +157,7 @@ def convert(
         config["quantization"] = dict(settings)
         config["quantization_config"] = dict(settings)
 
-    weights = dict(tree_flatten(model.parameters()))
+    written, weights = mlx_lm_layout(config, dict(tree_flatten(model.parameters())))
     dst.parent.mkdir(parents=True, exist_ok=True)
     check_space(dst.parent, sum(v.nbytes for v in weights.values()))
     tmp = staging_folder(dst)
@@ -175,7 +176,7 @@ def convert(
 
             convert_eagle_heads(eagle_path, tmp / "eagle", target=model, **options)
         write_weights(tmp, weights, max_shard_bytes)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (tmp / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
         if gguf:
             gguf_tokenizer.save(tmp)  # chat template included
         else:

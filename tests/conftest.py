@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,17 @@ def _calibration_in_tmp(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MLX_SPECULATE_CALIBRATION", str(tmp_path_factory.mktemp("calibration")))
         yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _ctrl_c_reaches_the_tests():
+    """Ctrl-C raises KeyboardInterrupt here and in the CLIs the tests start, as at a terminal.
+    A shell starts a background job (`pytest ... &` in a script) with SIGINT ignored; Python
+    then keeps it ignored and the CLIs under test inherit that, so the Ctrl-C tests' signals
+    would be lost. The CLIs are right to keep an ignored SIGINT ignored; the tests need it."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
 
 
 @pytest.fixture

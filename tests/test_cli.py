@@ -213,7 +213,6 @@ def test_bytes_that_are_not_utf8_are_one_line_errors(tiny, args, stdin, what):
 # -- item 8: Ctrl-C ------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(reason="known defect: fails in the full suite, passes alone", strict=False)
 def test_ctrl_c_keeps_the_text_and_prints_the_statistics_so_far(long_context):
     process = subprocess.Popen(
         [*GENERATE, "--model", str(long_context), "--prompt", WORDS, "--verbose",

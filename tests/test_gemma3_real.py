@@ -1,6 +1,7 @@
 """Gemma 3 270M from its Q4_K_M GGUF, converted with -q, end to end: the folder keeps the
 file's quantization, greedy decoding equals transformers' (float32, on the same dequantized
-weights) for 64 tokens, prompt lookup and a self-draft stay lossless, `generate` runs it.
+weights) for 64 tokens, prompt lookup, a self-draft, Medusa and EAGLE-1/EAGLE-3 (random
+heads) stay lossless, `generate` runs it.
 
 The GGUF comes from $MLX_SPECULATE_GEMMA3_GGUF or the user cache (`python -m
 mlx_speculate.gemma3_gguf`); skipped when absent, failed under CI=true. One prompt by default,
@@ -13,19 +14,24 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
 from mlx_speculate.convert import convert
+from mlx_speculate.drafters import EagleSpec, EagleTree, make_drafter
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
 from mlx_speculate.drafters.lookup import LookupDrafter
+from mlx_speculate.drafters.medusa import MedusaDrafter
 from mlx_speculate.generate import main as generate_main
 from mlx_speculate.gguf import read_gguf
+from mlx_speculate.heads.medusa import MedusaHeads
 from mlx_speculate.loading import load
 from mlx_speculate.policy import FixedPolicy
 
-from .helpers import GEMMA3_GGUF, decode, greedy_reference, require
+from .helpers import GEMMA3_GGUF, decode, greedy_reference, random_eagle_head, require
+from .serving import serve
 
 PROMPTS = [
     "The capital of France is",
@@ -129,7 +135,64 @@ def test_prompt_lookup_and_self_draft_are_lossless(folder: Path, target, prompt:
     assert len(steps) < N  # the self-draft is accepted: fewer target steps than tokens
 
 
+def random_medusa(hidden: int, vocab: int) -> MedusaHeads:
+    """Two random heads, 4-bit like the target (float32 heads over 262k tokens: 1.3 GB)."""
+    heads = MedusaHeads(hidden, vocab, num_heads=2, num_layers=1)
+    mx.random.seed(3)
+    heads.update(nn.utils.tree_map(lambda a: 0.1 * mx.random.normal(a.shape), heads.parameters()))
+    nn.quantize(heads, group_size=64, bits=4)
+    mx.eval(heads.parameters())
+    return heads
+
+
+# A drafting step over 262k tokens is slow on a CPU: 16 tokens, EAGLE-3 by default.
+METHODS = [
+    pytest.param(m, marks=() if m == "eagle-3" else pytest.mark.slow)
+    for m in ("eagle-3", "eagle-1", "medusa")
+]
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("prompt", SAMPLE)
+def test_medusa_and_eagle_with_random_heads_are_lossless(target, prompt: str, method: str):
+    model, tokenizer = target
+    ids = tokenizer.encode(prompt)
+    expected = greedy_reference(model, ids, 16)
+    config = model.args
+    if method == "medusa":
+        drafter = MedusaDrafter(random_medusa(config.hidden_size, config.vocab_size))
+    else:
+        layers = config.num_hidden_layers
+        head = random_eagle_head(
+            vars(config), 3, seed=5, draft_vocab=4096, taps=(1, layers // 2, layers - 3)
+        ) if method == "eagle-3" else random_eagle_head(vars(config), 1, seed=5)  # fmt: skip
+        drafter = make_drafter(EagleSpec(heads=head, tree=EagleTree(8, 2, 3)), model)
+    tokens, steps, _ = decode(model, ids, 16, drafter, FixedPolicy(7))
+    assert tokens == expected
+    assert sum(s.drafted for s in steps) > 0
+
+
 def test_generate_runs_it(folder: Path, capsys) -> None:
     args = ["--model", str(folder), "--prompt", "The capital of France is", "-m", "8"]
     assert generate_main([*args, "--ignore-chat-template"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_the_server_serves_it(target) -> None:
+    """Through the openai client: a completion equals plain greedy, a chat turn answers."""
+    model, tokenizer = target
+    ids = tokenizer.encode(PROMPTS[0])
+    expected = greedy_reference(model, ids, 8)
+    with serve(model, tokenizer, model_id="gemma") as running:
+        client = running.client()
+        completion = client.completions.create(
+            model="gemma", prompt=ids, max_tokens=8, temperature=0
+        )
+        messages = [{"role": "user", "content": "What is 17 times 23?"}]
+        chat = client.chat.completions.create(
+            model="gemma", messages=messages, max_tokens=8, temperature=0
+        )
+    assert completion.choices[0].text == tokenizer.decode(expected)
+    assert completion.usage.completion_tokens == 8
+    assert chat.choices[0].message.content.strip()
+    assert chat.choices[0].finish_reason in ("stop", "length")

@@ -60,7 +60,6 @@ def stop(process: subprocess.Popen, timeout: float = 30) -> int:
             process.kill()
 
 
-@pytest.mark.xfail(reason="known defect: fails in the full suite, passes alone", strict=False)
 def test_serves_with_a_draft_model_and_stops_cleanly(shared_models):
     target = require(shared_models / "stories260K-llama", BESIDE)
     draft = shared_models / "llama2xs281K-llama"

@@ -174,3 +174,22 @@ class Model(CausalLM):
         if name.startswith(_NOT_TEXT) or name.startswith(tuple(f"model.{p}" for p in _NOT_TEXT)):
             return None
         return super().rename(name)
+
+
+def mlx_lm_layout(
+    config: dict[str, Any], weights: dict[str, mx.array]
+) -> tuple[dict[str, Any], dict[str, mx.array]]:
+    """What mlx-lm's `gemma3` model reads from a converted `gemma3` folder: the language model's
+    names under `language_model.` (quantization overrides too), and the top-level
+    `vocab_size`, which it copies into the text config (else its default, 262208, would
+    replace the checkpoint's). Other folders are returned as they are."""
+    if config.get("model_type") != "gemma3":
+        return config, weights
+    config = {**config, "vocab_size": ModelArgs.from_dict(config).vocab_size}
+    for key in ("quantization", "quantization_config"):
+        if isinstance(config.get(key), dict):
+            config[key] = {
+                (f"language_model.{k}" if isinstance(v, dict | bool) else k): v
+                for k, v in config[key].items()
+            }
+    return config, {f"language_model.{k}": v for k, v in weights.items()}

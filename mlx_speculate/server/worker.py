@@ -107,6 +107,10 @@ class Worker:
             finally:
                 self._running = None
                 clear_cache()  # the request's buffers go back, as mlx-lm's server does
+        # This thread's compiled graphs hold Python objects; MLX frees them when the thread
+        # ends, by then without the interpreter if the process is exiting (an abort): free
+        # them now (the maintainers' advice: call it at the end of every thread).
+        mx.clear_streams()
 
     def _generate(self, job: Job) -> None:
         request, pool, metrics = job.request, self.pool, self._metrics
