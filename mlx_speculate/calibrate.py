@@ -160,9 +160,12 @@ def load_costs(
     force: bool = False,
     now: Callable[[], float] = time.time,
     progress: bool | None = None,
+    decide: Callable[[bool], bool] = bool,
 ) -> StepCosts:
     """The cached costs of `model` (and `drafter` at draft lengths `sizes`), measured now when
-    missing, stale or `force`d. `drafter` must be fresh: it is rewound to nothing after."""
+    missing, stale or `force`d. `drafter` must be fresh: it is rewound to nothing after.
+    `decide` makes each timing-dependent choice (cached or not, one more run): a sharded target's
+    ranks take rank 0's, so that they run the same forwards."""
     path = cache_file(model)
     record = _read(path)
     if record.get("key") != target_key(model):
@@ -172,9 +175,10 @@ def load_costs(
     entry = record.get("drafters", {}).get(name) if name else None
     wanted = sorted({k for k in sizes if 0 < k <= drafter.max_draft}) if drafter else []
     have = entry is not None and set(entry["sizes"]) >= set(wanted)
-    if fresh and "verify" in record and (drafter is None or have):
+    if decide(fresh and "verify" in record and (drafter is None or have)):
         return _costs(record, name)
-    verify, draft, catch_up, trees = measure(model, drafter, wanted, progress=progress)
+    measured = measure(model, drafter, wanted, progress=progress, decide=decide)
+    verify, draft, catch_up, trees = measured
     if not fresh or "verify" not in record:
         record = {"key": target_key(model), "created": now(), "drafters": {}}
     # The verify curve measured beside this draft curve: the policy weighs one against the
@@ -217,9 +221,10 @@ def measure(
     sizes: Sequence[int] = (),
     *,
     progress: bool | None = None,
+    decide: Callable[[bool], bool] = bool,
 ) -> tuple[dict[int, float], dict[int, float], float, bool]:
     """(verify seconds per row count, draft seconds per draft length, catch-up seconds, and
-    whether the drafts were trees)."""
+    whether the drafts were trees). `decide`: as `load_costs`'s."""
     from tqdm import tqdm
 
     context = model.args.max_position_embeddings
@@ -247,8 +252,9 @@ def measure(
     needed = min(max(sizes, default=0) + 1, NEEDED_ROWS)
     start = time.perf_counter()
     for r in rows:
-        late = time.perf_counter() - start > BUDGET
-        if len(verify) >= 2 and max(verify) >= needed and late:
+        # decide() last: every rank reaches it on the same rows (the row counts are the same).
+        enough = len(verify) >= 2 and max(verify) >= needed
+        if enough and decide(time.perf_counter() - start > BUDGET):
             break
         # The loop's own compiled verify step over r rows (a row bucket): the cost depends on
         # the row count, not the tree's shape.
@@ -259,7 +265,7 @@ def measure(
             mx.eval(out.acceptance.tokens, out.logits)
             decoder.cache.truncate(offset)
 
-        verify[r] = _time(forward)
+        verify[r] = _time(forward, decide)
         bar.update()
     draft: dict[int, float] = {}
     catch_up, trees = 0.0, False
@@ -269,9 +275,9 @@ def measure(
         context, greedy = [*decoder.context, 1], SamplingParams()
         start = time.perf_counter()
         for k in sizes:
-            if len(draft) >= 2 and time.perf_counter() - start > BUDGET:
+            if len(draft) >= 2 and decide(time.perf_counter() - start > BUDGET):
                 break
-            draft[k] = _time(lambda k=k: _propose(drafter, context, k, greedy))
+            draft[k] = _time(lambda k=k: _propose(drafter, context, k, greedy), decide)
             trees = trees or _propose(drafter, context, k, greedy) == "tree"
             bar.update()
         catch_up = _catch_up(drafter, context, greedy, draft.get(1, 0.0))
@@ -306,12 +312,12 @@ def _catch_up(drafter: Drafter, context: list[int], sampling, steady: float) -> 
     return max(statistics.median(times) - steady, 0.0)
 
 
-def _time(run: Callable[[], object]) -> float:
+def _time(run: Callable[[], object], decide: Callable[[bool], bool] = bool) -> float:
     """Median seconds of `run` after a warm-up (allocation, kernel set-up); a single timed run
     where one takes a tenth of the budget."""
     run()
     times: list[float] = []
-    while len(times) < RUNS and sum(times) < BUDGET / 10:
+    while len(times) < RUNS and decide(sum(times) < BUDGET / 10):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)

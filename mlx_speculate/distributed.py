@@ -42,6 +42,14 @@ def shared_seed(seed: int | None, group: mx.distributed.Group) -> int:
     return int(mx.distributed.all_sum(mx.array(mine, mx.int32), group=group).item())
 
 
+def rank0_says(flag: bool, group: mx.distributed.Group) -> bool:
+    """Rank 0's `flag` on every rank: calibrating a sharded target times its forwards, and
+    every choice that follows a timing must be the same on all ranks (they run the forwards
+    together)."""
+    mine = int(flag) if group.rank() == 0 else 0
+    return bool(mx.distributed.all_sum(mx.array(mine, mx.int32), group=group).item())
+
+
 class SharedPolicy:
     """A draft-length policy whose choice is rank 0's: the adaptive policy times each step, and
     ranks that drafted different lengths would run forwards of different shapes."""
@@ -148,7 +156,8 @@ def decoding_options(model, tokenizer, spec, group: mx.distributed.Group) -> dic
     from .policy import default_policy
 
     drafter = make_drafter(spec, model, tokenizer)
-    policy = SharedPolicy(default_policy(drafter, spec.num_draft_tokens), group)
+    costs = default_policy(drafter, model, spec.num_draft_tokens, lambda b: rank0_says(b, group))
+    policy = SharedPolicy(costs, group)
     return {"drafter": drafter, "policy": policy, "typical_acceptance": spec.typical_acceptance}
 
 

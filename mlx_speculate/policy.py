@@ -7,6 +7,8 @@ import logging
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .calibrate import StepCosts
     from .drafters.base import Drafter
     from .models.base import CausalLM
@@ -205,14 +207,18 @@ class AdaptivePolicy:
 
 
 def default_policy(
-    drafter: Drafter, target: CausalLM, num_draft_tokens: int | None = None
+    drafter: Drafter,
+    target: CausalLM,
+    num_draft_tokens: int | None = None,
+    decide: Callable[[bool], bool] = bool,
 ) -> Policy:
     """A fixed draft length when one is asked for, else the adaptive policy up to the
     drafter's own cap (`Drafter.max_draft`), on the costs calibrated for `target` and
-    `drafter` on this machine (measured now if not cached: a few seconds)."""
+    `drafter` on this machine (measured now if not cached: a few seconds; `decide` as
+    `calibrate.load_costs`'s)."""
     if num_draft_tokens is not None:
         return FixedPolicy(num_draft_tokens)
     from .calibrate import load_costs
 
     sizes = candidate_lengths(drafter.max_draft)
-    return AdaptivePolicy(load_costs(target, drafter, sizes), drafter.max_draft)
+    return AdaptivePolicy(load_costs(target, drafter, sizes, decide=decide), drafter.max_draft)

@@ -71,14 +71,12 @@ def assert_sharded_matches(results, families, generate=(), atol=2e-5) -> None:
             assert all(s == sampled[0] for s in sampled), sampled
 
 
-@pytest.mark.xfail(reason="known defect: sharded runs print nothing on main", strict=False)
 def test_two_ranks_every_family(tmp_path):
     spec = {"families": FAMILIES, "generate": ["llama", "phi3"]}
     results = launch(tmp_path, 2, spec)
     assert_sharded_matches(results, FAMILIES, spec["generate"])
 
 
-@pytest.mark.xfail(reason="known defect: sharded runs print nothing on main", strict=False)
 def test_three_ranks_and_quantized(tmp_path):
     overrides = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}
     spec = {"families": ["llama", "phi3"], "generate": ["phi3"], "overrides": overrides}
@@ -114,7 +112,6 @@ def test_indivisible_counts_raise(overrides, name):
         check_shardable(model, 3)
 
 
-@pytest.mark.xfail(reason="known defect: sharded runs print nothing on main", strict=False)
 def test_generate_cli_under_mlx_launch(tmp_path):
     """`mlx.launch ... -- python -m mlx_speculate.generate --draft-model ...` prints once, the
     single-process greedy text, and says how the target is split."""
