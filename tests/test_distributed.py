@@ -5,6 +5,8 @@ draft model) is token for token the same; seeded sampling is identical across ra
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -43,13 +45,29 @@ def _free(port: int) -> bool:
     return True
 
 
+def run_launch(command: list[str]) -> subprocess.CompletedProcess:
+    """`mlx.launch` in its own process group, killed whole on a timeout: a hung rank otherwise
+    outlives the test and spins on a core."""
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        start_new_session=True,
+    ) as process:  # fmt: skip
+        try:
+            out, err = process.communicate(timeout=500)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            out, err = process.communicate()
+            pytest.fail(f"mlx.launch timed out; its ranks were killed: {err[-3000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
 def launch(tmp_path: Path, ranks: int, spec: dict) -> list[dict[str, np.ndarray]]:
     command = [
         str(LAUNCH), "--backend", "ring", "-n", str(ranks), "--hosts", "127.0.0.1",
         "--starting-port", str(free_port(ranks)), "--python", sys.executable, "--cwd", str(ROOT),
         str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), json.dumps(spec),
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=500)
+    done = run_launch(command)
     # mlx.launch exits 0 even when a rank fails: the files are the evidence.
     missing = [r for r in range(ranks) if not (tmp_path / f"rank{r}.npz").exists()]
     assert done.returncode == 0 and not missing, done.stdout[-3000:] + done.stderr[-3000:]
@@ -128,7 +146,7 @@ def test_generate_cli_under_mlx_launch(tmp_path):
         "--starting-port", str(free_port(2)), "--cwd", str(ROOT),
         "--", sys.executable, "-m", "mlx_speculate.generate", *flags, "--verbose",
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=500)
+    done = run_launch(command)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count(alone.stdout.strip()) == 1, (done.stdout, alone.stdout)
     assert "Sharded: tensor parallel over 2 ranks" in done.stdout + done.stderr
