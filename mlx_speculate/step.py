@@ -54,6 +54,9 @@ def _compiled(model, key: tuple, build: Callable[[], Callable]) -> Callable:
     if key not in table:
         fn = build()
         if compilable(model):
+            # The graph captures the weights as they are: a lazy one (random, quantized or
+            # cast in memory, loaded lazily) would be computed again inside every call.
+            mx.eval(model.parameters())
             state = mx.random.state
             fn = mx.compile(fn, inputs=state, outputs=state)
         table[key] = fn

@@ -82,6 +82,25 @@ def test_one_graph_serves_every_offset():
     assert len(step._COMPILED[id(model)]) == 1
 
 
+def test_lazy_weights_are_computed_once():
+    """A weight still lazy when a step is compiled (random, cast or quantized in memory) is
+    evaluated first, not computed again inside every call: a random same-size draft model
+    took seconds per proposal when each call regenerated its weights."""
+    model = tiny_model("llama", seed=0)
+    noise = mx.random.normal((2048, 2048), key=mx.random.key(0))  # 16 MB, lazy
+    weight = model.model.layers[0].mlp.down_proj.weight
+    model.model.layers[0].mlp.down_proj.weight = weight + 0 * noise.sum()
+    cache = model.make_cache()
+    model(mx.array([[1, 5, 9]]), cache)
+    for _ in range(2):
+        mx.eval(step.decode(model, cache, mx.array([9]), 3, SamplingParams(), 97, 97)[0])
+        cache.truncate(3)
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    mx.eval(step.decode(model, cache, mx.array([9]), 3, SamplingParams(), 97, 97)[0])
+    assert mx.get_peak_memory() - before < 4 * 2**20
+
+
 def test_seeded_sampling_repeats():
     """The random state goes through the compiled graphs: one seed, one output."""
     model = tiny_model("llama", seed=0)
