@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mlx_speculate.decode import Decoder
-from mlx_speculate.drafters.lookup import LookupDrafter
+from mlx_speculate.drafters.lookup import KEEP, MAX_MATCH, LookupDrafter
 from mlx_speculate.loading import load
 from mlx_speculate.policy import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
@@ -25,17 +25,24 @@ def proposal(context, k=3, max_ngram=3):
 
 
 def brute_force(context, k, max_ngram):
-    """The specification, scanned from scratch."""
-    length = len(context)
+    """The specification, scanned from scratch: among the latest KEEP occurrences of each
+    suffix n-gram, the longest match measured back (then the latest) is copied."""
+    length, found = len(context), {}
     for n in range(min(max_ngram, length), 0, -1):
         suffix = context[length - n :]
-        for end in range(length - 1, n - 1, -1):
-            if context[end - n : end] == suffix:
-                out = []
-                for i in range(end, end + k):
-                    out.append(context[i] if i < length else out[i - length])
-                return out
-    return None
+        ends = [e for e in range(length - 1, n - 1, -1) if context[e - n : e] == suffix]
+        for end in ends[:KEEP]:
+            m = n
+            while m < MAX_MATCH and m < end and context[end - 1 - m] == context[length - 1 - m]:
+                m += 1
+            found.setdefault(end, m)
+    if not found:
+        return None
+    end = max(found, key=lambda e: (found[e], e))
+    out = []
+    for i in range(end, end + k):
+        out.append(context[i] if i < length else out[i - length])
+    return out
 
 
 @pytest.mark.parametrize(
@@ -45,7 +52,10 @@ def brute_force(context, k, max_ngram):
         ([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3, [7, 5, 1]),
         # No earlier [8, 2, 7]; [2, 7] matches; [7] alone would have matched later, at [1, 8, 2].
         ([4, 2, 7, 9, 7, 1, 8, 2, 7], 3, [9, 7, 1]),
-        ([4, 2, 7, 9, 7, 1, 8, 2, 7], 1, [1, 8, 2]),
+        # Only single tokens indexed, but each match is measured back: [2, 7] is still longest.
+        ([4, 2, 7, 9, 7, 1, 8, 2, 7], 1, [9, 7, 1]),
+        # The older match runs 4 tokens back, the latest only 2: the longer one is copied.
+        ([5, 1, 2, 3, 8, 4, 2, 3, 6, 5, 1, 2, 3], 2, [8, 4, 2]),
         # A match running into the end continues with its own proposal: periodic text.
         ([5, 6, 5, 6, 5], 3, [6, 5, 6]),
         ([3, 3], 3, [3, 3, 3]),
@@ -123,16 +133,35 @@ def test_repetitive_prompt_speeds_up_real_model(shared_models):
 
 
 def test_several_matches_make_one_tree():
-    # [1, 2, 3] occurred three times; the continuations share out 12 nodes (4 each), merged
-    # where they agree ("4" twice), longest and latest match first.
+    # [1, 2, 3] occurred three times, each match 3 tokens long; their continuations are merged
+    # where they agree ("4" twice, so it scores highest) and the 12 best nodes kept: nodes
+    # score by depth, ties in node order.
     context = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3, 4, 6, 1, 2, 3]
-    draft = LookupDrafter(max_ngram=3, max_draft=16, branches=3).propose(context, 12, GREEDY)
-    assert draft.tokens.tolist() == [4, 6, 1, 2, 7, 8, 1, 2, 5, 9, 1]
-    assert draft.tree == Tree((-1, 0, 1, 2, 3, 0, 5, 6, 7, 1, 9, 10))
+    drafter = LookupDrafter(max_ngram=3, max_draft=16, branches=3)
+    draft = drafter.propose(context, 12, GREEDY)
+    assert draft.tokens.tolist() == [4, 6, 1, 2, 3, 7, 8, 1, 2, 5, 9, 1]
+    assert draft.tree == Tree((-1, 0, 1, 2, 3, 4, 0, 6, 7, 8, 1, 10, 11))
     assert draft.logprobs is None
+    # Fewer nodes: the best prefix of the same tree (the shared "4", then each branch's next).
+    small = drafter.propose(context, 4, GREEDY)
+    assert small.tokens.tolist() == [4, 6, 7, 8] and small.tree == Tree((-1, 0, 1, 0, 3))
     # One match: the same chain as without branches.
     single = LookupDrafter(max_ngram=3, branches=3).propose([5, 1, 2, 7, 1, 2], 3, GREEDY)
     assert single.tokens.tolist() == [7, 1, 2] and single.tree == Tree.chain(3)
+
+
+def test_match_length_sets_the_draft_length():
+    """A 3-token match outweighs a 2-token one: small trees follow it alone, and the shorter
+    match's continuation only comes in deep into the longer one's."""
+    context = [10, 11, 12, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29]
+    context += [9, 11, 12, 40, 41, 42, 43, 5, 10, 11, 12]
+    drafter = LookupDrafter(max_ngram=3, max_draft=16, branches=2)
+    assert drafter.matches(context) == [(3, 3), (2, 16)]
+    small = drafter.propose(context, 4, GREEDY)
+    assert small.tokens.tolist() == [20, 21, 22, 23] and small.tree == Tree.chain(4)
+    large = drafter.propose(context, 12, GREEDY)
+    assert large.tokens.tolist() == [*range(20, 30), 40, 41]
+    assert large.tree == Tree((-1, *range(10), 0, 11))
 
 
 def test_tree_index_stays_fast_on_long_contexts():
@@ -144,4 +173,4 @@ def test_tree_index_stays_fast_on_long_contexts():
         drafter.propose(context, 8, GREEDY)
         context += rng.integers(0, 50, size=10).tolist()
     assert drafter._indexed == len(context) - 11
-    assert all(len(ends) <= 4 for table in drafter._ends for ends in table.values())
+    assert all(len(ends) <= KEEP for table in drafter._ends for ends in table.values())

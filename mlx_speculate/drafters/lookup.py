@@ -78,19 +78,28 @@ class LookupSpec(DrafterSpec):
         return LookupDrafter(self.max_ngram, most, self.branches)
 
 
-class LookupDrafter:
-    """N-gram drafter with no model: for n from `max_ngram` down to 1, find the most recent
-    earlier occurrence of the context's last n tokens and propose what followed it.
+MAX_MATCH = 64  # tokens a match is measured back over: its length ranks it
+KEEP = 8  # latest occurrences of each n-gram kept as candidate matches
 
-    With `branches` > 1 it proposes a tree (as SuffixDecoding does): the continuations of up to
-    that many matches (longest match first, then the most recent), merged where they share a
-    prefix. The k nodes are shared out by match length: a match of n tokens among m drafts up
-    to k * n / (max_ngram * m) tokens, since a longer match is likelier to run on.
+
+class LookupDrafter:
+    """N-gram drafter with no model, after SuffixDecoding: the latest `KEEP` earlier
+    occurrences of the context's last n tokens (n up to `max_ngram`) are candidate matches,
+    each measured back to its full length (up to `MAX_MATCH`); the longest (then latest) one
+    is copied, and with `branches` > 1 that many are verified together as one tree, merged
+    where their continuations agree.
+
+    The match length sets the draft: a continuation at depth d of a match of length L is
+    scored (L + 1) / (L + d + 2), the chance that a copy which held for L tokens holds d + 1
+    more (the rule of succession), weighted by L^2 among the matches (a longer match is
+    likelier the one being copied); a proposal of k keeps the k best nodes, which include
+    their parents (a node never scores above its parent), so the tree of k nodes is the best
+    prefix of the one of k + 1.
 
     Proposals are deterministic picks (no draft distribution), so (tree) rejection sampling
-    accepts each with the target's p(x): still lossless. An index from every n-gram to the
-    ends of its most recent occurrences grows with the context, so a step only indexes the
-    tokens new since the last one, and a lookup costs the same on any context length.
+    accepts each with the target's p(x): still lossless. The index from every n-gram to its
+    latest ends grows with the context, so a step only indexes the tokens new since the last
+    one, and a lookup costs the same on any context length.
     """
 
     taps: tuple[int, ...] = ()
@@ -108,14 +117,14 @@ class LookupDrafter:
         self._reset()
 
     def _reset(self) -> None:
-        # _ends[n - 1][ngram]: ends e of its latest occurrences, latest first (at most
-        # `branches`), each with context[e - n : e] == ngram.
+        # _ends[n - 1][ngram]: ends e of its latest occurrences, latest first (at most KEEP),
+        # each with context[e - n : e] == ngram.
         self._ends: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(self.max_ngram)]
         self._indexed = 0  # every end e <= _indexed is in the index
 
     def matches(self, context: Sequence[int]) -> list[tuple[int, int]]:
-        """(n, start of the continuation) of earlier occurrences of the context's suffixes:
-        longest first, then latest; at most `branches`."""
+        """(match length, start of the continuation) of earlier occurrences of the context's
+        suffixes: longest first, then latest; at most `branches`."""
         length = len(context)
         if length - 1 < self._indexed:
             self._reset()
@@ -124,19 +133,15 @@ class LookupDrafter:
             for n in range(1, min(self.max_ngram, end) + 1):
                 ends = self._ends[n - 1].setdefault(tuple(context[end - n : end]), [])
                 ends.insert(0, end)
-                del ends[self.branches :]
+                del ends[KEEP:]
         self._indexed = max(self._indexed, length - 1)
-        found: list[tuple[int, int]] = []
+        found: dict[int, int] = {}  # end -> match length
         for n in range(min(self.max_ngram, length), 0, -1):
             for end in self._ends[n - 1].get(tuple(context[length - n :]), ()):
-                if all(end != e for _, e in found):
-                    found.append((n, end))
-        return found[: self.branches]
-
-    def match(self, context: Sequence[int]) -> int | None:
-        """Where the continuation of the most recent earlier match of the longest suffix starts."""
-        found = self.matches(context)
-        return found[0][1] if found else None
+                if end not in found:
+                    found[end] = _match_length(context, end, n)
+        ranked = sorted(found.items(), key=lambda item: (-item[1], -item[0]))
+        return [(n, end) for end, n in ranked[: self.branches]]
 
     def extend(self, features: TargetFeatures) -> None:
         pass  # it reads tokens, not the target's features
@@ -146,25 +151,43 @@ class LookupDrafter:
         found = self.matches(context) if k > 0 else []
         if not found:
             return None
-        parents, tokens = [-1], []
+        if len(found) == 1:
+            return Draft(mx.array(_continuation(context, found[0][1], k), mx.int32), Tree.chain(k))
+        parents, tokens, scores = [-1], [0], [0.0]
         node: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+        total = sum(n * n for n, _ in found)
         for n, start in found:
-            length = k if len(found) == 1 else -(-k * n // (self.max_ngram * len(found)))
-            parent, run = 0, []
-            for j in range(start, start + length):
-                # A match overlapping the suffix continues with its own proposal (periodic text).
-                token = context[j] if j < len(context) else run[j - len(context)]
-                run.append(token)
+            parent = 0
+            for depth, token in enumerate(_continuation(context, start, k)):
                 if (parent, token) not in node:
-                    if len(tokens) == k:
-                        break
                     node[parent, token] = len(parents)
                     parents.append(parent)
                     tokens.append(token)
+                    scores.append(0.0)
                 parent = node[parent, token]
-        tree = Tree.chain(k) if len(found) == 1 else Tree(tuple(parents))
-        return Draft(mx.array(tokens, dtype=mx.int32), tree)
+                scores[parent] += n * n / total * (n + 1) / (n + depth + 2)
+        best = sorted(sorted(range(1, len(parents)), key=lambda i: -scores[i])[:k])
+        index = {0: 0} | {old: new for new, old in enumerate(best, 1)}
+        tree = Tree((-1, *(index[parents[i]] for i in best)))
+        return Draft(mx.array([tokens[i] for i in best], dtype=mx.int32), tree)
 
     def rewind(self, length: int) -> None:
         if length < self._indexed:
             self._reset()
+
+
+def _match_length(context: Sequence[int], end: int, n: int) -> int:
+    """How many tokens before `end` equal the context's last ones (n known to), up to MAX_MATCH."""
+    length = len(context)
+    while n < MAX_MATCH and n < end and context[end - 1 - n] == context[length - 1 - n]:
+        n += 1
+    return n
+
+
+def _continuation(context: Sequence[int], start: int, k: int) -> list[int]:
+    """The k tokens from `start`; a match overlapping the suffix continues with its own
+    proposal (periodic text)."""
+    run: list[int] = []
+    for j in range(start, start + k):
+        run.append(context[j] if j < len(context) else run[j - len(context)])
+    return run
