@@ -22,7 +22,6 @@ import argparse
 import hashlib
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -45,12 +44,12 @@ from .tree import Tree
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 PROMPT = 64  # tokens before the timed forwards: a short context, as a chat turn starts
-RUNS = 3  # timed runs per point (after one warm-up); the median is kept
+RUNS = 3  # timed runs per point (after one warm-up); the least is kept
 BUDGET = 3.0  # seconds for the verify curve, and again for the draft curve
 NEEDED_ROWS = 16  # verify rows measured past the budget where the longest draft needs them
 CATCH_UP = 32  # skipped tokens a drafter catches up on (DraftModelDrafter's window)
 MAX_AGE = 30 * 24 * 3600.0  # seconds before a curve is measured again
-FORMAT = 2  # 2: the longest draft's rows always measured, head drafters timed drafting
+FORMAT = 3  # 3: least times, weights evaluated before compiling (lazy ones were timed recomputed)
 
 
 @dataclass(frozen=True)
@@ -309,19 +308,21 @@ def _catch_up(drafter: Drafter, context: list[int], sampling, steady: float) -> 
         if _propose(drafter, context, 1, sampling) == "none":
             return 0.0  # its state went with the rewind: nothing to catch up on
         times.append(time.perf_counter() - start)
-    return max(statistics.median(times) - steady, 0.0)
+    return max(min(times) - steady, 0.0)
 
 
 def _time(run: Callable[[], object], decide: Callable[[bool], bool] = bool) -> float:
-    """Median seconds of `run` after a warm-up (allocation, kernel set-up); a single timed run
-    where one takes a tenth of the budget."""
+    """Least seconds of `run` after a warm-up (allocation, kernel set-up); a single timed run
+    where one takes a tenth of the budget. The least, not the median: other processes on a
+    shared machine only ever add time, and a point slowed by them would skew the draft curve
+    against the verify curve for as long as the cache lives."""
     run()
     times: list[float] = []
     while len(times) < RUNS and decide(sum(times) < BUDGET / 10):
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -129,3 +129,10 @@ def test_eagle_drafts_are_timed_as_trees():
     drafter = make_drafter(EagleSpec(heads=head, tree=EagleTree(16, 4, 4)), model)
     _, draft, _, trees = calibrate.measure(model, drafter, (1, 4, 8), progress=False)
     assert trees and all(t > 0 for t in draft.values())
+
+
+def test_a_point_takes_its_least_time(monkeypatch):
+    """Another process only ever adds time: a run it slowed does not set the point."""
+    clock = iter([0.0, 0.05, 0.05, 0.06, 0.06, 0.09])  # runs of 0.05, 0.01, 0.03
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: next(clock))
+    assert calibrate._time(lambda: None) == pytest.approx(0.01)
