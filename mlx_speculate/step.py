@@ -4,7 +4,8 @@ A verify step runs the target over a draft tree padded to a row bucket (1, 2, 4,
 multiples of 64) and applies the acceptance rule, both inside one `mx.compile` graph whose
 inputs are the tokens, the tree's arrays, the cache slot start and the cache storage (and the
 random state, so sampling stays seeded). Nothing in it depends on the host offset: a graph is
-traced once per (bucket, capacity, rule, tree depth) and reused until the cache grows a chunk.
+traced once per (bucket, capacity, rule, tree depth and width bounds) and reused until the
+cache grows a chunk.
 Padding nodes carry the draft token -1 (their input token is 0), see only their ancestors and
 are never accepted; the host advances the cache by the real node count.
 
@@ -100,7 +101,7 @@ def verify(
         )
     n = tree.num_nodes
     rows = bucket(n)
-    padded = tree.padded(rows)
+    padded = _bounded(tree.padded(rows))
     pad = rows - n
     drafted = mx.zeros((0,), mx.int32) if draft is None else draft.astype(mx.int32)
     drafted = mx.concatenate([drafted, mx.full((pad,), -1, mx.int32)])  # (rows - 1,)
@@ -131,6 +132,19 @@ def verify(
     if at is None:
         cache.advance(n)
     return Verified(Acceptance(path, tokens, num_accepted), logits, hidden, tuple(out[5 : k + 1]))
+
+
+def _bounded(padded: PaddedTree) -> PaddedTree:
+    """The padded tree with static bounds for its depth and width rather than its own, so
+    that drafts of nearby sizes and shapes share one traced graph (a trace costs several
+    steps, and the adaptive policy and lookup trees vary both): a padded chain is a chain of
+    rows - 1 nodes, a tree's bounds are powers of two (at most rows - 1)."""
+    rows = padded.num_nodes
+    if padded.is_chain:
+        return replace(padded, depth=rows - 1, width=1)
+    depth = min(1 << (padded.depth - 1).bit_length(), rows - 1)
+    width = min(1 << (padded.width - 1).bit_length(), rows - 1)
+    return replace(padded, depth=depth, width=width)
 
 
 def _verify_fn(

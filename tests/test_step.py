@@ -101,6 +101,24 @@ def test_lazy_weights_are_computed_once():
     assert mx.get_peak_memory() - before < 4 * 2**20
 
 
+def test_drafts_of_nearby_sizes_share_a_graph():
+    """Chains of 4 to 7 tokens (one row bucket) share one verify graph, and so do trees of
+    one bucket whose depth and width round up to the same powers of two: the adaptive
+    policy and lookup trees vary both, and each trace costs several steps."""
+    model = tiny_model("llama", seed=0)
+    step._COMPILED.pop(id(model), None)
+    cache = model.make_cache()
+    model(mx.array([[1, 5, 9]]), cache)
+    trees = [Tree.chain(k) for k in (4, 5, 6, 7)]
+    trees += [Tree((-1, 0, 1, 2, 0)), Tree((-1, 0, 1, 2, 3, 0)), Tree((-1, 0, 1, 0, 3, 4))]
+    for tree in trees:
+        drafts = mx.ones((tree.num_nodes - 1,), mx.int32)
+        out = step.verify(model, cache, mx.array([9]), tree, drafts, None, SamplingParams())
+        mx.eval(out.acceptance.tokens)
+        cache.truncate(3)
+    assert len(step._COMPILED[id(model)]) == 2
+
+
 def test_seeded_sampling_repeats():
     """The random state goes through the compiled graphs: one seed, one output."""
     model = tiny_model("llama", seed=0)
