@@ -94,6 +94,7 @@ def measure(label, folder, text, chat, methods, runs, max_tokens) -> list[tuple]
 
     from mlx_speculate import load
     from mlx_speculate.chat import apply_chat_template, plain_tokens
+    from mlx_speculate.drafters import spec_from_keywords
 
     model, tokenizer = load(folder)
     their_model, their_tokenizer = mlx_lm.load(str(folder))
@@ -103,7 +104,9 @@ def measure(label, folder, text, chat, methods, runs, max_tokens) -> list[tuple]
         "mlx-lm plain": lambda: theirs(their_model, their_tokenizer, prompt, max_tokens),
     }
     for name, kwargs in methods.items():
-        rows[name] = lambda kwargs=kwargs: ours(model, tokenizer, prompt, max_tokens, **kwargs)
+        # Draft models and heads are loaded once here, not inside each timed generation.
+        spec = spec_from_keywords(**kwargs).resolve(model)
+        rows[name] = lambda spec=spec: ours(model, tokenizer, prompt, max_tokens, drafter=spec)
     results = {name: [] for name in rows}
     for _ in range(runs + 1):
         for name, run in rows.items():
