@@ -138,11 +138,11 @@ def main(argv=None) -> None:
         elif case == "lookup":
             for name in args.prompts.split(","):
                 rows = {"plain": run(chat[name]), "lookup adaptive": run(chat[name], LookupSpec())}
-                for k in (2, 4, 8):
+                for k in (2, 4, 8, 16):  # 16: an edit prompt's best chain can be long
                     rows[f"lookup k={k}"] = run(chat[name], LookupSpec(), k)
                 trees = LookupSpec(branches=3)
                 rows["lookup tree adaptive"] = run(chat[name], trees)
-                for k in (8, 12):
+                for k in (8, 16):
                     rows[f"lookup tree k={k}"] = run(chat[name], trees, k)
                 interleave(f"prompt lookup, {name} prompt", rows, args.runs)
         else:
