@@ -41,9 +41,6 @@ class ToolCall:
     arguments: str  # a JSON object, as OpenAI sends it
 
 
-Piece = str | ToolCall  # content text, or a whole call
-
-
 def template_source(tokenizer) -> str | None:
     """The chat template's Jinja source (the `tool_use` one where a tokenizer has several)."""
     source = getattr(tokenizer, "chat_template", None)
@@ -82,13 +79,15 @@ def call_grammar(format_: str, tools: dict[str, dict[str, Any]], parallel: bool)
     return Grammar.lark(f"start: {start}\ncall: {call}\nbody: %json {body}\n")
 
 
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def new_call(name: str, arguments: dict[str, Any]) -> ToolCall:
-    return ToolCall(
-        f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments, ensure_ascii=False)
-    )
+    return ToolCall(call_id(), name, json.dumps(arguments, ensure_ascii=False))
 
 
-def _call(value: Any, names: Collection[str]) -> ToolCall | None:
+def call_from(value: Any, names: Collection[str]) -> ToolCall | None:
     """The call `value` (decoded JSON) names, or None when it is not one of an offered tool."""
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
@@ -115,117 +114,10 @@ def parse_json_calls(text: str, names: Collection[str]) -> list[ToolCall] | None
         except json.JSONDecodeError:
             return None
         for item in value if isinstance(value, list) else [value]:
-            call = _call(item, names)
+            call = call_from(item, names)
             if call is None:
                 return None
             calls.append(call)
         while at < len(text) and (text[at].isspace() or text[at] == ";"):
             at += 1
     return calls or None
-
-
-def _partial_tail(text: str, marker: str) -> int:
-    """Length of the tail of `text` that could still grow into `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
-
-
-class ToolParser:
-    """Splits streamed output into content and calls of the tools named `names`. Whitespace
-    next to a call is dropped; other content comes out as soon as it cannot be part of one."""
-
-    def __init__(self, format_: str, names: Collection[str]):
-        if format_ not in (HERMES, JSON):
-            raise ValueError(f"tool-call format {format_!r} is unknown (known: hermes, json)")
-        self.format = format_
-        self.names = set(names)
-        self._buffer = ""
-        self._inside = False  # hermes: within a <tool_call> block
-        self._mode: str | None = None  # json: None (undecided), "json" or "content"
-        self._space = ""  # whitespace held back: dropped if a call follows
-        self._called = False
-        self._after_call = False  # whitespace here is dropped: it only separates calls
-
-    def feed(self, text: str) -> list[Piece]:
-        self._buffer += text
-        if self.format == HERMES:
-            return self._hermes(final=False)
-        return self._json(final=False)
-
-    def end(self) -> list[Piece]:
-        """What is left once the output ended: an unclosed or unparsed call is content."""
-        pieces = self._hermes(final=True) if self.format == HERMES else self._json(final=True)
-        if self._space and not self._called:
-            pieces.append(self._space)
-        self._space = ""
-        return pieces
-
-    def _content(self, text: str, pieces: list[Piece]) -> None:
-        """Emits `text`, holding its trailing whitespace back (and, right after a call,
-        dropping its leading whitespace), so that chunking never changes the result."""
-        if self._after_call:
-            text = text.lstrip()
-            self._after_call = not text
-        body = text.rstrip()
-        if body:
-            pieces.append(self._space + body)
-            self._space = ""
-        self._space += text[len(body) :]
-
-    def _called_with(self, call: ToolCall, pieces: list[Piece]) -> None:
-        self._space = ""
-        self._called = self._after_call = True
-        pieces.append(call)
-
-    def _hermes(self, *, final: bool) -> list[Piece]:
-        pieces: list[Piece] = []
-        while True:
-            if not self._inside:
-                at = self._buffer.find(OPEN)
-                if at < 0:
-                    keep = 0 if final else _partial_tail(self._buffer, OPEN)
-                    self._content(self._buffer[: len(self._buffer) - keep], pieces)
-                    self._buffer = self._buffer[len(self._buffer) - keep :]
-                    return pieces
-                self._content(self._buffer[:at], pieces)
-                self._buffer, self._inside = self._buffer[at + len(OPEN) :], True
-            else:
-                at = self._buffer.find(CLOSE)
-                if at < 0:
-                    if final:
-                        self._content(OPEN + self._buffer, pieces)
-                        self._buffer = ""
-                    return pieces
-                body = self._buffer[:at]
-                self._buffer, self._inside = self._buffer[at + len(CLOSE) :], False
-                try:
-                    call = _call(json.loads(body), self.names)
-                except json.JSONDecodeError:
-                    call = None
-                if call is None:
-                    self._content(OPEN + body + CLOSE, pieces)
-                else:
-                    self._called_with(call, pieces)
-
-    def _json(self, *, final: bool) -> list[Piece]:
-        pieces: list[Piece] = []
-        if self._mode is None:
-            head = self._buffer.lstrip()
-            if head.startswith((PYTHON_TAG, FENCE, "{", "[")):
-                self._mode = "json"
-            elif head and not PYTHON_TAG.startswith(head) and not FENCE.startswith(head):
-                self._mode = "content"
-            elif not final:
-                return pieces
-        if self._mode == "json" and not final:
-            return pieces
-        calls = parse_json_calls(self._buffer, self.names) if self._mode == "json" else None
-        if calls is None:
-            self._content(self._buffer, pieces)
-        else:
-            for call in calls:
-                self._called_with(call, pieces)
-        self._buffer = ""
-        return pieces
