@@ -4,8 +4,9 @@ Streamed (`eager`), a call goes out token by token, as OpenAI streams one: its f
 names it (index, id, name) as soon as the call's head `{"name": "<offered tool>",
 "arguments": {` is read, and each later delta carries the arguments text the model just
 wrote, released only while it is still a prefix of valid JSON. A call whose head is
-anything else (keys in another order, arguments as a string, a pythonic call) is sent
-whole once its text is complete, as are all calls of a response that is not streamed.
+anything else (keys in another order, arguments as a string) is sent whole once its text is
+complete, as are pythonic calls (read with `ast` once the output ended) and all calls of a
+response that is not streamed.
 
 A call that does not parse is content, as the model wrote it. Only a streamed call can turn
 out malformed after it went out: its arguments then stop at the last character that kept
@@ -23,14 +24,21 @@ from .json_prefix import JsonPrefix
 from .tools import (
     CLOSE,
     FENCE,
+    FORMATS,
     HERMES,
     JSON,
     OPEN,
+    PYTHON_START,
     PYTHON_TAG,
+    PYTHONIC,
     call_from,
     call_id,
     parse_json_calls,
+    parse_pythonic_calls,
 )
+
+# What output that is calls starts with, in the formats where the whole output is the calls.
+OPENERS = {JSON: (PYTHON_TAG, FENCE, "{", "["), PYTHONIC: (PYTHON_TAG, PYTHON_START, "[")}
 
 
 @dataclass(frozen=True)
@@ -98,15 +106,15 @@ def _head(text: str, names: Collection[str]) -> tuple[int, str] | str:
 
 
 class ToolParser:
-    """Content and calls of the tools `names` in output of `format_` (HERMES or JSON), fed
+    """Content and calls of the tools `names` in output of `format_` (one of FORMATS), fed
     in pieces. Whitespace next to a call is dropped; other content comes out as soon as it
     cannot be part of a call."""
 
     def __init__(
         self, format_: str, names: Collection[str], *, eager: bool, parallel: bool = True
     ):
-        if format_ not in (HERMES, JSON):
-            raise ValueError(f"tool-call format {format_!r} is unknown (known: hermes, json)")
+        if format_ not in FORMATS:
+            raise ValueError(f"tool-call format {format_!r} is unknown (known: {FORMATS})")
         self.format = format_
         self.names = set(names)
         self.eager = eager
@@ -167,8 +175,8 @@ class ToolParser:
         return self._whole(pieces, final)
 
     def _outside(self, pieces: list[Piece], final: bool) -> bool:
-        if self.format == JSON:
-            return self._json_outside(pieces, final)
+        if self.format != HERMES:
+            return self._calls_outside(pieces, final)
         at = self._buffer.find(OPEN)
         if at < 0:
             keep = 0 if final else _partial_tail(self._buffer, OPEN)
@@ -180,18 +188,19 @@ class ToolParser:
         self._state = "head" if self.eager else "whole"
         return True
 
-    def _json_outside(self, pieces: list[Piece], final: bool) -> bool:
-        """The json format: the output is calls, or content; between calls, separators."""
+    def _calls_outside(self, pieces: list[Piece], final: bool) -> bool:
+        """The formats whose output is calls or content; between streamed calls, separators."""
         head = self._buffer.lstrip()
         if not self._decided:
-            if not head.startswith((PYTHON_TAG, FENCE, "{", "[")):
-                if head and not PYTHON_TAG.startswith(head) and not FENCE.startswith(head):
+            openers = OPENERS[self.format]
+            if not head.startswith(openers):
+                if head and not any(o.startswith(head) for o in openers):
                     self._state = "content"
                     return self._content_to_end(pieces)
                 if not final:
                     return False
             self._decided = True
-            self._state = "head" if self.eager else "whole"
+            self._state = "head" if self.eager and self.format == JSON else "whole"
             return True
         # Between streamed calls: separators, a list's or a fence's end.
         rest = head.lstrip(";,]`\n ")
@@ -276,7 +285,7 @@ class ToolParser:
         self._decided = True
 
     def _whole(self, pieces: list[Piece], final: bool) -> bool:
-        """A call read whole: hermes up to its close tag; json, to the end of the output."""
+        """A call read whole: hermes up to its close tag; the others, to the end of the output."""
         if self.format == HERMES:
             at = self._buffer.find(CLOSE)
             if at < 0:
@@ -296,7 +305,8 @@ class ToolParser:
         else:
             if not final:
                 return False
-            calls = parse_json_calls(self._buffer, self.names)
+            parse = parse_json_calls if self.format == JSON else parse_pythonic_calls
+            calls = parse(self._buffer, self.names)
             if calls is None:
                 return self._content_to_end(pieces)
             self._buffer = ""

@@ -1,5 +1,5 @@
-"""Tool calls in the model's own words: which format a chat template speaks, and a parser that
-splits the model's output, as it streams, into content and tool calls.
+"""Tool calls in the model's own words: which format a chat template speaks, how each format's
+calls parse (tool_parser.py splits streamed output with these), and the grammar of a call.
 
 Formats, chosen from the template's source:
   hermes  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks anywhere in the
@@ -9,6 +9,12 @@ Formats, chosen from the template's source:
           (or "arguments"), a list of them, or several separated by `;` or newlines, after an
           optional `<|python_tag|>` (Llama 3.1+), or in a ```json fence. This is also the
           fallback for any other template that takes `tools`.
+  pythonic  the whole output is a Python list of calls with keyword arguments,
+          `[get_weather(city="Paris"), get_time()]`, optionally in `<|python_start|>` ...
+          `<|python_end|>` (Llama 3.2's pythonic template, Llama 4: templates that show the
+          `[func_name1(params_name1=params_value1, ...)]` layout). It is read with `ast`,
+          never run: argument values are literals (strings, numbers, lists, dicts, and
+          True / False / None or JSON's true / false / null).
 A call that does not parse as a call of an offered tool (bad JSON, no name, a tool not
 offered, arguments that are not an object) is returned as content, as the model wrote it.
 
@@ -19,7 +25,9 @@ well-formed call however small the model.
 
 from __future__ import annotations
 
+import ast
 import json
+import keyword
 import re
 import uuid
 from collections.abc import Collection
@@ -28,10 +36,14 @@ from typing import Any
 
 from ..grammar import JSON_LAYOUT, Grammar
 
-HERMES, JSON = "hermes", "json"
+HERMES, JSON, PYTHONIC = "hermes", "json", "pythonic"
+FORMATS = (HERMES, JSON, PYTHONIC)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 FENCE = "```"
+# How a template shows the pythonic layout to the model.
+PYTHONIC_EXAMPLE = re.compile(r"\[func_name\d*\(")
 
 
 @dataclass(frozen=True)
@@ -50,17 +62,22 @@ def template_source(tokenizer) -> str | None:
 
 
 def tool_format(tokenizer) -> str | None:
-    """HERMES or JSON for a template that renders `tools`; None for one that ignores them."""
+    """The format (HERMES, JSON, PYTHONIC) of a template that renders `tools`; None for one
+    that ignores them."""
     source = template_source(tokenizer)
     if source is None or not re.search(r"\btools\b", source):
         return None
-    return HERMES if OPEN in source else JSON
+    if OPEN in source:
+        return HERMES
+    return PYTHONIC if PYTHONIC_EXAMPLE.search(source) else JSON
 
 
 def call_grammar(format_: str, tools: dict[str, dict[str, Any]], parallel: bool) -> Grammar:
     """A Lark grammar of output that is only calls in `format_` of `tools` (name -> JSON schema
-    of its arguments): one call, or with `parallel` one or more (hermes; the json format
-    writes one). A schema llguidance cannot compile is a ValueError."""
+    of its arguments): one call, or with `parallel` one or more (hermes and pythonic; the json
+    format writes one). A schema llguidance cannot compile is a ValueError."""
+    if format_ == PYTHONIC:
+        return _pythonic_grammar(tools, parallel)
     key = "arguments" if format_ == HERMES else "parameters"
     calls = [
         {
@@ -77,6 +94,43 @@ def call_grammar(format_: str, tools: dict[str, dict[str, Any]], parallel: bool)
     start = 'call ("\\n" call)*' if parallel else "call"
     call = f'"{OPEN}\\n" body "\\n{CLOSE}"'
     return Grammar.lark(f"start: {start}\ncall: {call}\nbody: %json {body}\n")
+
+
+def _pythonic_grammar(tools: dict[str, dict[str, Any]], parallel: bool) -> Grammar:
+    """`[name(key=value, ...)]`: each value a JSON value of its property's schema (JSON that
+    `parse_pythonic_calls` reads back), the schema's properties in its order, the required
+    ones always there; a schema without properties takes any keywords."""
+    calls = 'call (", " call)*' if parallel else "call"
+    rules = [f'start: "[" {calls} "]"']
+    rules.append("call: " + " | ".join(f"c{t}" for t in range(len(tools))))
+    for t, (name, schema) in enumerate(tools.items()):
+        properties = schema.get("properties")
+        for word in [name, *(properties if isinstance(properties, dict) else ())]:
+            if not word.isidentifier() or keyword.iskeyword(word):
+                raise ValueError(f"{word!r} cannot be a name in a pythonic call")
+        if not isinstance(properties, dict) or not properties:
+            any_value = json.dumps({"x-guidance": JSON_LAYOUT})
+            rules.append(f'c{t}: "{name}(" (k{t} (", " k{t})*)? ")"')
+            rules.append(f'k{t}: /[A-Za-z_][A-Za-z0-9_]*/ "=" v{t}')
+            rules.append(f"v{t}: %json {any_value}")
+            continue
+        required = set(schema.get("required", ()))
+        # f{t}_{i}: properties i.. when none came before; m{t}_{i}: the same after one did.
+        first, more = "", ""
+        for i in reversed(range(len(properties))):
+            key, value = list(properties.items())[i]
+            rules.append(f"v{t}_{i}: %json {json.dumps({**value, 'x-guidance': JSON_LAYOUT})}")
+            item = f'"{key}=" v{t}_{i}'
+            if key in required:
+                new_first, new_more = f"{item} {more}", f'", " {item} {more}'
+            else:
+                new_first = f"({item} {more})" + (f" | {first}" if first else "?")
+                new_more = f'(", " {item})? {more}'
+            rules.append(f"f{t}_{i}: {new_first}")
+            rules.append(f"m{t}_{i}: {new_more}")
+            first, more = f"f{t}_{i}", f"m{t}_{i}"
+        rules.append(f'c{t}: "{name}(" {first} ")"')
+    return Grammar.lark("\n".join(rules) + "\n")
 
 
 def call_id() -> str:
@@ -121,3 +175,55 @@ def parse_json_calls(text: str, names: Collection[str]) -> list[ToolCall] | None
         while at < len(text) and (text[at].isspace() or text[at] == ";"):
             at += 1
     return calls or None
+
+
+def parse_pythonic_calls(text: str, names: Collection[str]) -> list[ToolCall] | None:
+    """The calls `text` is made of in the pythonic format, or None when it is anything else.
+    The text is parsed, never evaluated."""
+    text = text.strip().removeprefix(PYTHON_TAG).removeprefix(PYTHON_START)
+    text = text.removesuffix(PYTHON_END).strip()
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError):  # ValueError: a NUL byte
+        return None
+    nodes = tree.elts if isinstance(tree, ast.List) else [tree]
+    calls = []
+    for node in nodes:
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in names
+            and not node.args
+            and all(k.arg is not None for k in node.keywords)
+        ):
+            return None
+        try:
+            arguments = {k.arg: _literal(k.value) for k in node.keywords}
+        except ValueError:
+            return None
+        calls.append(new_call(node.func.id, arguments))
+    return calls or None
+
+
+_NAMED = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
+
+
+def _literal(node: ast.expr) -> Any:
+    """The JSON value a literal expression writes; ValueError for anything else."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, (str, int, float, type(None))):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in _NAMED:
+        return _NAMED[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _literal(node.operand)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError("a sign on something other than a number")
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        keys = [_literal(k) if k is not None else None for k in node.keys]
+        if not all(isinstance(k, str) for k in keys):
+            raise ValueError("a dict key that is not a string")
+        return {k: _literal(v) for k, v in zip(keys, node.values, strict=True)}
+    raise ValueError(f"{type(node).__name__} is not a literal")
