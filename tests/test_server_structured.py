@@ -156,26 +156,31 @@ def test_bad_response_format_is_400(server, response_format, param):
     assert response.json()["error"]["param"] == (param or "response_format")
 
 
-def test_tree_methods_are_refused_under_a_grammar(stories):
+def test_tree_methods_work_under_a_grammar(stories):
+    """EAGLE drafts trees; under response_format the grammar cuts them, and the answer is
+    what constrained greedy decoding says."""
     model, tokenizer = stories
     config = json.loads((SHARED / "models" / "stories260K-llama" / "config.json").read_text())
     head = random_eagle_head(config, 1, seed=3)
     spec = EagleSpec(heads=head, tree=EagleTree(16, 4, 4), num_draft_tokens=15)
+    tokens = list(tokenizer.encode(PROMPT[0]["content"]))
+    grammar = Grammar.json_schema(SCHEMAS["nested"])
+    want = "".join(
+        r.text for r in stream_generate(model, tokenizer, tokens, max_tokens=120, grammar=grammar)
+    )
     with serve(model, tokenizer, spec) as running:
-        body = {
-            "model": "stories",
-            "messages": PROMPT,
-            "max_tokens": 20,
-            "response_format": {"type": "json_object"},
-            "speculative": {"method": "eagle"},
-        }
-        response = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60)
-        assert response.status_code == 400, response.text
-        error = response.json()["error"]
-        assert error["param"] == "speculative.method" and "trees" in error["message"]
-        body["speculative"] = {"method": "prompt_lookup"}
-        response = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60)
-        assert response.status_code == 200, response.text
+        completion = running.client().chat.completions.create(
+            model="stories",
+            messages=PROMPT,
+            max_tokens=120,
+            temperature=0,
+            response_format=response_format("nested"),
+            extra_body={"speculative": {"method": "eagle"}},
+        )
+        choice = completion.choices[0]
+        assert (choice.message.content, choice.finish_reason) == (want, "stop")
+        assert completion.usage.speculative["method"] == "eagle"
+        assert completion.usage.speculative["fast_forwarded_tokens"] > 0
 
 
 WEATHER = {
