@@ -11,26 +11,13 @@ import pytest
 from mlx_speculate.server.tool_parser import ToolParser
 from mlx_speculate.server.tools import PYTHONIC, call_grammar, parse_pythonic_calls, tool_format
 
-from .scripted import scripted
-from .serving import serve
-from .test_server_tools import ASK, TOOLS, ask, names_and_arguments, template_tokens
+from . import test_server_tools as served
+from .test_server_tools import ASK, TOOLS, ask, names_and_arguments
+
+# The scripted model under tests/templates/pythonic.jinja, shared with test_server_tools.
+pythonic, tokenizer_path = served.pythonic, served.tokenizer_path
 
 NAMES = {"get_weather", "get_time"}
-
-
-@pytest.fixture(scope="module")
-def pythonic(tokenizer_path):
-    model, tokenizer = scripted(tokenizer_path, "pythonic")
-    with serve(model, tokenizer, model_id="scripted") as running:
-        yield running, model, tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer_path():
-    from .helpers import SHARED, require
-    from .test_server_tools import BESIDE
-
-    return require(SHARED / "models" / "stories260K-llama", BESIDE)
 
 
 @pytest.mark.parametrize(
@@ -99,28 +86,6 @@ def test_pythonic_other_output_is_content(pythonic, said, stream):
     running, model, _ = pythonic
     model.say(said)
     assert ask(running, stream, tools=TOOLS) == (said, [], "stop")
-
-
-def test_pythonic_tool_result_continues(pythonic):
-    running, model, tokenizer = pythonic
-    model.say('[get_weather(city="Paris")]')
-    first = running.client().chat.completions.create(
-        model="scripted", messages=ASK, tools=TOOLS, temperature=0
-    )
-    message = first.choices[0].message
-    messages = [
-        *ASK,
-        message.model_dump(exclude_none=True),
-        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny, 24 C"},
-    ]
-    model.say("Sunny, 24 C.")
-    second = running.client().chat.completions.create(
-        model="scripted", messages=messages, tools=TOOLS, temperature=0
-    )
-    assert second.choices[0].message.content == "Sunny, 24 C."
-    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
-    prompt = tokenizer.decode(template_tokens(tokenizer, messages, TOOLS))
-    assert '[get_weather(city="Paris")]<|eot_id|>' in prompt
 
 
 def test_required_pythonic_call_follows_the_grammar(pythonic):

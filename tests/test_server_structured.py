@@ -118,18 +118,17 @@ def test_json_object(server):
             assert text.startswith("{")
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_greedy_equals_constrained_generate(server, stories, method):
-    model, tokenizer = stories
+def constrained_generate(model, tokenizer) -> str:
+    """`stream_generate`'s greedy answer under the "nested" schema, on the chat's text."""
     tokens = list(tokenizer.encode(PROMPT[0]["content"]))
     grammar = Grammar.json_schema(SCHEMAS["nested"])
-    want = "".join(
+    return "".join(
         r.text for r in stream_generate(model, tokenizer, tokens, max_tokens=120, grammar=grammar)
     )
-    speculative = {"method": method}
-    if method != "none":
-        speculative["num_draft_tokens"] = 3
-    completion = server.client().chat.completions.create(
+
+
+def nested_greedy(running, speculative: dict):
+    return running.client().chat.completions.create(
         model="stories",
         messages=PROMPT,
         max_tokens=120,
@@ -137,7 +136,15 @@ def test_greedy_equals_constrained_generate(server, stories, method):
         response_format=response_format("nested"),
         extra_body={"speculative": speculative},
     )
-    assert completion.choices[0].message.content == want
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_equals_constrained_generate(server, stories, method):
+    speculative = {"method": method}
+    if method != "none":
+        speculative["num_draft_tokens"] = 3
+    completion = nested_greedy(server, speculative)
+    assert completion.choices[0].message.content == constrained_generate(*stories)
     usage = completion.usage.speculative
     assert usage["fast_forwarded_tokens"] > 0  # `{"name": "` at least is forced
 
@@ -163,21 +170,10 @@ def test_tree_methods_work_under_a_grammar(stories):
     config = json.loads((SHARED / "models" / "stories260K-llama" / "config.json").read_text())
     head = random_eagle_head(config, 1, seed=3)
     spec = EagleSpec(heads=head, tree=EagleTree(16, 4, 4), num_draft_tokens=15)
-    tokens = list(tokenizer.encode(PROMPT[0]["content"]))
-    grammar = Grammar.json_schema(SCHEMAS["nested"])
-    want = "".join(
-        r.text for r in stream_generate(model, tokenizer, tokens, max_tokens=120, grammar=grammar)
-    )
     with serve(model, tokenizer, spec) as running:
-        completion = running.client().chat.completions.create(
-            model="stories",
-            messages=PROMPT,
-            max_tokens=120,
-            temperature=0,
-            response_format=response_format("nested"),
-            extra_body={"speculative": {"method": "eagle"}},
-        )
+        completion = nested_greedy(running, {"method": "eagle"})
         choice = completion.choices[0]
+        want = constrained_generate(model, tokenizer)
         assert (choice.message.content, choice.finish_reason) == (want, "stop")
         assert completion.usage.speculative["method"] == "eagle"
         assert completion.usage.speculative["fast_forwarded_tokens"] > 0

@@ -65,6 +65,13 @@ def llama(tokenizer_path):
         yield running, model, tokenizer
 
 
+@pytest.fixture(scope="module")
+def pythonic(tokenizer_path):
+    model, tokenizer = scripted(tokenizer_path, "pythonic")
+    with serve(model, tokenizer, model_id="scripted") as running:
+        yield running, model, tokenizer
+
+
 def ask(running, stream: bool = False, messages=ASK, **kwargs):
     """The assistant message (content, tool calls as dicts) and the finish reason, whole or
     put together from the stream's deltas (which must follow OpenAI's protocol)."""
@@ -347,9 +354,22 @@ def test_llama_other_output_is_content(llama, said, stream):
     assert ask(running, stream, tools=TOOLS) == (said, [], "stop")
 
 
-def test_llama_tool_result_continues(llama):
-    running, model, tokenizer = llama
-    model.say('{"name": "get_weather", "parameters": {"city": "Paris"}}')
+@pytest.mark.parametrize(
+    ("served", "said", "rendered"),
+    [
+        (
+            "llama",
+            '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+            "<|start_header_id|>ipython<|end_header_id|>\n\nsunny, 24 C<|eot_id|>",
+        ),
+        ("pythonic", '[get_weather(city="Paris")]', '[get_weather(city="Paris")]<|eot_id|>'),
+    ],
+)
+def test_whole_output_call_then_result_continues(request, served, said, rendered):
+    """In the formats whose whole output is the call (Llama 3.1 JSON, pythonic), the call and
+    its result go back through the template and the conversation goes on from the cache."""
+    running, model, tokenizer = request.getfixturevalue(served)
+    model.say(said)
     first = running.client().chat.completions.create(
         model="scripted", messages=ASK, tools=TOOLS, temperature=0
     )
@@ -365,8 +385,7 @@ def test_llama_tool_result_continues(llama):
     )
     assert second.choices[0].message.content == "Sunny, 24 C."
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
-    prompt = tokenizer.decode(template_tokens(tokenizer, messages, TOOLS))
-    assert "<|start_header_id|>ipython<|end_header_id|>\n\nsunny, 24 C<|eot_id|>" in prompt
+    assert rendered in tokenizer.decode(template_tokens(tokenizer, messages, TOOLS))
 
 
 @pytest.mark.parametrize(
