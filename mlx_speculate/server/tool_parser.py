@@ -121,13 +121,14 @@ class ToolParser:
         self.parallel = parallel
         self.calls = 0  # calls begun, kept or not
         self._buffer = ""
-        # outside (content), head (a call's head being read), arguments (streaming them),
-        # tail (after them: the call's "}" and its closer), whole (a call read to its end)
+        # outside (content, or between calls), head (a call's head being read), arguments
+        # (streaming them), tail (after them: the call's "}" and its closer), whole (a call
+        # read to its end), content (the rest of the output is content)
         self._state = "outside"
         self._json: JsonPrefix | None = None
         self._space = ""  # whitespace held back: dropped if a call follows
         self._after_call = False  # whitespace here is dropped: it only separates calls
-        self._decided = format_ == HERMES  # json: whether the output looked like calls yet
+        self._decided = format_ == HERMES  # json, pythonic: whether it looked like calls yet
 
     def feed(self, text: str) -> list[Piece]:
         self._buffer += text
