@@ -26,14 +26,23 @@ token is forced), found by walking one matcher along the chain and rolling it ba
   forced position is the forced token or the end of the drafter's part of the chain.
 - EOS is allowed only where the grammar accepts the output; the chain ends after one.
 
+A tree drafter's step (Medusa, EAGLE: `tree_guide`): the heads draft from the target's
+features at the pending position, so a forced run cannot come first. Where the grammar
+forces the next token, the step is the forced run alone (no draft; the drafter drafts again
+from the run's end). Otherwise the drafter's tree is walked depth first with the matcher,
+each node getting the mask of the grammar's state after its path; a node the grammar forbids
+is never accepted: with deterministic children (top-k heads) it is cut with its subtree,
+which changes nothing for the rule (its token has no mass under the mask: accepting it has
+probability 0 and rejecting it leaves the residual as it was); with sampled children it
+stays as a leaf that the rule rejects with certainty, as a chain's does. Below an EOS
+nothing is kept.
+
 Host synchronisation added per constrained step (on top of the loop's own, in decode.py):
   1. the matcher runs on the host, so the next step is built only once this one's tokens are
      read: a constrained plain step cannot be queued on the previous step's lazy token;
-  2. a draft model's proposal is read back (`tolist`) after drafting and before the verify
-     forward, to be walked by the matcher;
+  2. a draft model's proposal, or a tree drafter's tokens and tree (EAGLE's device tree), is
+     read back (`tolist`) after drafting and before the verify forward, to be walked;
   3. the masks are built on the host (numpy) and copied in as one (N, V) bool array.
-Only chain drafters fit (prompt lookup, a draft model): tree drafters (Medusa, EAGLE) read the
-target's features at the pending position, which a forced run moves, so they are refused.
 """
 
 from __future__ import annotations
@@ -45,12 +54,13 @@ import llguidance
 import mlx.core as mx
 import numpy as np
 
-from .drafters.base import Draft, Drafter
+from .drafters.base import Draft
 from .drafters.draft_model import DraftModelDrafter
 from .drafters.lookup import LookupDrafter
 from .grammar import Grammar, ll_tokenizer
 from .tree import Tree
 
+# Drafters whose chains a forced run may come before (see the module's docstring).
 CHAIN_DRAFTERS = (LookupDrafter, DraftModelDrafter)
 
 
@@ -62,15 +72,6 @@ class Guide:
     allowed: mx.array  # (N, V) bool: row i, the tokens allowed after node i
     forced: tuple[bool, ...]  # (N,) row i's token is forced (its mask is a point)
     drafted: int  # the drafter's tokens in the chain (forced positions not counted)
-
-
-def check_drafter(drafter: Drafter | None) -> None:
-    """Grammars work with no drafter or a chain drafter."""
-    if drafter is not None and not isinstance(drafter, CHAIN_DRAFTERS):
-        raise ValueError(
-            f"grammar= works with prompt lookup, a draft model or no drafter, not with "
-            f"{type(drafter).__name__} (it drafts trees)"
-        )
 
 
 class Constraint:
@@ -169,6 +170,54 @@ class Constraint:
             mx.array(np.stack(rows)),
             tuple(forced),
             drafted,
+        )
+
+    def tree_guide(self, propose: Callable[[], Draft | None], room: int) -> Guide:
+        """A tree drafter's step: the forced run where the grammar forces the next token (at
+        most `room` nodes), else `propose()`'s tree less what the grammar forbids."""
+        allowed, point = self._row()
+        if point is not None:
+            return self.guide((), None, 0, room)
+        draft = propose()
+        if draft is None:
+            return Guide(None, mx.array(allowed[None]), (False,), 0)
+        tree = draft.tree if isinstance(draft.tree, Tree) else draft.tree.host()
+        tokens = draft.tokens.tolist()  # sync: the tree, walked on the host
+        sampled = draft.logprobs is not None
+        anything = np.ones(self.vocab_size, dtype=bool)  # the row of a node never accepted
+        rows: dict[int, tuple[np.ndarray, bool]] = {0: (allowed, False)}
+
+        def visit(node: int) -> None:
+            for child in tree.children(node):
+                token = tokens[child - 1]
+                if not (0 <= token < self.vocab_size and rows[node][0][token]):
+                    if sampled:  # a leaf rejected with certainty (see the docstring)
+                        rows[child] = (anything, False)
+                    continue
+                if token in self._eos:  # nothing follows an EOS: its row is never read
+                    rows[child] = (anything, False)
+                    continue
+                if not self._matcher.consume_token(token):
+                    raise RuntimeError(f"the grammar refused token {token}")
+                row, forced = self._row()
+                rows[child] = (row, forced is not None)
+                visit(child)
+                self._matcher.rollback(1)
+
+        visit(0)
+        kept = sorted(rows)  # parents come before children, in the tree as in this order
+        logprobs = draft.logprobs
+        if logprobs is not None:  # by parent: the kept nodes that had children keep theirs
+            logprobs = logprobs[mx.array([i for i in kept if i < logprobs.shape[0]])]
+        pruned = None
+        if len(kept) > 1:
+            chosen = mx.array([tokens[i - 1] for i in kept[1:]], dtype=mx.int32)
+            pruned = Draft(chosen, tree.subtree(kept), logprobs)
+        return Guide(
+            pruned,
+            mx.array(np.stack([rows[i][0] for i in kept])),
+            tuple(rows[i][1] for i in kept),
+            len(kept) - 1,
         )
 
     def commit(self, tokens: Sequence[int]) -> None:

@@ -15,9 +15,9 @@ Host synchronisation, per step:
      lazy graph, scheduled with `mx.async_eval` as soon as it is built.
   2. Only when the rope type depends on the largest position (dynamic NTK, longrope) does a tree
      forward read that position back (models/base.py).
-  4. Under a grammar, its host-side matcher builds each step's chain and masks from the tokens
-     read at 1, and reads a draft model's tokens back before the verify forward
-     (constraint.py): no plain step is queued ahead then.
+  4. Under a grammar, its host-side matcher builds each step's chain or tree and masks from
+     the tokens read at 1, and reads a drafter's tokens (and EAGLE's tree) back before the
+     verify forward (constraint.py): no plain step is queued ahead then.
 When a plain step follows a plain one (always without a drafter; with one, when the policy
 chooses 0), step t+1 is queued on step t's lazy token before step t is read, as mlx-lm does, so
 host work overlaps the next forward. A draft model's chain step is followed the same way
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .cache import KVCache
-from .constraint import Constraint, Guide, masked
+from .constraint import CHAIN_DRAFTERS, Constraint, Guide, masked
 from .device import GENERATION_STREAM
 from .drafters.base import Draft, Drafter, TargetFeatures
 from .models.base import CausalLM
@@ -269,7 +269,7 @@ class Decoder:
         verified = step.features is not None
         guide = step.guide
         drafted = step.tree.num_nodes - 1 if guide is None else guide.drafted
-        forced = () if guide is None else guide.forced[: n + 1]
+        forced = () if guide is None else tuple(guide.forced[i] for i in path)
         return Step(tuple(tokens), drafted, logprobs, seconds, verified, forced)
 
 
@@ -296,16 +296,18 @@ class _Queue:
         decoder = self.decoder
         draft: Draft | None = None
         guide: Guide | None = None
-        if self.constraint is not None:
-            drafter, sampling = decoder.drafter, self.sampling
+        drafter = decoder.drafter
+        chain_drafter = drafter is None or isinstance(drafter, CHAIN_DRAFTERS)
+        if self.constraint is not None and chain_drafter:
+            sampling = self.sampling
             propose = None if drafter is None else lambda c, n: drafter.propose(c, n, sampling)
             guide = self.constraint.guide(decoder.context, propose, k, decoder.room())
             draft = guide.draft
-        elif decoder.drafter is not None and k > 0 and decoder.room() > 0:
-            k = min(k, decoder.context_room())
-            draft = decoder.drafter.propose(decoder.context, k, self.sampling)
-            if draft is not None:
-                draft = draft.limited(decoder.room())
+        elif self.constraint is not None:  # a tree drafter
+            guide = self.constraint.tree_guide(lambda: self._propose(k), decoder.room())
+            draft = guide.draft
+        else:
+            draft = self._propose(k)
         tree = ROOT if draft is None else draft.tree
         offset = decoder.cache.offset
         verified = verify(
@@ -328,6 +330,15 @@ class _Queue:
             offset, tree, acceptance, verified.logits, features, guide,
             None if chain is None else chain.tokens,
         )  # fmt: skip
+
+    def _propose(self, k: int) -> Draft | None:
+        """The drafter's draft of up to `k` tokens, cut to what the step may use."""
+        decoder = self.decoder
+        if decoder.drafter is None or k <= 0 or decoder.room() <= 0:
+            return None
+        k = min(k, decoder.context_room())
+        draft = decoder.drafter.propose(decoder.context, k, self.sampling)
+        return None if draft is None else draft.limited(decoder.room())
 
     def _follows(self) -> bool:
         """Whether a chain can be queued on the last one's lazy count: the drafter continues

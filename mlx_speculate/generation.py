@@ -11,7 +11,7 @@ import mlx.core as mx
 
 from . import arguments
 from .chat import plain_tokens
-from .constraint import Constraint, check_drafter
+from .constraint import Constraint
 from .decode import Decoder, PrefillCancelled
 from .device import wired_limit
 from .drafters import (
@@ -94,7 +94,7 @@ def stream_generate(
 
     `grammar` (`Grammar.json_schema(...)`, `.json_object()`, `.lark(...)`) constrains the
     output, with speculation still exact for the constrained distribution (constraint.py):
-    no drafter, prompt lookup or a draft model.
+    with any drafter (chains and trees alike).
 
     `drafter` is a method's spec (`LookupSpec()`, `DraftModelSpec(model=...)`, `MedusaSpec()`,
     `EagleSpec()`, ...) or a ready `Drafter`; `policy` chooses the draft length each step
@@ -196,7 +196,6 @@ class Session:
         tokenizer, decoder = self.tokenizer, self.decoder
         constraint = None
         if grammar is not None:
-            check_drafter(self.drafter)
             constraint = Constraint(grammar, tokenizer, self.model.args.vocab_size)
         tokens = plain_tokens(tokenizer, [prompt]) if isinstance(prompt, str) else list(prompt)
         if policy is None and self.drafter is not None:

@@ -13,8 +13,9 @@ import pytest
 
 from mlx_speculate.constraint import Constraint
 from mlx_speculate.convert import convert
-from mlx_speculate.drafters import Draft, DraftModelSpec, LookupSpec
+from mlx_speculate.drafters import Draft, DraftModelSpec, EagleSpec, LookupSpec, MedusaSpec
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
+from mlx_speculate.drafters.eagle import EagleTree
 from mlx_speculate.drafters.lookup import LookupDrafter
 from mlx_speculate.generation import stream_generate
 from mlx_speculate.grammar import Grammar, ll_tokenizer
@@ -23,8 +24,9 @@ from mlx_speculate.policy import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.tree import Tree
 
-from .helpers import SHARED, SMOLLM2_GGUF, decode, require
+from .helpers import SHARED, SMOLLM2_GGUF, decode, random_eagle_head, require
 from .markov import MarkovLM, assert_markov
+from .test_medusa import random_heads
 
 SCHEMAS = json.loads((Path(__file__).parent / "json_schemas.json").read_text())
 SAMPLE = ("nested_address", "array_of_objects", "point")  # the default run's schemas
@@ -192,15 +194,29 @@ def test_lark_grammar(stories):
     assert text in ("The answer is yes.", "The answer is no.")
 
 
-class TreeDrafter:
-    taps, max_draft = (), 4
+def tree_specs(target):
+    """Medusa and EAGLE-1 with random heads for the stories model: they draft trees."""
+    config = json.loads((SHARED / "models" / "stories260K-llama" / "config.json").read_text())
+    return {
+        "medusa": MedusaSpec(heads=random_heads(64, target.args.vocab_size, seed=3)),
+        "eagle": EagleSpec(heads=random_eagle_head(config, 1, seed=3), tree=EagleTree(16, 4, 4)),
+    }
 
 
-def test_tree_drafters_are_refused(stories):
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+@pytest.mark.parametrize("name", every_schema(("array_of_objects",)))
+def test_tree_drafters_under_a_grammar(stories, method, name):
+    """Trees drafted by heads, cut by the grammar: greedy output equals constrained greedy
+    token for token, and sampled output parses and validates."""
     target, tokenizer, _ = stories
-    with pytest.raises(ValueError, match="grammar= works with prompt lookup, a draft model or"):
-        next(stream_generate(target, tokenizer, STORY, grammar=Grammar.json_object(),
-                             drafter=TreeDrafter()))  # fmt: skip
+    schema = SCHEMAS[name]
+    prompt = tokenizer.encode(STORY)
+    reference = constrained_greedy(target, tokenizer, prompt, Grammar.json_schema(schema), 300)
+    spec = tree_specs(target)[method]
+    greedy = generate_json(target, tokenizer, prompt, schema, drafter=spec)
+    assert [r.token for r in greedy] == reference
+    assert greedy[-1].stats.drafted > 0  # some tree nodes survived the grammar
+    generate_json(target, tokenizer, prompt, schema, drafter=spec, temperature=0.8, seed=3)
 
 
 # Sampling: a Markov stand-in target under a grammar whose state is the previous token, so
@@ -233,6 +249,32 @@ class LetterTokenizer:
         return [ord(c) - ord("a") for c in text.decode() if "a" <= c <= "f"]
 
 
+class MarkovTreeDrafter:
+    """A tree drafter on DRAFT_TABLE: the `width` likeliest next letters, each followed by its
+    own likeliest one (deterministic children, as heads draft), so that the grammar both
+    forbids and forces some of the tree's nodes."""
+
+    taps = ()
+    max_draft = 6
+
+    def __init__(self, width: int = 3):
+        self.width = width
+
+    def extend(self, features) -> None:
+        pass
+
+    def rewind(self, length: int) -> None:
+        pass
+
+    def propose(self, context, k, sampling) -> Draft | None:
+        if k < 2:
+            return None
+        firsts = np.argsort(-DRAFT_TABLE[context[-1]])[: self.width].tolist()
+        seconds = [int(np.argmax(DRAFT_TABLE[t])) for t in firsts]
+        parents = [-1, *[0] * len(firsts), *range(1, len(firsts) + 1)]
+        return Draft(mx.array(firsts + seconds, dtype=mx.int32), Tree(tuple(parents)))
+
+
 @pytest.mark.parametrize(
     "drafter_kind, sampling",
     [
@@ -240,8 +282,9 @@ class LetterTokenizer:
         ("lookup", SamplingParams(temperature=1.0)),
         ("draft_model", SamplingParams(temperature=1.0)),
         ("draft_model", SamplingParams(temperature=0.7, top_k=3)),
+        ("tree", SamplingParams(temperature=1.0)),
     ],
-    ids=["none", "lookup", "draft_model", "draft_model-top_k"],
+    ids=["none", "lookup", "draft_model", "draft_model-top_k", "tree"],
 )
 def test_constrained_sampling_follows_masked_target(drafter_kind, sampling):
     mx.random.seed(5)
@@ -249,6 +292,7 @@ def test_constrained_sampling_follows_masked_target(drafter_kind, sampling):
         "none": None,
         "draft_model": DraftModelDrafter(MarkovLM(DRAFT_TABLE), V),
         "lookup": LookupDrafter(max_ngram=2),
+        "tree": MarkovTreeDrafter(),
     }[drafter_kind]
     constraint = Constraint(Grammar.lark(MARKOV_GRAMMAR), LetterTokenizer(), V)
     policy = FixedPolicy(0 if drafter is None else 3)
@@ -327,3 +371,40 @@ def test_guide_keeps_a_sampled_forbidden_draft_as_a_rejected_leaf():
     guide, _ = guide_for([4, 5, 1], logprobs=rows)
     q = np.exp(np.asarray(guide.draft.logprobs))
     assert np.allclose(q[0], 1 / V) and q[1].tolist() == [0, 0, 0, 0, 0, 1]
+
+
+# The tree one step verifies under a tree drafter, on the Markov grammar.
+
+
+def tree_guide_for(tokens, parents, context=(1,)):
+    constraint = Constraint(Grammar.lark(MARKOV_GRAMMAR), LetterTokenizer(), V)
+    constraint.commit(list(context))
+    proposed = []
+
+    def propose():
+        proposed.append(True)
+        return Draft(mx.array(tokens, dtype=mx.int32), Tree(tuple(parents)))
+
+    return constraint.tree_guide(propose, 8), proposed
+
+
+def test_tree_guide_cuts_forbidden_subtrees():
+    # Root "b"; children "a" (then "d": forbidden after "a", and "b"), "e" (then "f": forced
+    # after "e", and "c": forbidden), "c".
+    a, b, c, d, e, f = range(V)
+    guide, _ = tree_guide_for([a, e, c, d, b, f, c], [-1, 0, 0, 0, 1, 1, 2, 2])
+    assert guide.draft.tokens.tolist() == [a, e, c, b, f]
+    assert guide.draft.tree.parents == (-1, 0, 0, 0, 1, 2)
+    assert guide.drafted == 5
+    assert guide.forced == (False, False, True, False, False, False)
+    rows = guide.allowed.tolist()
+    assert rows[1] == ALLOWED[a].tolist() and rows[2] == ALLOWED[e].tolist()
+    assert rows[4] == ALLOWED[b].tolist()  # after "a", "b": the state after "b"
+
+
+def test_tree_guide_runs_a_forced_token_without_drafting():
+    # After "e" the grammar forces "f": the step is that forced run, the drafter is not asked
+    # (its features are those of the pending "e").
+    guide, proposed = tree_guide_for([0, 1], [-1, 0, 0], context=(1, 4))
+    assert not proposed
+    assert guide.draft.tokens.tolist() == [5] and guide.forced[0] and guide.drafted == 0

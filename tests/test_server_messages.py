@@ -5,6 +5,8 @@ model is the scripted stand-in under the Hermes-style test template (tests/scrip
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import pytest
@@ -136,6 +138,22 @@ def test_tool_use_blocks(served, stream):
     use = message.content[1]
     assert (use.name, use.input) == ("get_weather", {"city": "Paris"})
     assert use.id.startswith("toolu_") and message.stop_reason == "tool_use"
+
+
+def test_tool_input_streams_in_fragments(served):
+    """A tool_use block's input comes as many input_json_delta events as the model writes it;
+    the client's accumulator rebuilds it (its partial snapshots parse all along)."""
+    running, model, _ = served
+    arguments = {"city": "Paris", "note": "a long note to stretch the input out a little"}
+    model.say(hermes_call("get_weather", arguments))
+    args = {"model": "scripted", "max_tokens": 200, "messages": HI, "tools": [WEATHER]}
+    with client(running).messages.stream(**args) as events:
+        fragments = [e.partial_json for e in events if e.type == "input_json"]
+        message = events.get_final_message()
+    assert len(fragments) > 10
+    assert json.loads("".join(fragments)) == arguments
+    assert [(b.type, b.input) for b in message.content] == [("tool_use", arguments)]
+    assert message.stop_reason == "tool_use"
 
 
 def test_tool_result_continues_with_the_cache(served):

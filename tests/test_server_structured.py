@@ -118,18 +118,17 @@ def test_json_object(server):
             assert text.startswith("{")
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_greedy_equals_constrained_generate(server, stories, method):
-    model, tokenizer = stories
+def constrained_generate(model, tokenizer) -> str:
+    """`stream_generate`'s greedy answer under the "nested" schema, on the chat's text."""
     tokens = list(tokenizer.encode(PROMPT[0]["content"]))
     grammar = Grammar.json_schema(SCHEMAS["nested"])
-    want = "".join(
+    return "".join(
         r.text for r in stream_generate(model, tokenizer, tokens, max_tokens=120, grammar=grammar)
     )
-    speculative = {"method": method}
-    if method != "none":
-        speculative["num_draft_tokens"] = 3
-    completion = server.client().chat.completions.create(
+
+
+def nested_greedy(running, speculative: dict):
+    return running.client().chat.completions.create(
         model="stories",
         messages=PROMPT,
         max_tokens=120,
@@ -137,7 +136,15 @@ def test_greedy_equals_constrained_generate(server, stories, method):
         response_format=response_format("nested"),
         extra_body={"speculative": speculative},
     )
-    assert completion.choices[0].message.content == want
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_equals_constrained_generate(server, stories, method):
+    speculative = {"method": method}
+    if method != "none":
+        speculative["num_draft_tokens"] = 3
+    completion = nested_greedy(server, speculative)
+    assert completion.choices[0].message.content == constrained_generate(*stories)
     usage = completion.usage.speculative
     assert usage["fast_forwarded_tokens"] > 0  # `{"name": "` at least is forced
 
@@ -156,26 +163,20 @@ def test_bad_response_format_is_400(server, response_format, param):
     assert response.json()["error"]["param"] == (param or "response_format")
 
 
-def test_tree_methods_are_refused_under_a_grammar(stories):
+def test_tree_methods_work_under_a_grammar(stories):
+    """EAGLE drafts trees; under response_format the grammar cuts them, and the answer is
+    what constrained greedy decoding says."""
     model, tokenizer = stories
     config = json.loads((SHARED / "models" / "stories260K-llama" / "config.json").read_text())
     head = random_eagle_head(config, 1, seed=3)
     spec = EagleSpec(heads=head, tree=EagleTree(16, 4, 4), num_draft_tokens=15)
     with serve(model, tokenizer, spec) as running:
-        body = {
-            "model": "stories",
-            "messages": PROMPT,
-            "max_tokens": 20,
-            "response_format": {"type": "json_object"},
-            "speculative": {"method": "eagle"},
-        }
-        response = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60)
-        assert response.status_code == 400, response.text
-        error = response.json()["error"]
-        assert error["param"] == "speculative.method" and "trees" in error["message"]
-        body["speculative"] = {"method": "prompt_lookup"}
-        response = httpx.post(f"{running.url}/v1/chat/completions", json=body, timeout=60)
-        assert response.status_code == 200, response.text
+        completion = nested_greedy(running, {"method": "eagle"})
+        choice = completion.choices[0]
+        want = constrained_generate(model, tokenizer)
+        assert (choice.message.content, choice.finish_reason) == (want, "stop")
+        assert completion.usage.speculative["method"] == "eagle"
+        assert completion.usage.speculative["fast_forwarded_tokens"] > 0
 
 
 WEATHER = {

@@ -12,7 +12,7 @@ import pytest
 
 from mlx_speculate.chat import apply_chat_template
 from mlx_speculate.server.schemas import Message
-from mlx_speculate.server.tools import ToolParser
+from mlx_speculate.server.tool_parser import ToolParser
 
 from .helpers import SHARED, require
 from .scripted import scripted
@@ -61,6 +61,13 @@ def hermes(tokenizer_path):
 @pytest.fixture(scope="module")
 def llama(tokenizer_path):
     model, tokenizer = scripted(tokenizer_path, "llama31")
+    with serve(model, tokenizer, model_id="scripted") as running:
+        yield running, model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def pythonic(tokenizer_path):
+    model, tokenizer = scripted(tokenizer_path, "pythonic")
     with serve(model, tokenizer, model_id="scripted") as running:
         yield running, model, tokenizer
 
@@ -130,23 +137,85 @@ def test_text_around_parallel_calls(hermes, stream):
     assert names_and_arguments(calls) == [("get_weather", {"city": "Paris"})]
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+BAD_JSON = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+UNCLOSED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+MALFORMED = {  # a call that is not one, and whether that shows before its first delta
+    "bad-json": (BAD_JSON, False),
+    "unknown-tool": (hermes_call("launch_rocket", {"when": "now"}), True),
+    "no-name": ('<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>', True),
+    "list-arguments": (
+        '<tool_call>\n{"name": "get_weather", "arguments": [1]}\n</tool_call>',
+        True,
+    ),
+    "unclosed": (UNCLOSED, False),
+}
+
+
 @pytest.mark.parametrize(
-    "said",
+    ("said", "stream"),
     [
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',  # bad JSON
-        hermes_call("launch_rocket", {"when": "now"}),  # not an offered tool
-        '<tool_call>\n{"arguments": {"city": "Paris"}}\n</tool_call>',  # no name
-        '<tool_call>\n{"name": "get_weather", "arguments": [1]}\n</tool_call>',  # not an object
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',  # cut short
+        pytest.param(said, stream, id=f"{name}-{'streamed' if stream else 'whole'}")
+        for name, (said, early) in MALFORMED.items()
+        for stream in ([False, True] if early else [False])
     ],
-    ids=["bad-json", "unknown-tool", "no-name", "list-arguments", "unclosed"],
 )
 def test_malformed_calls_degrade_to_content(hermes, said, stream):
     running, model, _ = hermes
     model.say(said)
     content, calls, finish = ask(running, stream, tools=TOOLS)
     assert (content, calls, finish) == (said, [], "stop")
+
+
+@pytest.mark.parametrize(
+    ("said", "arguments", "content"),
+    [(BAD_JSON, '{"city": ', "}\n</tool_call>"), (UNCLOSED, '{"city": "Pa', None)],
+    ids=["bad-json", "unclosed"],
+)
+def test_streamed_call_broken_midway_is_truncated(hermes, said, arguments, content):
+    """A call that breaks after its first delta went out (streamed only; whole, it is content):
+    its arguments stop at the last character that kept them valid JSON, the rest is content."""
+    running, model, _ = hermes
+    model.say(said)
+    got, calls, finish = ask(running, True, tools=TOOLS)
+    assert (got, finish) == (content, "tool_calls")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("get_weather", arguments)
+    ]
+
+
+def test_streamed_call_arrives_in_fragments(hermes):
+    """The arguments stream as the model writes them: many deltas, not one at the end."""
+    running, model, _ = hermes
+    arguments = {"city": "Paris", "note": "a long note to stretch the arguments out a little"}
+    model.say(hermes_call("get_weather", arguments))
+    stream = running.client().chat.completions.create(
+        model="scripted", messages=ASK, tools=TOOLS, temperature=0, stream=True
+    )
+    deltas = [
+        call
+        for chunk in stream
+        for call in chunk.choices[0].delta.tool_calls or []
+    ]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert len(deltas) > 10
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == arguments
+
+
+def test_openai_stream_helper_rebuilds_the_call(hermes):
+    """The openai client's own stream accumulator puts the call together from the deltas."""
+    running, model, _ = hermes
+    model.say(f"Looking.\n{hermes_call('get_weather', {'city': 'Paris'})}")
+    with running.client().chat.completions.stream(
+        model="scripted", messages=ASK, tools=TOOLS, temperature=0
+    ) as stream:
+        for _ in stream:
+            pass
+        message = stream.get_final_completion().choices[0].message
+    assert message.content == "Looking."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
 
 
 def test_tool_choice_none_hides_the_tools(hermes):
@@ -276,12 +345,31 @@ def test_llama_json_call_comes_back_parsed(llama, said, stream):
 def test_llama_other_output_is_content(llama, said, stream):
     running, model, _ = llama
     model.say(said)
+    if stream and said.startswith('{"name"'):  # streamed, the call went out: it is cut short
+        calls = [("get_weather", '{"city": "Paris"}')]
+        content, got, finish = ask(running, stream, tools=TOOLS)
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in got] == calls
+        assert (content, finish) == (None, "tool_calls")
+        return
     assert ask(running, stream, tools=TOOLS) == (said, [], "stop")
 
 
-def test_llama_tool_result_continues(llama):
-    running, model, tokenizer = llama
-    model.say('{"name": "get_weather", "parameters": {"city": "Paris"}}')
+@pytest.mark.parametrize(
+    ("served", "said", "rendered"),
+    [
+        (
+            "llama",
+            '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+            "<|start_header_id|>ipython<|end_header_id|>\n\nsunny, 24 C<|eot_id|>",
+        ),
+        ("pythonic", '[get_weather(city="Paris")]', '[get_weather(city="Paris")]<|eot_id|>'),
+    ],
+)
+def test_whole_output_call_then_result_continues(request, served, said, rendered):
+    """In the formats whose whole output is the call (Llama 3.1 JSON, pythonic), the call and
+    its result go back through the template and the conversation goes on from the cache."""
+    running, model, tokenizer = request.getfixturevalue(served)
+    model.say(said)
     first = running.client().chat.completions.create(
         model="scripted", messages=ASK, tools=TOOLS, temperature=0
     )
@@ -297,8 +385,7 @@ def test_llama_tool_result_continues(llama):
     )
     assert second.choices[0].message.content == "Sunny, 24 C."
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
-    prompt = tokenizer.decode(template_tokens(tokenizer, messages, TOOLS))
-    assert "<|start_header_id|>ipython<|end_header_id|>\n\nsunny, 24 C<|eot_id|>" in prompt
+    assert rendered in tokenizer.decode(template_tokens(tokenizer, messages, TOOLS))
 
 
 @pytest.mark.parametrize(
@@ -352,21 +439,28 @@ def test_bad_tool_requests_are_400(hermes, change, param):
     ],
 )
 def test_parser_splits_the_same_whatever_the_chunks(format_, said):
-    """Streamed a character at a time, the output parses as it does whole."""
+    """Streamed a character at a time, the output parses as it does in one piece, and as it
+    does when each call is only read whole."""
 
-    def parse(chunks: list[str]) -> list:
-        parser = ToolParser(format_, {"get_weather", "get_time"})
+    def parse(chunks: list[str], eager: bool) -> list:
+        parser = ToolParser(format_, {"get_weather", "get_time"}, eager=eager)
         pieces = [p for chunk in chunks for p in parser.feed(chunk)] + parser.end()
         merged: list = []
         for piece in pieces:
             if isinstance(piece, str) and merged and isinstance(merged[-1], str):
                 merged[-1] += piece
-            else:
-                merged.append(piece if isinstance(piece, str) else (piece.name, piece.arguments))
-        return merged
+            elif isinstance(piece, str):
+                merged.append(piece)
+            elif piece.name is not None:  # a call begins
+                merged.append([piece.index, piece.name, piece.arguments])
+            else:  # more of the last call's arguments
+                assert merged[-1][0] == piece.index
+                merged[-1][2] += piece.arguments
+        return [p if isinstance(p, str) else (p[1], json.loads(p[2])) for p in merged]
 
-    whole = parse([said])
-    assert parse(list(said)) == whole
+    whole = parse([said], eager=False)
+    for eager in (False, True):
+        assert parse(list(said), eager) == whole
     assert any(isinstance(p, tuple) for p in whole) != (said.strip() == "plain text")
 
 

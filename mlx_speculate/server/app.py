@@ -23,7 +23,8 @@ from .gateway import Gateway
 from .metrics import Metrics
 from .responses import Completion
 from .schemas import ChatCompletionRequest, CompletionRequest
-from .tools import ToolParser, call_grammar, tool_format
+from .tool_parser import Tools
+from .tools import call_grammar, tool_format
 from .worker import Worker
 
 MAX_BODY = 8 * 1024 * 1024
@@ -104,7 +105,8 @@ def create_app(
                 raise APIError(400, "the model's chat template does not take tools", param="tools")
             offered = body.tools or []
             tools = [tool.as_template_input() for tool in offered]
-            parser = ToolParser(format_, [tool.function.name for tool in offered])
+            names = frozenset(tool.function.name for tool in offered)
+            parser = Tools(format_, names, body.parallel_tool_calls)
             if mode in ("required", "function"):
                 schemas = {t.function.name: t.arguments_schema() for t in offered}
                 if body.forced_tool is not None:
@@ -121,7 +123,6 @@ def create_app(
             body.top_count() is not None,
             body.stream and body.include_usage,
             tools=parser,
-            parallel_tool_calls=body.parallel_tool_calls,
         )
         return await gateway.respond(
             request, body, tokens, pool, completion, where="messages", grammar=grammar

@@ -104,13 +104,6 @@ class Gateway:
                 code="context_length_exceeded",
             )
         method, draft = speculation(body.speculative, pool)
-        if grammar is not None and method not in pool.constrainable:
-            raise APIError(
-                400,
-                f"structured output and required tool calls work with speculative methods "
-                f"{', '.join(sorted(pool.constrainable))}, not {method} (it drafts trees)",
-                param="speculative.method",
-            )
         try:
             sampling = body.sampling()
         except ValueError as e:  # pydantic checked the ranges; this is the sampler's word

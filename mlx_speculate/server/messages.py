@@ -2,8 +2,8 @@
 OpenAI routes: `POST /v1/messages` (whole or streamed) and `POST /v1/messages/count_tokens`.
 
 A streamed message follows Anthropic's event sequence: `message_start`, a `ping`, then per
-content block `content_block_start`, its `content_block_delta`s (`text_delta`, or one
-`input_json_delta` per tool call, sent whole once its text is complete) and
+content block `content_block_start`, its `content_block_delta`s (`text_delta`, or a tool
+call's `input_json_delta`s as the model writes its arguments: tool_parser.py) and
 `content_block_stop`; then `message_delta` (stop reason, final usage) and `message_stop`. A
 generation that fails midway ends with an `error` event. Usage counts `input_tokens` past the
 prefix cache and the cached ones as `cache_read_input_tokens`, as Anthropic's prompt caching.
@@ -26,7 +26,8 @@ from .messages_schemas import Conversation, MessagesRequest
 from .records import Delta, Failed, Finished, Job, Usage
 from .responses import usage_body
 from .sessions import SessionPool
-from .tools import ToolCall, ToolParser, call_grammar, tool_format
+from .tool_parser import CallDelta, Piece, Tools
+from .tools import call_grammar, tool_format
 
 
 def install(app: FastAPI, gateway: Gateway, authorized: Callable[..., None]) -> None:
@@ -46,7 +47,7 @@ def install(app: FastAPI, gateway: Gateway, authorized: Callable[..., None]) -> 
                 grammar = Grammar.json_schema(output.schema_)
             except ValueError as e:
                 raise APIError(400, str(e), param="output_config") from e
-        message = Message(gateway.model_id, len(tokens), parser, _parallel(body))
+        message = Message(gateway.model_id, len(tokens), parser)
         return await gateway.respond(
             request, body, tokens, pool, message, where="messages", grammar=grammar
         )
@@ -64,7 +65,7 @@ def _parallel(body: Conversation) -> bool:
 
 def _prompt(
     gateway: Gateway, pool: SessionPool, body: Conversation
-) -> tuple[list[int], ToolParser | None, Grammar | None]:
+) -> tuple[list[int], Tools | None, Grammar | None]:
     """The prompt's tokens, the parser of tool calls when the model may make them, and the
     grammar of the calls when one is required (tool_choice "any" or "tool")."""
     try:
@@ -78,7 +79,7 @@ def _prompt(
         raise APIError(400, "the model's chat template does not take tools", param="tools")
     tokens = gateway.chat_tokens(pool, messages, body.template_tools())
     tools = body.tools or []
-    parser = ToolParser(format_, [tool.name for tool in tools])
+    parser = Tools(format_, frozenset(tool.name for tool in tools), _parallel(body))
     if body.tool_mode not in ("any", "tool"):
         return tokens, parser, None
     schemas = {tool.name: tool.input_schema for tool in tools}
@@ -92,12 +93,13 @@ def _prompt(
     return tokens, parser, grammar
 
 
-def _tool_use(call: ToolCall) -> dict[str, Any]:
+def _tool_use(call: CallDelta) -> dict[str, Any]:
+    """The block of the call `call` starts (with its input whole, when it is not streamed)."""
     return {
         "type": "tool_use",
         "id": f"toolu_{call.id.removeprefix('call_')}",
         "name": call.name,
-        "input": json.loads(call.arguments),
+        "input": json.loads(call.arguments or "{}"),
     }
 
 
@@ -124,35 +126,18 @@ class Message:
         self,
         model: str,
         prompt_tokens: int,
-        tools: ToolParser | None,
-        parallel_tool_calls: bool = True,
+        tools: Tools | None,
     ):
         self.model = model
         self.prompt_tokens = prompt_tokens
         self.tools = tools
-        self.parallel_tool_calls = parallel_tool_calls
         self.id = f"msg_{uuid.uuid4().hex}"
         self.outcome = "cancelled"  # then the finish reason, or "error"
-        self.calls = 0
-
-    def _pieces(self, text: str, *, end: bool = False) -> list[str | ToolCall]:
-        """Content and calls in `text` (the rest, at the end); calls past the first are dropped
-        when parallel ones are not wanted."""
-        if self.tools is None:
-            return [text] if text else []
-        pieces = [*self.tools.feed(text), *(self.tools.end() if end else [])]
-        kept: list[str | ToolCall] = []
-        for piece in pieces:
-            if isinstance(piece, ToolCall):
-                if self.calls and not self.parallel_tool_calls:
-                    continue
-                self.calls += 1
-            kept.append(piece)
-        return kept
+        self.called = False  # whether the output held a tool call
 
     def _stop(self, end: Finished) -> tuple[str, str | None]:
         """Anthropic's stop_reason and stop_sequence."""
-        self.outcome = "tool_calls" if self.calls and end.reason == "stop" else end.reason
+        self.outcome = "tool_calls" if self.called and end.reason == "stop" else end.reason
         if self.outcome == "tool_calls":
             return "tool_use", None
         if end.reason == "length":
@@ -182,8 +167,13 @@ class Message:
                 return None, event
             else:
                 content: list[dict[str, Any]] = []
-                for piece in self._pieces("".join(text), end=True):
-                    if isinstance(piece, ToolCall):
+                pieces: list[Piece] = ["".join(text)] if text else []
+                if self.tools is not None:
+                    parser = self.tools.parser(eager=False)  # each call comes whole
+                    pieces = [*parser.feed("".join(text)), *parser.end()]
+                    self.called = parser.called
+                for piece in pieces:
+                    if isinstance(piece, CallDelta):
                         content.append(_tool_use(piece))
                     elif content and content[-1]["type"] == "text":
                         content[-1]["text"] += piece
@@ -200,44 +190,44 @@ class Message:
         start["usage"] = {"input_tokens": self.prompt_tokens, "output_tokens": 0}
         yield _event("message_start", {"type": "message_start", "message": start})
         yield _event("ping", {"type": "ping"})
+        parser = None if self.tools is None else self.tools.parser(eager=True)
         blocks = 0
-        text_open = False  # whether block `blocks - 1` is a text block still open
+        open_block: str | None = None  # "text" or "tool_use": block `blocks - 1`, still open
 
         def close() -> list[str]:
-            nonlocal text_open
-            if not text_open:
+            nonlocal open_block
+            if open_block is None:
                 return []
-            text_open = False
-            return [
-                _event("content_block_stop", {"type": "content_block_stop", "index": blocks - 1})
-            ]
+            open_block = None
+            body = {"type": "content_block_stop", "index": blocks - 1}
+            return [_event("content_block_stop", body)]
 
-        def pieces_events(pieces: list[str | ToolCall]) -> list[str]:
-            nonlocal blocks, text_open
+        def pieces_events(pieces: list[Piece]) -> list[str]:
+            nonlocal blocks, open_block
             events = []
             for piece in pieces:
-                if isinstance(piece, ToolCall):
+                if isinstance(piece, CallDelta) and piece.name is not None:
                     events += close()
-                    block = {**_tool_use(piece), "input": {}}
-                    events.append(_block_start(blocks, block))
-                    delta = {"type": "input_json_delta", "partial_json": piece.arguments}
-                    events.append(_block_delta(blocks, delta))
-                    events.append(
-                        _event(
-                            "content_block_stop", {"type": "content_block_stop", "index": blocks}
-                        )
-                    )
-                    blocks += 1
+                    events.append(_block_start(blocks, {**_tool_use(piece), "input": {}}))
+                    blocks, open_block = blocks + 1, "tool_use"
+                if isinstance(piece, CallDelta):
+                    if piece.arguments:
+                        delta = {"type": "input_json_delta", "partial_json": piece.arguments}
+                        events.append(_block_delta(blocks - 1, delta))
                     continue
-                if not text_open:
+                if open_block != "text":
+                    events += close()
                     events.append(_block_start(blocks, {"type": "text", "text": ""}))
-                    blocks, text_open = blocks + 1, True
+                    blocks, open_block = blocks + 1, "text"
                 events.append(_block_delta(blocks - 1, {"type": "text_delta", "text": piece}))
             return events
 
         async for event in job.events():
             if isinstance(event, Delta):
-                for chunk in pieces_events(self._pieces(event.text)):
+                if not event.text:
+                    continue
+                pieces = [event.text] if parser is None else parser.feed(event.text)
+                for chunk in pieces_events(pieces):
                     yield chunk
             elif isinstance(event, Failed) or event.reason == "cancelled":
                 self.outcome = "error" if isinstance(event, Failed) else "cancelled"
@@ -247,7 +237,9 @@ class Message:
                 status = 500 if isinstance(event, Failed) else 503
                 yield _event("error", anthropic_error_body(status, message))
             else:
-                for chunk in [*pieces_events(self._pieces("", end=True)), *close()]:
+                rest = [] if parser is None else parser.end()
+                self.called = parser is not None and parser.called
+                for chunk in [*pieces_events(rest), *close()]:
                     yield chunk
                 reason, sequence = self._stop(event)
                 delta = {"stop_reason": reason, "stop_sequence": sequence}

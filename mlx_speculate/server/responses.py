@@ -3,10 +3,11 @@
 Streaming follows OpenAI's protocol: one id for every chunk; in a chat, the role only in the
 first chunk; exactly one chunk with a `finish_reason`; with `stream_options.include_usage`, a
 last chunk with `choices: []` and the usage (and `usage: null` in the others); then
-`data: [DONE]`. Tool calls stream as OpenAI's `tool_calls` deltas, each call whole once its
-text is complete: its index, id and name, then its arguments; `finish_reason` is then
-"tool_calls". Usage carries the prompt-cache hits (`prompt_tokens_details.cached_tokens`)
-and, as an extension, what speculation did (`usage.speculative`).
+`data: [DONE]`. Tool calls stream as OpenAI's `tool_calls` deltas as the model writes them:
+the first names the call (index, id, type, name), the later ones carry fragments of its
+arguments (tool_parser.py says when and how); `finish_reason` is then "tool_calls". Usage
+carries the prompt-cache hits (`prompt_tokens_details.cached_tokens`) and, as an extension,
+what speculation did (`usage.speculative`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from .records import Delta, Failed, Finished, Job, TokenLogprob, Usage
-from .tools import Piece, ToolCall, ToolParser
+from .tool_parser import CallDelta, Piece, Tools
 
 DONE = "data: [DONE]\n\n"
 
@@ -90,8 +91,7 @@ class Completion:
         model: str,
         logprobs: bool,
         include_usage: bool = False,
-        tools: ToolParser | None = None,
-        parallel_tool_calls: bool = True,
+        tools: Tools | None = None,
     ):
         self.chat = chat
         self.model = model
@@ -102,23 +102,10 @@ class Completion:
         self.outcome = "cancelled"  # then the finish reason, or "error"
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
         self.tools = tools
-        self.parallel_tool_calls = parallel_tool_calls
-        self.calls: list[ToolCall] = []
-
-    def _split(self, pieces: list[Piece]) -> tuple[str, list[ToolCall]]:
-        """The content and the new calls in `pieces` (past the first, when calls are not
-        parallel, calls are dropped)."""
-        text, calls = [], []
-        for piece in pieces:
-            if isinstance(piece, str):
-                text.append(piece)
-            elif self.parallel_tool_calls or not self.calls:
-                calls.append(piece)
-                self.calls.append(piece)
-        return "".join(text), calls
+        self.called = False  # whether the output held a tool call
 
     def _finish_reason(self, reason: str) -> str:
-        return "tool_calls" if self.calls and reason == "stop" else reason
+        return "tool_calls" if self.called and reason == "stop" else reason
 
     def _envelope(self, object_: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -146,16 +133,20 @@ class Completion:
                 self.outcome = "error" if isinstance(event, Failed) else "cancelled"
                 return None, event
             else:
-                content = "".join(text)
+                content, calls = "".join(text), []
                 if self.tools is not None:
-                    content, _ = self._split([*self.tools.feed(content), *self.tools.end()])
+                    parser = self.tools.parser(eager=False)  # each call comes whole
+                    pieces = [*parser.feed(content), *parser.end()]
+                    self.called = parser.called
+                    content = "".join(p for p in pieces if isinstance(p, str))
+                    calls = [_call_body(p) for p in pieces if isinstance(p, CallDelta)]
                 self.outcome = reason = self._finish_reason(event.reason)
                 choice: dict[str, Any] = {"index": 0}
                 if self.chat:
                     choice["message"] = {"role": "assistant", "content": content}
-                    if self.calls:
+                    if calls:
                         choice["message"]["content"] = content or None
-                        choice["message"]["tool_calls"] = [_call_body(c) for c in self.calls]
+                        choice["message"]["tool_calls"] = calls
                 else:
                     choice["text"] = content
                 choice["logprobs"] = self._logprobs(entries)
@@ -185,20 +176,19 @@ class Completion:
         status line has long been sent), which OpenAI's clients raise as an APIError."""
         if self.chat:
             yield self._chunk({"role": "assistant", "content": ""}, None, None)
+        parser = None if self.tools is None else self.tools.parser(eager=True)
         offset = 0
         async for event in job.events():
             if isinstance(event, Delta):
                 if not event.text and event.logprob is None:
                     continue
                 entries = [] if event.logprob is None else [event.logprob]
-                text, calls = event.text, []
-                if self.tools is not None:
-                    text, calls = self._split(self.tools.feed(event.text))
-                if text or entries:
-                    delta = {"content": text} if self.chat else text
+                if parser is None:
+                    delta = {"content": event.text} if self.chat else event.text
                     yield self._chunk(delta, self._logprobs(entries, offset), None)
                     offset += sum(len(e.token) for e in entries)
-                for chunk in self._call_chunks(calls):
+                    continue
+                for chunk in self._piece_chunks(parser.feed(event.text), entries):
                     yield chunk
             elif isinstance(event, Failed):
                 self.outcome = "error"
@@ -208,12 +198,10 @@ class Completion:
                     error_body("the generation was cancelled", "server_error", None, "cancelled")
                 )
             else:
-                if self.tools is not None:
-                    text, calls = self._split(self.tools.end())
-                    if text:
-                        yield self._chunk({"content": text}, None, None)
-                    for chunk in self._call_chunks(calls):
+                if parser is not None:
+                    for chunk in self._piece_chunks(parser.end(), []):
                         yield chunk
+                    self.called = parser.called
                 self.outcome = reason = self._finish_reason(event.reason)
                 yield self._chunk({} if self.chat else "", None, reason)
                 if self.include_usage:
@@ -222,20 +210,27 @@ class Completion:
                     yield _sse(usage)
         yield DONE
 
-    def _call_chunks(self, calls: list[ToolCall]) -> list[str]:
-        """Each call as OpenAI streams one: its id and name, then its arguments."""
-        chunks = []
-        for call in calls:
-            index = self.calls.index(call)
-            head = {"index": index, "id": call.id, "type": "function"}
-            head["function"] = {"name": call.name, "arguments": ""}
-            chunks.append(self._chunk({"tool_calls": [head]}, None, None))
-            tail = {"index": index, "function": {"arguments": call.arguments}}
-            chunks.append(self._chunk({"tool_calls": [tail]}, None, None))
+    def _piece_chunks(self, pieces: list[Piece], entries: list[TokenLogprob]) -> list[str]:
+        """A chat's content and call deltas, in order; the token's log-probabilities go with
+        its content, or alone when it made none."""
+        chunks, text = [], "".join(p for p in pieces if isinstance(p, str))
+        if text or entries:
+            chunks.append(self._chunk({"content": text}, self._logprobs(entries), None))
+        for piece in pieces:
+            if isinstance(piece, CallDelta):
+                call: dict[str, Any] = {"index": piece.index}
+                if piece.name is not None:
+                    call |= {"id": piece.id, "type": "function"}
+                    call["function"] = {"name": piece.name, "arguments": piece.arguments}
+                elif piece.arguments:
+                    call["function"] = {"arguments": piece.arguments}
+                else:
+                    continue
+                chunks.append(self._chunk({"tool_calls": [call]}, None, None))
         return chunks
 
 
-def _call_body(call: ToolCall) -> dict[str, Any]:
+def _call_body(call: CallDelta) -> dict[str, Any]:
     return {
         "id": call.id,
         "type": "function",

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..constraint import CHAIN_DRAFTERS
 from ..drafters import DrafterSpec, LookupSpec, make_drafter
 from ..generation import Session
 from ..models.base import CausalLM
@@ -59,10 +58,6 @@ class SessionPool:
             if spec is not None
         }
         self.max_draft = {name: drafter.max_draft for name, drafter in drafters.items()}
-        # Methods whose drafts a grammar can constrain (chains; not trees).
-        self.constrainable = {NONE} | {
-            name for name, drafter in drafters.items() if isinstance(drafter, CHAIN_DRAFTERS)
-        }
         # One draft-length policy per method, shared by its sessions and kept across requests:
         # the costs and acceptance it measured hold for the next conversation too.
         self.policies: dict[str, Policy] = {}

@@ -1,5 +1,5 @@
-"""Tool calls in the model's own words: which format a chat template speaks, and a parser that
-splits the model's output, as it streams, into content and tool calls.
+"""Tool calls in the model's own words: which format a chat template speaks, how each format's
+calls parse (tool_parser.py splits streamed output with these), and the grammar of a call.
 
 Formats, chosen from the template's source:
   hermes  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks anywhere in the
@@ -9,6 +9,12 @@ Formats, chosen from the template's source:
           (or "arguments"), a list of them, or several separated by `;` or newlines, after an
           optional `<|python_tag|>` (Llama 3.1+), or in a ```json fence. This is also the
           fallback for any other template that takes `tools`.
+  pythonic  the whole output is a Python list of calls with keyword arguments,
+          `[get_weather(city="Paris"), get_time()]`, optionally in `<|python_start|>` ...
+          `<|python_end|>` (Llama 3.2's pythonic template, Llama 4: templates that show the
+          `[func_name1(params_name1=params_value1, ...)]` layout). It is read with `ast`,
+          never run: argument values are literals (strings, numbers, lists, dicts, and
+          True / False / None or JSON's true / false / null).
 A call that does not parse as a call of an offered tool (bad JSON, no name, a tool not
 offered, arguments that are not an object) is returned as content, as the model wrote it.
 
@@ -19,7 +25,9 @@ well-formed call however small the model.
 
 from __future__ import annotations
 
+import ast
 import json
+import keyword
 import re
 import uuid
 from collections.abc import Collection
@@ -28,10 +36,14 @@ from typing import Any
 
 from ..grammar import JSON_LAYOUT, Grammar
 
-HERMES, JSON = "hermes", "json"
+HERMES, JSON, PYTHONIC = "hermes", "json", "pythonic"
+FORMATS = (HERMES, JSON, PYTHONIC)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 FENCE = "```"
+# How a template shows the pythonic layout to the model.
+PYTHONIC_EXAMPLE = re.compile(r"\[func_name\d*\(")
 
 
 @dataclass(frozen=True)
@@ -39,9 +51,6 @@ class ToolCall:
     id: str
     name: str
     arguments: str  # a JSON object, as OpenAI sends it
-
-
-Piece = str | ToolCall  # content text, or a whole call
 
 
 def template_source(tokenizer) -> str | None:
@@ -53,17 +62,22 @@ def template_source(tokenizer) -> str | None:
 
 
 def tool_format(tokenizer) -> str | None:
-    """HERMES or JSON for a template that renders `tools`; None for one that ignores them."""
+    """The format (HERMES, JSON, PYTHONIC) of a template that renders `tools`; None for one
+    that ignores them."""
     source = template_source(tokenizer)
     if source is None or not re.search(r"\btools\b", source):
         return None
-    return HERMES if OPEN in source else JSON
+    if OPEN in source:
+        return HERMES
+    return PYTHONIC if PYTHONIC_EXAMPLE.search(source) else JSON
 
 
 def call_grammar(format_: str, tools: dict[str, dict[str, Any]], parallel: bool) -> Grammar:
     """A Lark grammar of output that is only calls in `format_` of `tools` (name -> JSON schema
-    of its arguments): one call, or with `parallel` one or more (hermes; the json format
-    writes one). A schema llguidance cannot compile is a ValueError."""
+    of its arguments): one call, or with `parallel` one or more (hermes and pythonic; the json
+    format writes one). A schema llguidance cannot compile is a ValueError."""
+    if format_ == PYTHONIC:
+        return _pythonic_grammar(tools, parallel)
     key = "arguments" if format_ == HERMES else "parameters"
     calls = [
         {
@@ -82,13 +96,52 @@ def call_grammar(format_: str, tools: dict[str, dict[str, Any]], parallel: bool)
     return Grammar.lark(f"start: {start}\ncall: {call}\nbody: %json {body}\n")
 
 
+def _pythonic_grammar(tools: dict[str, dict[str, Any]], parallel: bool) -> Grammar:
+    """`[name(key=value, ...)]`: each value a JSON value of its property's schema (JSON that
+    `parse_pythonic_calls` reads back), the schema's properties in its order, the required
+    ones always there; a schema without properties takes any keywords."""
+    calls = 'call (", " call)*' if parallel else "call"
+    rules = [f'start: "[" {calls} "]"']
+    rules.append("call: " + " | ".join(f"c{t}" for t in range(len(tools))))
+    for t, (name, schema) in enumerate(tools.items()):
+        properties = schema.get("properties")
+        for word in [name, *(properties if isinstance(properties, dict) else ())]:
+            if not word.isidentifier() or keyword.iskeyword(word):
+                raise ValueError(f"{word!r} cannot be a name in a pythonic call")
+        if not isinstance(properties, dict) or not properties:
+            any_value = json.dumps({"x-guidance": JSON_LAYOUT})
+            rules.append(f'c{t}: "{name}(" (k{t} (", " k{t})*)? ")"')
+            rules.append(f'k{t}: /[A-Za-z_][A-Za-z0-9_]*/ "=" v{t}')
+            rules.append(f"v{t}: %json {any_value}")
+            continue
+        required = set(schema.get("required", ()))
+        # f{t}_{i}: properties i.. when none came before; m{t}_{i}: the same after one did.
+        first, more = "", ""
+        for i in reversed(range(len(properties))):
+            key, value = list(properties.items())[i]
+            rules.append(f"v{t}_{i}: %json {json.dumps({**value, 'x-guidance': JSON_LAYOUT})}")
+            item = f'"{key}=" v{t}_{i}'
+            if key in required:
+                new_first, new_more = f"{item} {more}", f'", " {item} {more}'
+            else:
+                new_first = f"({item} {more})" + (f" | {first}" if first else "?")
+                new_more = f'(", " {item})? {more}'
+            rules.append(f"f{t}_{i}: {new_first}")
+            rules.append(f"m{t}_{i}: {new_more}")
+            first, more = f"f{t}_{i}", f"m{t}_{i}"
+        rules.append(f'c{t}: "{name}(" {first} ")"')
+    return Grammar.lark("\n".join(rules) + "\n")
+
+
+def call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def new_call(name: str, arguments: dict[str, Any]) -> ToolCall:
-    return ToolCall(
-        f"call_{uuid.uuid4().hex[:24]}", name, json.dumps(arguments, ensure_ascii=False)
-    )
+    return ToolCall(call_id(), name, json.dumps(arguments, ensure_ascii=False))
 
 
-def _call(value: Any, names: Collection[str]) -> ToolCall | None:
+def call_from(value: Any, names: Collection[str]) -> ToolCall | None:
     """The call `value` (decoded JSON) names, or None when it is not one of an offered tool."""
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
@@ -115,7 +168,7 @@ def parse_json_calls(text: str, names: Collection[str]) -> list[ToolCall] | None
         except json.JSONDecodeError:
             return None
         for item in value if isinstance(value, list) else [value]:
-            call = _call(item, names)
+            call = call_from(item, names)
             if call is None:
                 return None
             calls.append(call)
@@ -124,108 +177,53 @@ def parse_json_calls(text: str, names: Collection[str]) -> list[ToolCall] | None
     return calls or None
 
 
-def _partial_tail(text: str, marker: str) -> int:
-    """Length of the tail of `text` that could still grow into `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
+def parse_pythonic_calls(text: str, names: Collection[str]) -> list[ToolCall] | None:
+    """The calls `text` is made of in the pythonic format, or None when it is anything else.
+    The text is parsed, never evaluated."""
+    text = text.strip().removeprefix(PYTHON_TAG).removeprefix(PYTHON_START)
+    text = text.removesuffix(PYTHON_END).strip()
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError):  # ValueError: a NUL byte
+        return None
+    nodes = tree.elts if isinstance(tree, ast.List) else [tree]
+    calls = []
+    for node in nodes:
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in names
+            and not node.args
+            and all(k.arg is not None for k in node.keywords)
+        ):
+            return None
+        try:
+            arguments = {k.arg: _literal(k.value) for k in node.keywords}
+        except ValueError:
+            return None
+        calls.append(new_call(node.func.id, arguments))
+    return calls or None
 
 
-class ToolParser:
-    """Splits streamed output into content and calls of the tools named `names`. Whitespace
-    next to a call is dropped; other content comes out as soon as it cannot be part of one."""
+_NAMED = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
 
-    def __init__(self, format_: str, names: Collection[str]):
-        if format_ not in (HERMES, JSON):
-            raise ValueError(f"tool-call format {format_!r} is unknown (known: hermes, json)")
-        self.format = format_
-        self.names = set(names)
-        self._buffer = ""
-        self._inside = False  # hermes: within a <tool_call> block
-        self._mode: str | None = None  # json: None (undecided), "json" or "content"
-        self._space = ""  # whitespace held back: dropped if a call follows
-        self._called = False
-        self._after_call = False  # whitespace here is dropped: it only separates calls
 
-    def feed(self, text: str) -> list[Piece]:
-        self._buffer += text
-        if self.format == HERMES:
-            return self._hermes(final=False)
-        return self._json(final=False)
-
-    def end(self) -> list[Piece]:
-        """What is left once the output ended: an unclosed or unparsed call is content."""
-        pieces = self._hermes(final=True) if self.format == HERMES else self._json(final=True)
-        if self._space and not self._called:
-            pieces.append(self._space)
-        self._space = ""
-        return pieces
-
-    def _content(self, text: str, pieces: list[Piece]) -> None:
-        """Emits `text`, holding its trailing whitespace back (and, right after a call,
-        dropping its leading whitespace), so that chunking never changes the result."""
-        if self._after_call:
-            text = text.lstrip()
-            self._after_call = not text
-        body = text.rstrip()
-        if body:
-            pieces.append(self._space + body)
-            self._space = ""
-        self._space += text[len(body) :]
-
-    def _called_with(self, call: ToolCall, pieces: list[Piece]) -> None:
-        self._space = ""
-        self._called = self._after_call = True
-        pieces.append(call)
-
-    def _hermes(self, *, final: bool) -> list[Piece]:
-        pieces: list[Piece] = []
-        while True:
-            if not self._inside:
-                at = self._buffer.find(OPEN)
-                if at < 0:
-                    keep = 0 if final else _partial_tail(self._buffer, OPEN)
-                    self._content(self._buffer[: len(self._buffer) - keep], pieces)
-                    self._buffer = self._buffer[len(self._buffer) - keep :]
-                    return pieces
-                self._content(self._buffer[:at], pieces)
-                self._buffer, self._inside = self._buffer[at + len(OPEN) :], True
-            else:
-                at = self._buffer.find(CLOSE)
-                if at < 0:
-                    if final:
-                        self._content(OPEN + self._buffer, pieces)
-                        self._buffer = ""
-                    return pieces
-                body = self._buffer[:at]
-                self._buffer, self._inside = self._buffer[at + len(CLOSE) :], False
-                try:
-                    call = _call(json.loads(body), self.names)
-                except json.JSONDecodeError:
-                    call = None
-                if call is None:
-                    self._content(OPEN + body + CLOSE, pieces)
-                else:
-                    self._called_with(call, pieces)
-
-    def _json(self, *, final: bool) -> list[Piece]:
-        pieces: list[Piece] = []
-        if self._mode is None:
-            head = self._buffer.lstrip()
-            if head.startswith((PYTHON_TAG, FENCE, "{", "[")):
-                self._mode = "json"
-            elif head and not PYTHON_TAG.startswith(head) and not FENCE.startswith(head):
-                self._mode = "content"
-            elif not final:
-                return pieces
-        if self._mode == "json" and not final:
-            return pieces
-        calls = parse_json_calls(self._buffer, self.names) if self._mode == "json" else None
-        if calls is None:
-            self._content(self._buffer, pieces)
-        else:
-            for call in calls:
-                self._called_with(call, pieces)
-        self._buffer = ""
-        return pieces
+def _literal(node: ast.expr) -> Any:
+    """The JSON value a literal expression writes; ValueError for anything else."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, (str, int, float, type(None))):
+        return node.value
+    if isinstance(node, ast.Name) and node.id in _NAMED:
+        return _NAMED[node.id]
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value = _literal(node.operand)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError("a sign on something other than a number")
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        keys = [_literal(k) if k is not None else None for k in node.keys]
+        if not all(isinstance(k, str) for k in keys):
+            raise ValueError("a dict key that is not a string")
+        return {k: _literal(v) for k, v in zip(keys, node.values, strict=True)}
+    raise ValueError(f"{type(node).__name__} is not a literal")

@@ -1,0 +1,149 @@
+"""Pythonic tool calls (Llama 3.2's pythonic template, Llama 4): `[get_weather(city="Paris")]`
+read with `ast`, never run, with the real openai client against a scripted stand-in model
+under a template written in that style (tests/templates/pythonic.jinja)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlx_speculate.server.tool_parser import ToolParser
+from mlx_speculate.server.tools import PYTHONIC, call_grammar, parse_pythonic_calls, tool_format
+
+from . import test_server_tools as served
+from .test_server_tools import ASK, TOOLS, ask, names_and_arguments
+
+# The scripted model under tests/templates/pythonic.jinja, shared with test_server_tools.
+pythonic, tokenizer_path = served.pythonic, served.tokenizer_path
+
+NAMES = {"get_weather", "get_time"}
+
+
+@pytest.mark.parametrize(
+    ("text", "calls"),
+    [
+        ('[get_weather(city="Paris")]', [("get_weather", {"city": "Paris"})]),
+        (
+            '[get_weather(city="Paris", days=-3, hourly=True), get_time()]',
+            [("get_weather", {"city": "Paris", "days": -3, "hourly": True}), ("get_time", {})],
+        ),
+        (
+            "<|python_start|>[get_time(zone={'a': [1, 2.5, None, null, true]})]<|python_end|>",
+            [("get_time", {"zone": {"a": [1, 2.5, None, None, True]}})],
+        ),
+        ('get_time(zone="UTC")', [("get_time", {"zone": "UTC"})]),  # a lone call, no list
+    ],
+)
+def test_pythonic_calls_parse(text, calls):
+    parsed = parse_pythonic_calls(text, NAMES)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed] == calls
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[__import__("os").system("touch /tmp/pwned")]',  # parsed, never run: not a call of a tool
+        '[get_time(zone=__import__("os").getcwd())]',  # an argument that is not a literal
+        '[get_time("UTC")]',  # positional
+        "[get_time(**{'zone': 'UTC'})]",
+        '[launch(when="now")]',  # not offered
+        '[get_time(zone="UTC"]',  # bad syntax
+        "[]",
+        "Paris is sunny.",
+        "[get_time(zone=1 + 2)]",
+        "[get_time(zone={1: 2})]",
+    ],
+)
+def test_other_output_is_not_a_call(text):
+    assert parse_pythonic_calls(text, NAMES) is None
+
+
+def test_the_template_is_recognised(pythonic):
+    _, _, tokenizer = pythonic
+    assert tool_format(tokenizer) == PYTHONIC
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_pythonic_call_comes_back_parsed(pythonic, stream):
+    running, model, _ = pythonic
+    model.say('[get_weather(city="Paris"), get_time(zone="CET")]')
+    content, calls, finish = ask(running, stream, tools=TOOLS)
+    assert (content, finish) == (None, "tool_calls")
+    assert names_and_arguments(calls) == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {"zone": "CET"}),
+    ]
+    content, calls, _ = ask(running, stream, tools=TOOLS, parallel_tool_calls=False)
+    assert names_and_arguments(calls) == [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(
+    "said", ["It is sunny.", '[get_weather(city="Pa', '[os.system("ls")]', "[1, 2]"]
+)
+def test_pythonic_other_output_is_content(pythonic, said, stream):
+    running, model, _ = pythonic
+    model.say(said)
+    assert ask(running, stream, tools=TOOLS) == (said, [], "stop")
+
+
+def test_required_pythonic_call_follows_the_grammar(pythonic):
+    from mlx_speculate.grammar import ll_tokenizer
+
+    running, model, tokenizer = pythonic
+    # Tokenized as the grammar spells it (no SentencePiece dummy-prefix space in front).
+    model.script = ll_tokenizer(tokenizer).tokenize_str('[get_weather(city="Paris")]')
+    completion = running.client().chat.completions.create(
+        model="scripted",
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = [c.model_dump() for c in choice.message.tool_calls]
+    assert names_and_arguments(calls) == [("get_weather", {"city": "Paris"})]
+
+
+def test_pythonic_grammar_takes_exactly_calls_of_the_tools(tokenizer_path):
+    import llguidance
+
+    from mlx_speculate.grammar import ll_tokenizer
+    from mlx_speculate.loading import load_tokenizer
+
+    tables = ll_tokenizer(load_tokenizer(tokenizer_path))
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    schemas["ping"] = {"type": "object"}  # no properties: any keywords
+
+    def takes(text: str, parallel: bool = True) -> bool:
+        matcher = llguidance.LLMatcher(tables, call_grammar(PYTHONIC, schemas, parallel).source)
+        ids = tables.tokenize_str(text)
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+    good = [
+        '[get_weather(city="Paris")]',
+        "[get_time()]",
+        '[get_time(zone="CET")]',
+        '[ping(a=1, b={"x": [true, null]})]',
+    ]
+    for text in good:
+        assert takes(text) and parse_pythonic_calls(text, set(schemas)) is not None
+    assert takes('[get_weather(city="Paris"), get_time()]')
+    assert not takes('[get_weather(city="Paris"), get_time()]', parallel=False)
+    for text in ["[get_weather()]", "[get_weather(city=3)]", '[launch(x="y")]', "Sure."]:
+        assert not takes(text)
+    with pytest.raises(ValueError, match="pythonic"):
+        call_grammar(PYTHONIC, {"get-weather": {"type": "object"}}, True)
+
+
+def test_parser_reads_pythonic_output_whole_however_it_streams():
+    said = '[get_weather(city="Paris"), get_time()]'
+    for eager in (False, True):
+        parser = ToolParser(PYTHONIC, NAMES, eager=eager)
+        pieces = [p for c in said for p in parser.feed(c)] + parser.end()
+        assert [(p.name, json.loads(p.arguments)) for p in pieces] == [
+            ("get_weather", {"city": "Paris"}),
+            ("get_time", {}),
+        ]

@@ -1,0 +1,83 @@
+"""Structured output through the server on the 20 schemas of tests/json_schemas.json (nested
+objects, enums, arrays, numbers, refs, any_of, ...): every answer ends, parses and validates,
+at temperature 0 and 0.8, with prompt lookup and with a draft model, and the grammar's forced
+tokens are fast-forwarded. stories260K runs all 20 by default; SmolLM2 a sample (all under
+-m slow). The figures (fast-forwarded fraction, tokens per forward) are benchmarks/
+bench_grammar.py's."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from mlx_speculate.drafters import DraftModelSpec
+
+from .helpers import SHARED, SMOLLM2_GGUF, require
+from .serving import load_cached, serve
+
+SCHEMAS = json.loads((Path(__file__).parent / "json_schemas.json").read_text())
+BESIDE = "it ships beside the development checkout, not in the repository"
+SMOLLM2_SAMPLE = ("person",)
+RUNS = [(method, t) for method in ("prompt_lookup", "draft_model") for t in (0.0, 0.8)]
+
+
+@pytest.fixture(scope="module")
+def stories():
+    target = load_cached(require(SHARED / "models" / "stories260K-llama", BESIDE))
+    draft, draft_tokenizer = load_cached(
+        require(SHARED / "models" / "llama2xs281K-llama", BESIDE)
+    )
+    spec = DraftModelSpec(model=draft, tokenizer=draft_tokenizer)
+    with serve(*target, spec, model_id="local") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """SmolLM2 (float32) drafting for itself."""
+    from mlx_speculate.convert import convert
+    from mlx_speculate.loading import load
+
+    gguf = require(SMOLLM2_GGUF, "fetch it with benchmarks/fetch_smollm2.sh")
+    folder = convert(gguf, tmp_path_factory.mktemp("smollm2") / "f32", dtype="float32")
+    model, tokenizer = load(folder)
+    spec = DraftModelSpec(model=model, num_draft_tokens=4)
+    with serve(model, tokenizer, spec, model_id="local") as running:
+        yield running
+
+
+def answers(running, name: str, prompt: str) -> None:
+    schema = SCHEMAS[name]
+    for i, (method, temperature) in enumerate(RUNS):
+        completion = running.client(timeout=600).chat.completions.create(
+            model="local",
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=400,
+            temperature=temperature,
+            seed=i,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": name, "schema": schema},
+            },
+            extra_body={"speculative": {"method": method}},
+        )
+        choice, usage = completion.choices[0], completion.usage.speculative
+        assert choice.finish_reason == "stop", (method, temperature, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content), schema)
+        assert usage["method"] == method and usage["fast_forwarded_tokens"] > 0
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_stories_answers_validate(stories, name):
+    answers(stories, name, "Lily and Tom went to the park. They saw a big dog.")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=() if n in SMOLLM2_SAMPLE else pytest.mark.slow) for n in SCHEMAS],
+)
+def test_smollm2_answers_validate(smollm2, name):
+    answers(smollm2, name, f"Reply in JSON following this schema: {json.dumps(SCHEMAS[name])}")
