@@ -215,6 +215,19 @@ def test_a_padded_batch_answers_as_each_prompt_alone(family, seed):
     assert answer(model, prompts, limits, eos, SamplingParams(), mx.random.key(0)) == expected
 
 
+def test_self_samples_are_a_sampled_start_then_greedy(tmp_path):
+    model = tiny_model("llama", seed=1)
+    with pytest.raises(ValueError, match="need a sampled prefix"):
+        make_data(model, None, tmp_path, self_samples=2, sample_prefix=0, progress=False)
+    data = make_data(model, None, tmp_path, self_samples=3, sample_prefix=4, max_tokens=12,
+                     progress=False)  # fmt: skip
+    starts = [c.tokens[:5] for c in data]
+    assert len(set(starts)) == 3 and all(s[0] == 0 for s in starts)  # BOS (0), then drawn
+    for c in data:
+        assert c.answer == 1
+        assert list(c.tokens[5:]) == greedy_reference(model, list(c.tokens[:5]), 12)
+
+
 def test_a_sliding_window_model_batches_equal_lengths_only(tmp_path):
     model = tiny_model("gemma3_text")
     with pytest.raises(ValueError, match="equal-length prompts only"):

@@ -5,7 +5,9 @@ Prompts come from a JSON or JSONL file: a list of strings, or conversations in S
 form, whose turns up to the first assistant turn are the prompt. The target answers each with
 its chat template (greedy; `temperature` > 0 samples instead), `batch` prompts at a time in
 one left-padded batch (`answer`). A model without a chat template (the TinyStories models)
-writes its own samples from BOS instead (`self_samples`).
+writes its own samples from BOS instead (`self_samples`): `sample_prefix` tokens drawn at T=1
+so that the samples differ, then answered at `temperature` like a prompt (greedy by default:
+the text greedy decoding will see).
 
 `data.jsonl` holds one conversation a line, `{"tokens": [...], "answer": i}` (tokens from i on
 are the target's own), appended and flushed one at a time; a killed run resumes after the last
@@ -163,16 +165,21 @@ def make_data(
     *,
     prompts: Sequence[str | list[dict[str, str]]] = (),
     self_samples: int = 0,
+    sample_prefix: int = 16,
     max_tokens: int = 200,
     temperature: float = 0.0,
     seed: int = 0,
     batch: int = 16,
     progress: bool = True,
 ) -> list[Conversation]:
-    """Conversations for every prompt (or `self_samples` samples from BOS), resuming after
-    those already in `folder`; `batch` prompts at a time are answered together."""
+    """Conversations for every prompt (or `self_samples` samples from BOS: `sample_prefix`
+    tokens at T=1, then answered like a prompt), resuming after those already in `folder`;
+    `batch` prompts at a time are answered together."""
     if not prompts and self_samples <= 0:
         raise ValueError("give prompts, or self_samples > 0 for a model without a chat template")
+    sample_prefix = sample_prefix if self_samples else 0
+    if self_samples and sample_prefix == 0 and temperature == 0:
+        raise ValueError("greedy self samples need a sampled prefix (sample_prefix > 0)")
     if prompts and not has_chat_template(tokenizer):
         raise ValueError(
             "the model has no chat template: train it on its own samples (--self-samples N)"
@@ -187,7 +194,7 @@ def make_data(
     with file.open("w") as f:  # rewrite the complete lines, dropping a torn one
         for c in done:
             f.write(json.dumps({"tokens": list(c.tokens), "answer": c.answer}) + "\n")
-    sampling = SamplingParams(temperature=1.0 if self_samples else temperature)
+    sampling = SamplingParams(temperature=temperature)
     eos = list(getattr(tokenizer, "eos_token_ids", None) or [])
     from tqdm import tqdm
 
@@ -195,11 +202,16 @@ def make_data(
     with file.open("a") as f:
         for i, n in _batches(inputs, len(done), batch, _windowed(model)):
             ids = inputs[i : i + n]
-            room = [min(max_tokens, context - len(p)) for p in ids]
             key = mx.random.key(seed * 1_000_003 + i)
+            if sample_prefix:  # self samples: varied starts, drawn at T=1, with no end token
+                key, sub = mx.random.split(key)
+                prefix = answer(model, ids, [sample_prefix] * n, [], SamplingParams(1.0), sub)
+                ids = [p + q for p, q in zip(ids, prefix, strict=True)]
+            room = [min(max_tokens, context - len(p)) for p in ids]
             for prompt, out in zip(ids, answer(model, ids, room, eos, sampling, key), strict=True):
-                done.append(Conversation(tuple(prompt) + tuple(out), len(prompt)))
-                f.write(json.dumps({"tokens": list(done[-1].tokens), "answer": len(prompt)}) + "\n")
+                first = 1 if self_samples else len(prompt)  # all but BOS is the model's own
+                done.append(Conversation(tuple(prompt) + tuple(out), first))
+                f.write(json.dumps({"tokens": list(done[-1].tokens), "answer": first}) + "\n")
             f.flush()
             bar.update(n)
     bar.close()
