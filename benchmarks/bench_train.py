@@ -3,13 +3,15 @@ tau (tokens per verify forward) and tokens/s of the trained head against plain d
 
     # SmolLM2 EAGLE-1 from the 450 shared training prompts, tau on official-dev's prompts:
     python benchmarks/bench_train.py eagle1 --openblas
-    # stories260K EAGLE-3 from its own samples, tau on samples from BOS:
+    # stories260K EAGLE-3 from its own samples, tau on story openings, a chain and trees:
     python benchmarks/bench_train.py eagle3 --model ../shared/models/stories260K-llama \
-        --self-samples 400 --max-tokens 256
+        --self-samples 400 --max-tokens 256 --trees chain4 8,4,2 60,7,10 --eval-tokens 256
 
 Stages are cached under --work (default ~/.cache/mlx_speculate/train-bench): run again to
-resume, or delete it to start over. Tau uses the official 60/7/10 tree (--tree) with a fixed
-draft size; outputs are checked equal to plain greedy decoding.
+resume, or delete it to start over. Tau per EAGLE tree (--trees: `total,depth,top_k` or
+`chainK`; default the official 60/7/10) with a fixed draft size, interleaved with plain
+decoding and mlx-lm's plain decoding on the same folder; outputs are checked equal to plain
+greedy decoding.
 """
 
 from __future__ import annotations
@@ -46,6 +48,34 @@ def measure(model, tokenizer, prompts, max_tokens: int, **kwargs) -> tuple[float
     return tokens / seconds, (generated / forwards if forwards else 1.0), outputs
 
 
+def measure_mlx_lm(folder: str, prompts, max_tokens: int):
+    """mlx-lm's greedy tokens/s over all prompts (a function of no arguments)."""
+    import mlx_lm
+
+    model, tokenizer = mlx_lm.load(folder)
+
+    def run() -> tuple[float, float, list]:
+        tokens, start = 0, time.perf_counter()
+        for prompt in prompts:
+            tokens += sum(1 for _ in mlx_lm.stream_generate(model, tokenizer, prompt,
+                                                            max_tokens=max_tokens))  # fmt: skip
+        return tokens / (time.perf_counter() - start), 1.0, []
+
+    return run
+
+
+def parse_tree(text: str):
+    from mlx_speculate.drafters import EagleTree
+
+    if text.startswith("chain"):
+        return EagleTree.chain(int(text.removeprefix("chain")))
+    return EagleTree(*map(int, text.split(",")))
+
+
+STORY_OPENINGS = ("Once upon a time", "Lily and Tom went to the park. They",
+                  "The little dog was sad because", "One day, a big bird")  # fmt: skip
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=("eagle1", "eagle3", "medusa"))
@@ -58,10 +88,12 @@ def main(argv=None) -> None:
     parser.add_argument("--max-steps", type=int)
     parser.add_argument("--batch-tokens", type=int, default=2048)
     parser.add_argument("--draft-vocab", type=int, default=4096)
+    parser.add_argument("--sample-prefix", type=int, default=16)
     parser.add_argument("--work", type=Path, default=CACHE / "train-bench")
     parser.add_argument("--eval-prompts", type=int, default=10)
     parser.add_argument("--eval-tokens", type=int, default=128)
-    parser.add_argument("--tree", default="60,7,10", help="EAGLE tree total,depth,top_k")
+    parser.add_argument("--trees", nargs="+", default=["60,7,10"],
+                        help="EAGLE trees: total,depth,top_k or chainK")  # fmt: skip
     parser.add_argument("--runs", type=int, default=2)
     add_blas_argument(parser)
     args = parser.parse_args(argv)
@@ -69,7 +101,7 @@ def main(argv=None) -> None:
     header(f"training recipe: {args.kind}", blas)
 
     from mlx_speculate import load
-    from mlx_speculate.drafters import EagleSpec, EagleTree, MedusaSpec, make_drafter
+    from mlx_speculate.drafters import EagleSpec, MedusaSpec, make_drafter
     from mlx_speculate.policy import FixedPolicy
     from mlx_speculate.train.loop import TrainConfig
     from mlx_speculate.train.recipe import Recipe, train_head
@@ -83,7 +115,8 @@ def main(argv=None) -> None:
     config = TrainConfig(epochs=args.epochs, learning_rate=args.lr, max_steps=args.max_steps,
                          batch_tokens=args.batch_tokens)  # fmt: skip
     recipe = Recipe(args.kind, max_tokens=args.max_tokens, self_samples=args.self_samples,
-                    draft_vocab=args.draft_vocab, train=config)  # fmt: skip
+                    sample_prefix=args.sample_prefix, draft_vocab=args.draft_vocab,
+                    train=config)  # fmt: skip
     if not out.exists():
         result = train_head(args.kind, args.model, out, recipe=recipe,
                             prompts=None if args.self_samples else args.prompts,
@@ -102,30 +135,39 @@ def main(argv=None) -> None:
 
     model, tokenizer = load(args.model)
     if args.self_samples:
-        prompts = [[tokenizer.bos_token_id or 0]] * 1
+        prompts = [tokenizer.encode(text) for text in STORY_OPENINGS][: args.eval_prompts]
     else:
         official = json.loads((SHARED / "eagle" / "official-dev.json").read_text())["runs"]
         entries = official["eagle1-dynamic-tree"]["prompts"][: args.eval_prompts]
         prompts = [e["prompt_ids"] for e in entries]
+    rows = {"plain": {}}
     if args.kind == "medusa":
-        spec, size = MedusaSpec(heads=str(out)), 63
-    else:
-        total, depth, top_k = map(int, args.tree.split(","))
-        spec, size = EagleSpec(heads=str(out), tree=EagleTree(total, depth, top_k)), total - 1
-    drafter = make_drafter(spec, model)
-    rows = {"plain": {}, args.kind: {"drafter": drafter, "policy": FixedPolicy(size)}}
-    results = {k: [] for k in rows}
+        rows["medusa"] = {"drafter": make_drafter(MedusaSpec(heads=str(out)), model),
+                          "policy": FixedPolicy(63)}  # fmt: skip
+    for text in args.trees if args.kind != "medusa" else ():
+        tree = parse_tree(text)
+        rows[f"{args.kind} {text}"] = {
+            "drafter": make_drafter(EagleSpec(heads=str(out), tree=tree), model),
+            "policy": FixedPolicy(tree.total - 1),
+        }
+    theirs = measure_mlx_lm(args.model, prompts, args.eval_tokens)
+    results = {k: [] for k in [*rows, "mlx-lm plain"]}
     for round_ in range(args.runs + 1):  # round 0 warms up and is dropped
-        for key, kwargs in rows.items():
-            results[key].append(measure(model, tokenizer, prompts, args.eval_tokens, **kwargs))
+        for key in results:
+            if key == "mlx-lm plain":
+                results[key].append(theirs())
+            else:
+                kwargs = rows[key]
+                results[key].append(measure(model, tokenizer, prompts, args.eval_tokens, **kwargs))
             print(f"  round {round_} {key}: {results[key][-1][0]:.1f} tok/s", flush=True)
     plain = median([r[0] for r in results["plain"][1:]])
-    same = results[args.kind][-1][2] == results["plain"][-1][2]
-    print(f"\n{'method':<10} {'tok/s':>8} {'tau':>6} {'vs plain':>9}")
+    print(f"\n{'method':<22} {'tok/s':>8} {'tau':>6} {'vs plain':>9}  equal to plain")
     for key, values in results.items():
         tps, tau = median([v[0] for v in values[1:]]), median([v[1] for v in values[1:]])
-        print(f"{key:<10} {tps:>8.1f} {tau:>6.2f} {tps / plain:>8.2f}x")
-    print(f"greedy output with the head equals plain: {same}")
+        outputs = values[-1][2]
+        same = "-" if not outputs or key == "plain" else outputs == results["plain"][-1][2]
+        print(f"{key:<22} {tps:>8.1f} {tau:>6.2f} {tps / plain:>8.2f}x  {same}")
+    print("load average (1, 5, 15 min): " + ", ".join(f"{x:.1f}" for x in os.getloadavg()))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
 """Medusa: heads, published checkpoints, conversion, the drafter, and losslessness end to end."""
 
-import functools
 import json
 import sys
 
@@ -21,25 +20,28 @@ from mlx_speculate.heads.medusa import (
     convert_medusa_heads,
     load_medusa_heads,
     medusa_tree,
-    save_medusa_heads,
 )
 from mlx_speculate.loading import load, load_model
 from mlx_speculate.policy import FixedPolicy
 from mlx_speculate.sampling import SamplingParams, log_probs
-from mlx_speculate.train.medusa import fit_medusa_heads
-from mlx_speculate.train.rollout import sampled_prompts
+from mlx_speculate.train.data import read_conversations
+from mlx_speculate.train.loop import TrainConfig
+from mlx_speculate.train.recipe import Recipe, train_head
 from mlx_speculate.tree import Tree
 
 from .helpers import (
+    SHARED,
     assert_clear_argmax,
     decode,
     greedy_reference,
     random_weights,
+    require,
     tiny_config,
     tiny_model,
 )
 from .markov import MarkovLM, StubTokenizer, assert_markov, markov_statistic
 
+STORIES = SHARED / "models" / "stories260K-llama"
 GREEDY = SamplingParams()
 FAMILIES = ("llama", "qwen2", "phi3")
 PROMPT = [1, 5, 9, 33, 7, 2, 60]
@@ -130,34 +132,38 @@ def test_greedy_with_random_heads_equals_plain(family, k):
     assert sum(s.drafted for s in steps) > 0
 
 
+def train_heads(target, folder, samples: int, prefix: int, epochs: int) -> list[int]:
+    """Medusa heads (3) trained in `folder/heads` by the staged pipeline on `target`'s own
+    samples (`prefix` tokens drawn at T=1 after BOS, then 64 greedy ones); returns the first
+    sample's start: greedy decoding from it follows a continuation the heads were trained on."""
+    recipe = Recipe("medusa", self_samples=samples, sample_prefix=prefix, max_tokens=64,
+                    medusa_heads=3, train=TrainConfig(epochs=epochs, learning_rate=1e-2,
+                    warmup=5, batch_tokens=512, holdout=0.1, patience=epochs))  # fmt: skip
+    train_head("medusa", target, folder / "heads", cache=folder / "cache", recipe=recipe,
+               progress=False)  # fmt: skip
+    return list(read_conversations(folder / "cache")[0].tokens[: 1 + prefix])
+
+
 @pytest.fixture(scope="module")
-def fitted():
-    """Tiny targets with heads fitted to their own greedy continuations (of PROMPT among 48
-    random prompts), so that the heads are right often."""
+def fitted(tmp_path_factory):
+    """Tiny targets with heads trained on their own greedy samples, and a start whose greedy
+    continuation they were trained on, so that the heads are right often."""
     out = {}
-    prompts = [PROMPT, *np.random.default_rng(0).integers(0, 97, size=(48, 3)).tolist()]
     for family in FAMILIES:
         target = tiny_model(family, seed=TARGET_SEED[family])
-        heads = fit_medusa_heads(
-            target,
-            prompts,
-            num_heads=3,
-            length=64,
-            temperature=0.0,
-            steps=150,
-            batch_size=128,
-            learning_rate=1e-2,
-        )
-        out[family] = target, heads
+        folder = tmp_path_factory.mktemp(family)
+        start = train_heads(target, folder, samples=24, prefix=4, epochs=20)
+        heads = load_medusa_heads(folder / "heads", target)
+        out[family] = target, heads, start, folder / "heads"
     return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_with_fitted_heads_equals_plain(fitted, family):
-    target, heads = fitted[family]
-    reference = greedy_reference(target, PROMPT, 60)
-    assert_clear_argmax(target, PROMPT, reference)
-    tokens, steps, _ = decode(target, PROMPT, 60, MedusaDrafter(heads), FixedPolicy(FULL_TREE))
+    target, heads, start, _ = fitted[family]
+    reference = greedy_reference(target, start, 60)
+    assert_clear_argmax(target, start, reference)
+    tokens, steps, _ = decode(target, start, 60, MedusaDrafter(heads), FixedPolicy(FULL_TREE))
     assert tokens == reference
     # The fitted heads are right often, so multi-token acceptance is really exercised.
     assert tokens_per_forward(steps) > 1.5
@@ -165,9 +171,9 @@ def test_greedy_with_fitted_heads_equals_plain(fitted, family):
 
 
 def test_stream_generate_with_medusa_heads(fitted):
-    target, heads = fitted["llama"]
+    target, heads, start, _ = fitted["llama"]
     tokenizer = StubTokenizer()
-    prompt = " ".join(map(str, PROMPT))
+    prompt = " ".join(map(str, start))
     plain = [r.token for r in stream_generate(target, tokenizer, prompt, max_tokens=50)]
     responses = list(
         stream_generate(
@@ -187,7 +193,7 @@ def test_stream_generate_with_medusa_heads(fitted):
 
 
 def test_stream_generate_rejects_bad_combinations(fitted):
-    target, heads = fitted["llama"]
+    target, heads, _, _ = fitted["llama"]
     tokenizer = StubTokenizer()
     with pytest.raises(ValueError, match="one speculative method"):
         next(stream_generate(target, tokenizer, "1 2", medusa=heads, prompt_lookup=True))
@@ -201,26 +207,19 @@ def test_stream_generate_rejects_bad_combinations(fitted):
         next(stream_generate(target, tokenizer, "1 2", medusa=MedusaHeads(32, 97)))
 
 
-@functools.lru_cache
-def stories_with_heads(folder):
-    """The real stories260K target and heads fitted to it here, in a few seconds."""
-    model, tokenizer = load(folder)
-    prompts = sampled_prompts(model, [1], 32, 16)
-    heads = fit_medusa_heads(
-        model,
-        prompts,
-        num_heads=3,
-        length=64,
-        temperature=0.0,
-        steps=100,
-        batch_size=128,
-        learning_rate=1e-2,
-    )
-    return model, tokenizer, heads
+@pytest.fixture(scope="module")
+def stories_with_heads(tmp_path_factory):
+    """The real stories260K target, and a folder with heads trained on it here in seconds
+    (Medusa-1 layout)."""
+    model, tokenizer = load(require(STORIES, "it ships beside the development checkout"))
+    folder = tmp_path_factory.mktemp("stories")
+    train_heads(model, folder, samples=32, prefix=16, epochs=10)
+    return model, tokenizer, folder / "heads"
 
 
-def test_stories_greedy_with_fitted_heads(shared_models):
-    model, tokenizer, heads = stories_with_heads(shared_models / "stories260K-llama")
+def test_stories_greedy_with_fitted_heads(stories_with_heads):
+    model, tokenizer, folder = stories_with_heads
+    heads = load_medusa_heads(folder, model)
     for text in ("Once upon a time", "The little dog"):
         prompt = tokenizer.encode(text)
         reference = greedy_reference(model, prompt, 80)
@@ -235,11 +234,11 @@ def test_stories_greedy_with_fitted_heads(shared_models):
         assert out == reference[: len(out)]
 
 
-def test_stories_cli_with_converted_heads(shared_models, tmp_path, capsys):
-    """convert --medusa-path, then `generate --medusa` prints the plain greedy text."""
-    folder = shared_models / "stories260K-llama"
-    _, _, heads = stories_with_heads(folder)
-    save_medusa_heads(heads, tmp_path / "heads", {"base_model_name_or_path": str(folder)})
+def test_stories_cli_with_converted_heads(stories_with_heads, tmp_path, capsys):
+    """convert --medusa-path with the trained heads, then `generate --medusa` prints the plain
+    greedy text."""
+    _, _, heads = stories_with_heads
+    folder = STORIES
     dst = tmp_path / "mlx"
     assert (
         convert_main(
@@ -249,7 +248,7 @@ def test_stories_cli_with_converted_heads(shared_models, tmp_path, capsys):
                 "--mlx-path",
                 str(dst),
                 "--medusa-path",
-                str(tmp_path / "heads"),
+                str(heads),
             ]
         )
         == 0
@@ -508,16 +507,14 @@ def test_convert_with_heads_4bit_is_bounded(tmp_path):
     assert agree > 0.8
 
 
-def test_medusa_true_finds_heads_beside_the_converted_model(tmp_path):
-    src = write_hf_model(tmp_path / "hf", seed=TARGET_SEED["llama"])
-    model = tiny_model("llama", seed=TARGET_SEED["llama"])
-    prompts = np.random.default_rng(1).integers(0, 97, size=(32, 3)).tolist()
-    heads = fit_medusa_heads(model, prompts, num_heads=3, length=24, temperature=0.0, steps=60)
-    save_medusa_heads(heads, tmp_path / "fitted")
-    dst = convert(src, tmp_path / "mlx", medusa_path=tmp_path / "fitted")
+def test_medusa_true_finds_heads_beside_the_converted_model(fitted, tmp_path):
+    """The trained heads (Medusa-1 layout) go through the converter beside their target."""
+    src = write_hf_model(tmp_path / "hf", seed=TARGET_SEED["llama"])  # the fixture's weights
+    _, _, start, heads = fitted["llama"]
+    dst = convert(src, tmp_path / "mlx", medusa_path=heads)
     loaded, _ = load_model(dst)
     tokenizer = StubTokenizer()
-    prompt = " ".join(map(str, PROMPT))
+    prompt = " ".join(map(str, start))
     plain = [r.token for r in stream_generate(loaded, tokenizer, prompt, max_tokens=30)]
     responses = list(stream_generate(loaded, tokenizer, prompt, max_tokens=30, medusa=True))
     assert [r.token for r in responses] == plain

@@ -15,13 +15,14 @@ from mlx.utils import tree_flatten
 from mlx_speculate import generate, load
 from mlx_speculate.heads.eagle_format import load_eagle_heads
 from mlx_speculate.heads.medusa import load_medusa_heads
+from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.train import loop
 from mlx_speculate.train.__main__ import main
-from mlx_speculate.train.data import make_data, read_prompts
+from mlx_speculate.train.data import answer, make_data, read_prompts
 from mlx_speculate.train.loop import TrainConfig
 from mlx_speculate.train.recipe import Recipe, train_head
 
-from .helpers import SHARED, require, tiny_model
+from .helpers import SHARED, assert_clear_argmax, greedy_reference, require, tiny_model
 
 STORIES = SHARED / "models" / "stories260K-llama"
 SAMPLES = dict(self_samples=24, max_tokens=64)
@@ -193,6 +194,48 @@ def test_prompts_longer_than_the_context_and_answers_with_a_template(tmp_path):
     again = make_data(model, ChatStub(20), tmp_path, prompts=["a", "b", "c"], max_tokens=8,
                       progress=False)  # fmt: skip
     assert again == data  # read back from data.jsonl, not answered again
+
+
+# Seeds whose greedy continuations below keep a clear top-2 margin (asserted, not assumed).
+@pytest.mark.parametrize("family,seed", [("llama", 1), ("qwen2", 0), ("phi3", 2), ("qwen3", 1)])
+def test_a_padded_batch_answers_as_each_prompt_alone(family, seed):
+    """Prompts of four lengths in one left-padded batch: each row is plain greedy decoding of
+    its prompt, up to its own end token or length (rows leave the batch as they end)."""
+    model = tiny_model(family, seed)
+    prompts = [[1, 5, 9], [7, 2, 60, 33, 8, 11, 4, 90, 21], [42], [3, 3, 3, 3, 3, 3]]
+    references = [greedy_reference(model, p, 20) for p in prompts]
+    for p, r in zip(prompts, references, strict=True):
+        assert_clear_argmax(model, p, r)  # equal outputs are not a coin flip on near-ties
+    eos, limits = [references[1][5]], [20, 20, 12, 7]
+    expected = []
+    for r, limit in zip(references, limits, strict=True):
+        ends = [i + 1 for i, t in enumerate(r[:limit]) if t in eos]
+        expected.append(r[: min(ends + [limit])])
+    assert len({len(e) for e in expected}) == 4  # rows end at different steps
+    assert answer(model, prompts, limits, eos, SamplingParams(), mx.random.key(0)) == expected
+
+
+def test_self_samples_are_a_sampled_start_then_greedy(tmp_path):
+    model = tiny_model("llama", seed=1)
+    with pytest.raises(ValueError, match="need a sampled prefix"):
+        make_data(model, None, tmp_path, self_samples=2, sample_prefix=0, progress=False)
+    data = make_data(model, None, tmp_path, self_samples=3, sample_prefix=4, max_tokens=12,
+                     progress=False)  # fmt: skip
+    starts = [c.tokens[:5] for c in data]
+    assert len(set(starts)) == 3 and all(s[0] == 0 for s in starts)  # BOS (0), then drawn
+    for c in data:
+        assert c.answer == 1
+        assert list(c.tokens[5:]) == greedy_reference(model, list(c.tokens[:5]), 12)
+
+
+def test_a_sliding_window_model_batches_equal_lengths_only(tmp_path):
+    model = tiny_model("gemma3_text")
+    with pytest.raises(ValueError, match="equal-length prompts only"):
+        answer(model, [[1, 2], [3]], [4, 4], [], SamplingParams(), mx.random.key(0))
+    data = make_data(model, ChatStub(9), tmp_path, prompts=["a", "b"], max_tokens=6,
+                     progress=False)  # fmt: skip
+    alone = tuple(greedy_reference(model, list(data[0].tokens[:9]), 6))
+    assert [c.tokens[9:] for c in data] == [alone, alone]
 
 
 def test_saved_heads_have_the_official_keys_shapes_and_dtypes(tmp_path):

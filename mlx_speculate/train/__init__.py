@@ -2,6 +2,5 @@
 
 `python -m mlx_speculate.train {eagle1,eagle3,medusa}` (`__main__.py`) runs `recipe.train_head`:
 data (`data.py`), features (`features.py`), training (`loop.py` with the losses of
-`objectives.py`), each cached and resumable. `medusa.py` and `rollout.py` fit Medusa heads in
-memory from rollouts (the quick path the Medusa tests and benchmark use).
+`objectives.py`), each cached and resumable.
 """

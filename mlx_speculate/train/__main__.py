@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..cli import INTERRUPTED, fail, non_negative_float, positive_int, prog
+from ..cli import INTERRUPTED, fail, non_negative_float, non_negative_int, positive_int, prog
 from .loop import TrainConfig
 from .recipe import KINDS, Recipe, train_head
 
@@ -21,6 +21,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="JSON/JSONL: strings, ShareGPT or `messages` items")
     p.add_argument("--self-samples", type=positive_int, default=0,
                    help="train on N samples from BOS (models without a chat template)")  # fmt: skip
+    p.add_argument("--sample-prefix", type=non_negative_int, default=16,
+                   help="self samples: tokens drawn at T=1 before answering")  # fmt: skip
     p.add_argument("--out", required=True, help="a new folder for the head (official layout)")
     p.add_argument("--cache", help="where stages are cached (default: OUT.cache)")
     p.add_argument("--max-tokens", type=positive_int, default=200, help="answer length")
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         recipe = Recipe(
             args.kind, max_tokens=args.max_tokens, temperature=args.temperature,
-            self_samples=args.self_samples, top_k=args.top_k, draft_vocab=args.draft_vocab,
+            self_samples=args.self_samples, sample_prefix=args.sample_prefix, top_k=args.top_k,
+            draft_vocab=args.draft_vocab,
             taps=None if args.taps is None else tuple(args.taps), ttt_steps=args.ttt_steps,
             medusa_heads=args.medusa_heads, medusa_layers=args.medusa_layers, train=config,
         )  # fmt: skip

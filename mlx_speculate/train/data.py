@@ -3,8 +3,11 @@
 Prompts come from a JSON or JSONL file: a list of strings, or conversations in ShareGPT
 (`{"conversations": [{"from": "human", "value": ...}]}`) or OpenAI (`{"messages": [...]}`)
 form, whose turns up to the first assistant turn are the prompt. The target answers each with
-its chat template (greedy; `temperature` > 0 samples instead). A model without a chat template
-(the TinyStories models) writes its own samples from BOS instead (`self_samples`).
+its chat template (greedy; `temperature` > 0 samples instead), `batch` prompts at a time in
+one left-padded batch (`answer`). A model without a chat template (the TinyStories models)
+writes its own samples from BOS instead (`self_samples`): `sample_prefix` tokens drawn at T=1
+so that the samples differ, then answered at `temperature` like a prompt (greedy by default:
+the text greedy decoding will see).
 
 `data.jsonl` holds one conversation a line, `{"tokens": [...], "answer": i}` (tokens from i on
 are the target's own), appended and flushed one at a time; a killed run resumes after the last
@@ -22,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..chat import apply_chat_template, has_chat_template
-from ..models.base import CausalLM
+from ..models.base import CausalLM, additive_mask
 from ..sampling import SamplingParams, pick
 
 DATA_FILE = "data.jsonl"
@@ -88,29 +91,56 @@ def _prompt(item: Any, index: int, path: Path) -> str | list[dict[str, str]]:
 def answer(
     model: CausalLM,
     prompts: Sequence[Sequence[int]],
-    max_tokens: int,
+    max_tokens: Sequence[int],
     eos: Sequence[int],
     sampling: SamplingParams,
     key: mx.array,
 ) -> list[list[int]]:
-    """The target's own continuations of equal-length `prompts`, in one batch (greedy unless
-    `sampling` says otherwise), each up to and including its first end token. One sync per
-    token: it stops when every row has ended."""
+    """The target's own continuations of `prompts` (any lengths), in one batch (greedy unless
+    `sampling` says otherwise), each up to and including its first end token or
+    `max_tokens[i]` tokens.
+
+    Prompts are left-padded: no query sees a pad's key, and each row's rotary positions count
+    from its own first token, so a row decodes as it would alone. A row that ends leaves the
+    batch (its cache rows are dropped), so the step shrinks with the live rows. One host sync
+    per token (the picked tokens); the batch and the cache capacity are the only shapes.
+    A sliding-window model takes equal lengths only: its window is measured in cache slots.
+    """
+    if _windowed(model) and len({len(p) for p in prompts}) > 1:
+        raise ValueError("a sliding-window model answers equal-length prompts only in a batch")
+    longest = max(len(p) for p in prompts)
+    pads = mx.array([longest - len(p) for p in prompts], dtype=mx.int32)[:, None]  # (B, 1)
+    dtype = model.compute_dtype
+    cols = mx.arange(longest, dtype=mx.int32)[None]  # (1, P)
+    real = cols >= pads  # (B, P): the keys that are not padding
+    causal = mx.tril(mx.ones((longest, longest), dtype=mx.bool_))
+    # A pad's query sees itself only (its output is never read; a row must not be all -inf).
+    allowed = causal & (real[:, None, :] | mx.eye(longest, dtype=mx.bool_))  # (B, P, P)
+    tokens = mx.array([[0] * (longest - len(p)) + list(p) for p in prompts])  # (B, P)
     cache = model.make_cache()
-    logits = model(mx.array([list(p) for p in prompts]), cache).logits[:, -1]  # (B, V)
+    logits = model(tokens, cache, positions=mx.maximum(cols - pads, 0),
+                   mask=additive_mask(allowed, dtype)[:, None]).logits[:, -1]  # fmt: skip
     rows: list[list[int]] = [[] for _ in prompts]
-    ended = [False] * len(prompts)
-    for _ in range(max_tokens):
+    live = list(range(len(prompts)))  # the prompt each batch row answers
+    while True:
         key, sub = mx.random.split(key)
         token, _ = pick(logits, sampling, sub)  # (B,)
+        keep = []
         for b, t in enumerate(token.tolist()):
-            if not ended[b]:
-                rows[b].append(t)
-                ended[b] = t in eos
-        if all(ended):
-            break
-        logits = model(token[:, None], cache).logits[:, -1]
-    return rows
+            i = live[b]
+            rows[i].append(t)
+            if t not in eos and len(rows[i]) < max_tokens[i]:
+                keep.append(b)
+        if not keep:
+            return rows
+        if len(keep) < len(live):
+            index = mx.array(keep)
+            cache.set_arrays([a[index] for a in cache.state])
+            token, pads, live = token[index], pads[index], [live[b] for b in keep]
+        positions = mx.array([len(prompts[i]) + len(rows[i]) - 1 for i in live])[:, None]
+        slots = mx.arange(cache.offset + 1, dtype=mx.int32)[None]  # (1, offset + 1)
+        mask = additive_mask(slots >= pads, dtype)[:, None, None]  # (B, 1, 1, offset + 1)
+        logits = model(token[:, None], cache, positions=positions, mask=mask).logits[:, -1]
 
 
 def read_conversations(folder: Path) -> list[Conversation]:
@@ -135,16 +165,21 @@ def make_data(
     *,
     prompts: Sequence[str | list[dict[str, str]]] = (),
     self_samples: int = 0,
+    sample_prefix: int = 16,
     max_tokens: int = 200,
     temperature: float = 0.0,
     seed: int = 0,
     batch: int = 16,
     progress: bool = True,
 ) -> list[Conversation]:
-    """Conversations for every prompt (or `self_samples` samples from BOS), resuming after
-    those already in `folder`; up to `batch` prompts of one length are answered at once."""
+    """Conversations for every prompt (or `self_samples` samples from BOS: `sample_prefix`
+    tokens at T=1, then answered like a prompt), resuming after those already in `folder`;
+    `batch` prompts at a time are answered together."""
     if not prompts and self_samples <= 0:
         raise ValueError("give prompts, or self_samples > 0 for a model without a chat template")
+    sample_prefix = sample_prefix if self_samples else 0
+    if self_samples and sample_prefix == 0 and temperature == 0:
+        raise ValueError("greedy self samples need a sampled prefix (sample_prefix > 0)")
     if prompts and not has_chat_template(tokenizer):
         raise ValueError(
             "the model has no chat template: train it on its own samples (--self-samples N)"
@@ -159,28 +194,48 @@ def make_data(
     with file.open("w") as f:  # rewrite the complete lines, dropping a torn one
         for c in done:
             f.write(json.dumps({"tokens": list(c.tokens), "answer": c.answer}) + "\n")
-    sampling = SamplingParams(temperature=1.0 if self_samples else temperature)
+    sampling = SamplingParams(temperature=temperature)
     eos = list(getattr(tokenizer, "eos_token_ids", None) or [])
     from tqdm import tqdm
 
     bar = tqdm(total=len(inputs), initial=len(done), desc="data", disable=not progress)
     with file.open("a") as f:
-        i = len(done)
-        while i < len(inputs):
-            # A batch of the next prompts of one length (all of them, for samples from BOS).
-            n = next((j for j in range(1, batch) if i + j >= len(inputs)
-                      or len(inputs[i + j]) != len(inputs[i])), batch)  # fmt: skip
+        for i, n in _batches(inputs, len(done), batch, _windowed(model)):
             ids = inputs[i : i + n]
-            room = min(max_tokens, context - len(ids[0]))
             key = mx.random.key(seed * 1_000_003 + i)
+            if sample_prefix:  # self samples: varied starts, drawn at T=1, with no end token
+                key, sub = mx.random.split(key)
+                prefix = answer(model, ids, [sample_prefix] * n, [], SamplingParams(1.0), sub)
+                ids = [p + q for p, q in zip(ids, prefix, strict=True)]
+            room = [min(max_tokens, context - len(p)) for p in ids]
             for prompt, out in zip(ids, answer(model, ids, room, eos, sampling, key), strict=True):
-                done.append(Conversation(tuple(prompt) + tuple(out), len(prompt)))
-                f.write(json.dumps({"tokens": list(done[-1].tokens), "answer": len(prompt)}) + "\n")
+                first = 1 if self_samples else len(prompt)  # all but BOS is the model's own
+                done.append(Conversation(tuple(prompt) + tuple(out), first))
+                f.write(json.dumps({"tokens": list(done[-1].tokens), "answer": first}) + "\n")
             f.flush()
             bar.update(n)
-            i += n
     bar.close()
     return done
+
+
+def _windowed(model: CausalLM) -> bool:
+    return model.args.sliding_window is not None and any(model.args.sliding_layers())
+
+
+def _batches(
+    inputs: list[list[int]], start: int, size: int, same_length: bool
+) -> Iterator[tuple[int, int]]:
+    """(first, count) of each batch from `start` on: `size` prompts (of one length when
+    `same_length`)."""
+    i = start
+    while i < len(inputs):
+        n = 1
+        while n < size and i + n < len(inputs) and (
+            not same_length or len(inputs[i + n]) == len(inputs[i])
+        ):
+            n += 1
+        yield i, n
+        i += n
 
 
 def _inputs(tokenizer, prompts, self_samples: int) -> Iterator[list[int]]:

@@ -22,13 +22,12 @@ import numpy as np
 
 from ..heads.eagle import Eagle1Head, Eagle3Head, EagleConfig
 from ..heads.eagle_format import save_official
-from ..heads.medusa import save_medusa1
+from ..heads.medusa import MedusaHeads, save_medusa1
 from ..loading import load
 from ..models.base import CausalLM
 from .data import make_data, read_prompts
 from .features import Features, make_features
 from .loop import TrainConfig, train
-from .medusa import init_heads
 from .objectives import eagle1_loss, eagle3_loss, medusa_loss
 
 KINDS = ("eagle1", "eagle3", "medusa")
@@ -40,6 +39,7 @@ class Recipe:
     max_tokens: int = 200  # answer length
     temperature: float = 0.0  # answers: greedy, or sampled
     self_samples: int = 0  # samples from BOS instead of prompts
+    sample_prefix: int = 16  # self samples: tokens drawn at T=1 before answering at temperature
     top_k: int = 16  # target logits kept per token
     draft_vocab: int = 32000  # EAGLE-3: the most frequent answer tokens
     taps: tuple[int, ...] | None = None  # EAGLE-3 (None: layers 2, L//2, L-3)
@@ -67,7 +67,7 @@ class Result:
 
 def train_head(
     kind: str,
-    model: str | Path,
+    model: str | Path | CausalLM,
     out: str | Path,
     *,
     prompts: str | Path | None = None,
@@ -75,8 +75,9 @@ def train_head(
     recipe: Recipe | None = None,
     progress: bool = True,
 ) -> Result:
-    """Trains a `kind` head for `model` from the target's answers to `prompts` (or its own
-    samples, `recipe.self_samples`) and writes it to `out` in the official layout."""
+    """Trains a `kind` head for `model` (a folder or hub id, or a loaded model) from the
+    target's answers to `prompts` (or its own samples, `recipe.self_samples`) and writes it to
+    `out` in the official layout."""
     recipe = recipe or Recipe(kind)
     if recipe.kind != kind:
         raise ValueError(f"the recipe is for {recipe.kind!r}, not {kind!r}")
@@ -88,13 +89,17 @@ def train_head(
     texts = read_prompts(prompts) if prompts is not None else []
     cache = Path(cache) if cache is not None else out.with_name(out.name + ".cache")
     cache.mkdir(parents=True, exist_ok=True)
-    target, tokenizer = load(model)
+    if isinstance(model, CausalLM):
+        target, tokenizer = model, model.origin.tokenizer
+    else:
+        target, tokenizer = load(model)
     taps = _taps(kind, target, recipe.taps)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
     data = make_data(target, tokenizer, cache, prompts=texts, self_samples=recipe.self_samples,
-                     max_tokens=recipe.max_tokens, temperature=recipe.temperature,
-                     seed=recipe.train.seed, progress=progress)  # fmt: skip
+                     sample_prefix=recipe.sample_prefix, max_tokens=recipe.max_tokens,
+                     temperature=recipe.temperature, seed=recipe.train.seed,
+                     progress=progress)  # fmt: skip
     seconds["data"] = time.perf_counter() - start
     start = time.perf_counter()
     width = target.args.hidden_size * max(1, len(taps))
@@ -107,7 +112,7 @@ def train_head(
     state = train(head, loss_fn, frozen, features, cache / f"train-{kind}", recipe.train,
                   progress)  # fmt: skip
     if kind == "medusa":
-        save_medusa1(head, out, str(model))
+        save_medusa1(head, out, str(target.origin.folder or ""))
     else:
         save_official(head, out)
     seconds["train"] = time.perf_counter() - start
@@ -175,8 +180,15 @@ def build(kind: str, target: CausalLM, features: Features, recipe: Recipe,
     lm_head = embed if target.args.tie_word_embeddings else _weight(target.lm_head)
     vocab = target.args.vocab_size
     if kind == "medusa":
-        heads = init_heads(target, recipe.medusa_heads, recipe.medusa_layers)
-        heads.set_dtype(mx.float32)
+        # As Medusa starts: ResBlocks at zero (the identity), every projection a copy of the
+        # target's lm_head, so each head first guesses "the next token".
+        heads = MedusaHeads(target.args.hidden_size, vocab, recipe.medusa_heads,
+                            recipe.medusa_layers)  # fmt: skip
+        for head in heads.heads:
+            for block in head[:-1]:
+                block.linear.weight = mx.zeros_like(block.linear.weight)
+                block.linear.bias = mx.zeros_like(block.linear.bias)
+            head[-1].weight = lm_head
         return heads, medusa_loss, ()
     if kind == "eagle1":
         head = Eagle1Head(EagleConfig(version=1, layer=_layer(target, None)))
