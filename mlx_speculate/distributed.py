@@ -25,15 +25,17 @@ import numpy as np
 from mlx.nn.layers.distributed import shard_linear
 from mlx.utils import tree_flatten
 
+from .pipeline import split_layers
 from .policy import Policy
 
-PARALLEL_MODES = ("tensor",)
+PARALLEL_MODES = ("tensor", "pipeline")
 
 
 @dataclass(frozen=True)
 class Split:
     """How a target is spread over `group` (what `mlx.launch` started): `tensor` splits every
-    layer's heads and MLP columns (two all-sums per layer)."""
+    layer's heads and MLP columns (two all-sums per layer), `pipeline` gives each rank a block
+    of layers (pipeline.py: one send per rank boundary, the ranks compute in turn)."""
 
     group: mx.distributed.Group
     mode: str = "tensor"
@@ -47,6 +49,8 @@ class Split:
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Splits `model` in place; its weights stay lazy (`load` reads this rank's part)."""
+        if self.mode == "pipeline":
+            return split_layers(model, self.group)
         return shard(model, self.group)
 
     def describe(self, model: nn.Module) -> str:
