@@ -66,9 +66,10 @@ class PipelineStage:
         return h, tuple(shared)
 
     def _from(self, source: int, h: mx.array, after: list[mx.array]) -> mx.array:
-        """Rank `source`'s `h` on every rank; the others add zeros made after `after`."""
-        mine = h if self.group.rank() == source else mx.depends(mx.zeros_like(h), after)
-        return mx.distributed.all_sum(mine, group=self.group)
+        """Rank `source`'s `h` on every rank (the others add zeros); every rank's input waits
+        on `after`, so that the ranks run their collectives in the same order."""
+        mine = h if self.group.rank() == source else mx.zeros_like(h)
+        return mx.distributed.all_sum(mx.depends(mine, after), group=self.group)
 
 
 def split_layers(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
