@@ -61,13 +61,17 @@ def run_launch(command: list[str]) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
-def launch(tmp_path: Path, ranks: int, spec: dict) -> list[dict[str, np.ndarray]]:
-    command = [
+def worker_command(worker: str, ranks: int, tmp_path: Path, spec: dict) -> list[str]:
+    """`mlx.launch` of tests/<worker> over `ranks` ranks on loopback."""
+    return [
         str(LAUNCH), "--backend", "ring", "-n", str(ranks), "--hosts", "127.0.0.1",
         "--starting-port", str(free_port(ranks)), "--python", sys.executable, "--cwd", str(ROOT),
-        str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), json.dumps(spec),
+        str(ROOT / "tests" / worker), str(tmp_path), json.dumps(spec),
     ]  # fmt: skip
-    done = run_launch(command)
+
+
+def launch(tmp_path: Path, ranks: int, spec: dict) -> list[dict[str, np.ndarray]]:
+    done = run_launch(worker_command("dist_worker.py", ranks, tmp_path, spec))
     # mlx.launch exits 0 even when a rank fails: the files are the evidence.
     missing = [r for r in range(ranks) if not (tmp_path / f"rank{r}.npz").exists()]
     assert done.returncode == 0 and not missing, done.stdout[-3000:] + done.stderr[-3000:]

@@ -5,12 +5,11 @@ hangs each end the run with a one-line error instead of a hang."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
 from .helpers import random_weights, tiny_config
-from .test_distributed import LAUNCH, ROOT, free_port, run_launch
+from .test_distributed import run_launch, worker_command
 from .test_loading import write_folder
 
 # Layers dominate (embeddings stay whole on every rank): 4 x 0.98M parameters vs 50K.
@@ -23,12 +22,7 @@ def folder(path: Path, **overrides) -> str:
 
 
 def launch(tmp_path: Path, spec: dict, ranks: int = 2):
-    command = [
-        str(LAUNCH), "--backend", "ring", "-n", str(ranks), "--hosts", "127.0.0.1",
-        "--starting-port", str(free_port(ranks)), "--python", sys.executable, "--cwd", str(ROOT),
-        str(ROOT / "tests" / "dist_loading.py"), str(tmp_path), json.dumps(spec),
-    ]  # fmt: skip
-    done = run_launch(command)
+    done = run_launch(worker_command("dist_loading.py", ranks, tmp_path, spec))
     records = {}
     for rank in range(ranks):
         file = tmp_path / f"rank{rank}.json"
