@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 
@@ -102,12 +103,14 @@ def load_into(
     quantization: dict[str, Any] | None = None,
     dtype: mx.Dtype | None = None,
     what: str = "the module",
+    lazy: bool = False,
 ) -> nn.Module:
     """Loads `weights` (already in the module's names) into `module` and evaluates it.
 
     Layers stored quantized become quantized layers first (per `quantization`, mlx-lm's config
     entry); `dtype` casts every floating-point tensor, quantization scales and biases included.
-    `what` names the module in the one-line error when the weights do not fit.
+    `what` names the module in the one-line error when the weights do not fit. `lazy` leaves
+    memory-mapped weights unread, for a caller that keeps only a part (`evaluate` reads it).
     """
     if quantization is not None:
         nn.quantize(
@@ -127,6 +130,14 @@ def load_into(
     except ValueError as e:
         detail = " ".join(str(e).split())  # mlx lists missing/extra names on new lines
         raise ValueError(f"weights do not fit {what}: {detail}") from e
-    mx.eval(module.parameters())
+    if not lazy:
+        mx.eval(module.parameters())
     module.eval()
     return module
+
+
+def evaluate(module: nn.Module) -> None:
+    """Reads a lazily loaded module's parameters one at a time, so that reading peaks at one
+    whole tensor beside what is kept (nothing else may hold the checkpoint's arrays)."""
+    for _, array in tree_flatten(module.parameters()):
+        mx.eval(array)

@@ -17,13 +17,49 @@ measured timings (`SharedPolicy`, one scalar all-sum per step). Only rank 0 prin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.nn.layers.distributed import shard_linear
 from mlx.utils import tree_flatten
 
+from .pipeline import split_layers
 from .policy import Policy
+
+PARALLEL_MODES = ("tensor", "pipeline")
+
+
+@dataclass(frozen=True)
+class Split:
+    """How a target is spread over `group` (what `mlx.launch` started): `tensor` splits every
+    layer's heads and MLP columns (two all-sums per layer), `pipeline` gives each rank a block
+    of layers (pipeline.py: one send per rank boundary, the ranks compute in turn)."""
+
+    group: mx.distributed.Group
+    mode: str = "tensor"
+
+    def __post_init__(self):
+        if self.mode not in PARALLEL_MODES:
+            raise ValueError(
+                f"parallel mode {self.mode!r} is not supported (supported: "
+                f"{', '.join(PARALLEL_MODES)})"
+            )
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Splits `model` in place; its weights stay lazy (`load` reads this rank's part)."""
+        if self.mode == "pipeline":
+            return split_layers(model, self.group)
+        return shard(model, self.group)
+
+    def describe(self, model: nn.Module) -> str:
+        mb = weight_bytes(model) / 1e6
+        ranks = self.group.size()
+        return (
+            f"Sharded: {self.mode} parallel over {ranks} ranks, {mb:.1f} MB of weights on "
+            f"this rank (peak memory {mx.get_peak_memory() / 1e6:.1f} MB after loading)"
+        )
 
 
 def init_group() -> mx.distributed.Group | None:
@@ -130,7 +166,8 @@ def _shard_mlp(mlp: nn.Module, group) -> None:
 
 def shard(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
     """Split `model` (any family of the package) in place across `group` (tensor parallel);
-    returns it. ValueError when a head count or the intermediate size does not divide."""
+    returns it. ValueError when a head count or the intermediate size does not divide. The
+    slices stay lazy: `load` evaluates them one at a time, reading only this rank's part."""
     size = group.size()
     if size == 1:
         return model
@@ -138,7 +175,6 @@ def shard(model: nn.Module, group: mx.distributed.Group) -> nn.Module:
     for layer in model.layers:
         _shard_attention(layer.self_attn, group)
         _shard_mlp(layer.mlp, group)
-    mx.eval(model.parameters())
     return model
 
 
@@ -159,9 +195,3 @@ def decoding_options(model, tokenizer, spec, group: mx.distributed.Group) -> dic
     costs = default_policy(drafter, model, spec.num_draft_tokens, lambda b: rank0_says(b, group))
     policy = SharedPolicy(costs, group)
     return {"drafter": drafter, "policy": policy, "typical_acceptance": spec.typical_acceptance}
-
-
-def describe(model: nn.Module, group: mx.distributed.Group) -> str:
-    mb = weight_bytes(model) / 1e6
-    ranks = group.size()
-    return f"Sharded: tensor parallel over {ranks} ranks, {mb:.1f} MB of weights on this rank"

@@ -7,14 +7,16 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import replace
 
 from . import cli
 from .chat import apply_chat_template, has_chat_template, plain_tokens
-from .distributed import decoding_options, describe, init_group, shard, shared_seed
+from .distributed import PARALLEL_MODES, Split, decoding_options, init_group, shared_seed
 from .drafters import cli as drafter_cli
 from .generation import GenerationResponse, stream_generate
 from .loading import DTYPES
+from .ranks import DEFAULT_TIMEOUT, guarded
 from .sampling import SamplingParams
 
 EXAMPLES = """examples:
@@ -70,6 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
         "Metal; a draft model keeps that default)",
     )
     parser.add_argument("--verbose", action="store_true", help="print speed and statistics")
+    parser.add_argument(
+        "--parallel",
+        choices=PARALLEL_MODES,
+        default="tensor",
+        help="under mlx.launch: how the target is split across ranks (default: tensor)",
+    )
+    parser.add_argument(
+        "--rank-timeout",
+        type=cli.bounded(float, lambda v: v > 0, "a positive number of seconds"),
+        default=DEFAULT_TIMEOUT,
+        help="under mlx.launch: end with an error when no step finishes in this many seconds "
+        f"(a rank died or hangs; default {DEFAULT_TIMEOUT:g})",
+    )
     drafter_cli.add_arguments(parser)
     return parser
 
@@ -94,39 +109,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.seed,
     )
     group = init_group()
+    split = None if group is None else Split(group, args.parallel)
     if group is not None:
         sampling = replace(sampling, seed=shared_seed(args.seed, group))
         if group.rank() != 0:  # every rank decodes the same tokens; rank 0 prints them
             sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)
     response = None
+    guard = nullcontext() if group is None else guarded(group, args.rank_timeout)
     try:
-        prompt = _read_prompt(args.prompt)
-        system = cli.utf8_argument(args.system_prompt, "--system-prompt")
-        stops = [cli.utf8_argument(stop, "--stop") for stop in args.stop]
-        model, tokenizer = _load(args.model, args.dtype)
-        options = {"drafter": spec}
-        if group is not None:
-            shard(model, group)
-            if args.verbose and group.rank() == 0:
-                print(describe(model, group), file=sys.stderr)
-            options = decoding_options(model, tokenizer, spec, group)
-        if args.ignore_chat_template or not has_chat_template(tokenizer):
-            if system:
-                why = "--ignore-chat-template" if args.ignore_chat_template else "no chat template"
-                print(f"warning: {why}: the system prompt goes before the prompt as plain text",
-                      file=sys.stderr)
-            tokens = plain_tokens(tokenizer, [system, prompt] if system else [prompt])
-        else:
-            tokens = apply_chat_template(tokenizer, prompt, system)
-        if args.verbose:  # the adaptive policy says when it switches drafting off or on
-            logging.basicConfig(format="%(message)s", stream=sys.stderr)
-            logging.getLogger("mlx_speculate.policy").setLevel(logging.INFO)
-        for response in stream_generate(
-            model, tokenizer, tokens, max_tokens=args.max_tokens, sampling=sampling,
-            stop=stops, **options,
-        ):
-            print(response.text, end="", flush=True)
-        print()
+        with guard as watchdog:
+            prompt = _read_prompt(args.prompt)
+            system = cli.utf8_argument(args.system_prompt, "--system-prompt")
+            stops = [cli.utf8_argument(stop, "--stop") for stop in args.stop]
+            model, tokenizer = _load(args.model, args.dtype, split)
+            options = {"drafter": spec}
+            if split is not None:
+                if args.verbose and split.group.rank() == 0:
+                    print(split.describe(model), file=sys.stderr)
+                options = decoding_options(model, tokenizer, spec, split.group)
+            if args.ignore_chat_template or not has_chat_template(tokenizer):
+                if system:
+                    why = ("--ignore-chat-template" if args.ignore_chat_template
+                           else "no chat template")
+                    print(f"warning: {why}: the system prompt goes before the prompt as plain text",
+                          file=sys.stderr)
+                tokens = plain_tokens(tokenizer, [system, prompt] if system else [prompt])
+            else:
+                tokens = apply_chat_template(tokenizer, prompt, system)
+            if args.verbose:  # the adaptive policy says when it switches drafting off or on
+                logging.basicConfig(format="%(message)s", stream=sys.stderr)
+                logging.getLogger("mlx_speculate.policy").setLevel(logging.INFO)
+            for response in stream_generate(
+                model, tokenizer, tokens, max_tokens=args.max_tokens, sampling=sampling,
+                stop=stops, **options,
+            ):
+                print(response.text, end="", flush=True)
+                if watchdog is not None:
+                    watchdog.beat()
+            print()
     except KeyboardInterrupt:  # keep what was printed; say what was done so far
         if response is not None:
             print()
@@ -156,14 +176,14 @@ def _read_prompt(prompt: str) -> str:
     return cli.read_stdin("the prompt on stdin")
 
 
-def _load(model: str | None, dtype: str | None):
+def _load(model: str | None, dtype: str | None, split: Split | None):
     from .loading import load
 
     if model is None:
         from .default_model import default_model_path
 
         model = default_model_path()
-    return load(model, dtype=None if dtype is None else DTYPES[dtype])
+    return load(model, dtype=None if dtype is None else DTYPES[dtype], split=split)
 
 
 def _print_stats(response: GenerationResponse, dtype, spec) -> None:

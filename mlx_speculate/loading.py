@@ -28,9 +28,11 @@ from mlx_lm.tokenizer_utils import (
 )
 
 from . import config_checks, quantized_prefill
-from .checkpoint import load_into, read_weights
+from .checkpoint import evaluate, load_into, read_weights
+from .distributed import Split
 from .models import MODEL_TYPES
 from .models.base import CausalLM, Origin
+from .ranks import check_same_model, model_digest
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -107,9 +109,13 @@ def load_weights(path: Path) -> dict[str, mx.array]:
 
 
 def build_model(
-    config: dict[str, Any], weights: dict[str, mx.array], dtype: mx.Dtype | None = None
+    config: dict[str, Any],
+    weights: dict[str, mx.array],
+    dtype: mx.Dtype | None = None,
+    lazy: bool = False,
 ) -> CausalLM:
-    """A model with `weights` loaded; shapes are checked against `config`."""
+    """A model with `weights` loaded (`lazy`: not yet read, see checkpoint.load_into); shapes
+    are checked against `config`."""
     module = model_class(config)
     config_checks.check_sizes(config)
     config_checks.check_rope(config)
@@ -130,16 +136,27 @@ def build_model(
         quantization=quantization,
         dtype=dtype,
         what=f"the {config.get('model_type')} config",
+        lazy=lazy,
     )
 
 
 def load_model(
-    path: Path, dtype: mx.Dtype | None = None, tokenizer: Any = None
+    path: Path, dtype: mx.Dtype | None = None, tokenizer: Any = None, split: Split | None = None
 ) -> tuple[CausalLM, dict[str, Any]]:
-    """The model in the folder `path`, its `origin` recording the folder and `tokenizer`."""
+    """The model in the folder `path`, its `origin` recording the folder and `tokenizer`;
+    with `split`, only this rank's part of it is read, once every rank is known to have
+    found the same checkpoint."""
     config = load_config(path)
     model_class(config)
-    model = build_model(config, load_weights(path), dtype)
+    if split is None:
+        model = build_model(config, load_weights(path), dtype)
+    else:
+        # Memory-mapped and unread; once this call returns the model holds the only reference
+        # to each whole tensor, and the split drops the parts other ranks keep.
+        model = build_model(config, load_weights(path), dtype, lazy=True)
+        check_same_model(model_digest(config, model), split.group)
+        split.apply(model)
+        evaluate(model)
     model.origin = Origin(path, tokenizer)
     return model, config
 
@@ -230,20 +247,24 @@ def compute_dtype(dtype: mx.Dtype | str | None) -> mx.Dtype | None:
 
 
 def load(
-    path_or_hub_id: str | Path, *, dtype: mx.Dtype | str | None = None
+    path_or_hub_id: str | Path,
+    *,
+    dtype: mx.Dtype | str | None = None,
+    split: Split | None = None,
 ) -> tuple[CausalLM, TokenizerWrapper]:
     """Loads a model and its tokenizer from a local folder or a Hugging Face hub id.
 
     `dtype` (an MLX dtype or its name: "float32", "float16", "bfloat16") casts every
     floating-point tensor, quantization scales and biases included; by default float32 on the
-    CPU backend and the checkpoint's own dtypes on the GPU.
+    CPU backend and the checkpoint's own dtypes on the GPU. `split` (under `mlx.launch`)
+    loads only this rank's part of the model (distributed.Split: tensor or pipeline).
     """
     dtype = compute_dtype(dtype)
     path = resolve_path(path_or_hub_id)
     if path.is_dir():  # what is quick to check first: a model's config, then the tokenizer
         model_class(load_config(path))
         check_tokenizer_files(path)
-    model, config = load_model(path, dtype or default_dtype())
+    model, config = load_model(path, dtype or default_dtype(), split=split)
     if mx.default_device() == mx.cpu:
         quantized_prefill.install(model)
     tokenizer = load_tokenizer(path, eos_token_ids(path, config, model.args.vocab_size))

@@ -15,9 +15,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_speculate.distributed import (  # noqa: E402
+    Split,
     decoding_options,
     init_group,
-    shard,
     shared_seed,
 )
 from mlx_speculate.drafters.lookup import LookupSpec  # noqa: E402
@@ -39,7 +39,9 @@ def tokens(model, tokenizer, **options) -> list[int]:
 
 
 def record(model, prefix: str, out: dict, draft, generations: bool, group) -> None:
-    out[f"{prefix}logits"] = np.array(model(mx.array([PROMPT])).logits)
+    output = model(mx.array([PROMPT]), taps=(0, model.args.num_hidden_layers - 1))
+    out[f"{prefix}logits"] = np.array(output.logits)
+    out[f"{prefix}taps"] = np.array(mx.stack(output.taps))
     if not generations:
         return
     tokenizer = StubTokenizer()
@@ -57,6 +59,7 @@ def main() -> None:
     out_dir, spec = Path(sys.argv[1]), json.loads(sys.argv[2])
     group = init_group()
     assert group is not None, "run under mlx.launch with more than one rank"
+    split = Split(group, spec.get("parallel", "tensor"))
     out: dict[str, np.ndarray] = {}
     draft = tiny_model("llama", seed=11, **spec.get("overrides", {}))
     for family in spec["families"]:
@@ -65,7 +68,7 @@ def main() -> None:
             nn.quantize(model, group_size=32, bits=8)
         generations = family in spec.get("generate", ())
         record(model, f"{family}/single/", out, draft, generations, group)
-        shard(model, group)
+        split.apply(model)
         record(model, f"{family}/sharded/", out, draft, generations, group)
     np.savez(out_dir / f"rank{group.rank()}.npz", **out)
 

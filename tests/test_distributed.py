@@ -61,13 +61,17 @@ def run_launch(command: list[str]) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
-def launch(tmp_path: Path, ranks: int, spec: dict) -> list[dict[str, np.ndarray]]:
-    command = [
+def worker_command(worker: str, ranks: int, tmp_path: Path, spec: dict) -> list[str]:
+    """`mlx.launch` of tests/<worker> over `ranks` ranks on loopback."""
+    return [
         str(LAUNCH), "--backend", "ring", "-n", str(ranks), "--hosts", "127.0.0.1",
         "--starting-port", str(free_port(ranks)), "--python", sys.executable, "--cwd", str(ROOT),
-        str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), json.dumps(spec),
+        str(ROOT / "tests" / worker), str(tmp_path), json.dumps(spec),
     ]  # fmt: skip
-    done = run_launch(command)
+
+
+def launch(tmp_path: Path, ranks: int, spec: dict) -> list[dict[str, np.ndarray]]:
+    done = run_launch(worker_command("dist_worker.py", ranks, tmp_path, spec))
     # mlx.launch exits 0 even when a rank fails: the files are the evidence.
     missing = [r for r in range(ranks) if not (tmp_path / f"rank{r}.npz").exists()]
     assert done.returncode == 0 and not missing, done.stdout[-3000:] + done.stderr[-3000:]
@@ -79,6 +83,8 @@ def assert_sharded_matches(results, families, generate=(), atol=2e-5) -> None:
         for rank in results:
             single = rank[f"{family}/single/logits"]
             np.testing.assert_allclose(rank[f"{family}/sharded/logits"], single, atol=atol)
+            taps = rank[f"{family}/single/taps"]
+            np.testing.assert_allclose(rank[f"{family}/sharded/taps"], taps, atol=atol)
         for method in ("plain", "lookup", "draft") if family in generate else ():
             for rank in results:
                 assert list(rank[f"{family}/sharded/{method}"]) == list(
@@ -105,6 +111,19 @@ def test_two_ranks_quantized(tmp_path):
     overrides = {"intermediate_size": 128}  # 64 inputs of down_proj per rank: 2 groups of 32
     spec = {"families": ["llama", "phi3"], "quantize": True, "overrides": overrides}
     assert_sharded_matches(launch(tmp_path, 2, spec), ["llama", "phi3"], atol=1e-4)
+
+
+def test_pipeline_two_ranks_every_family(tmp_path):
+    """Layers split across ranks: the same logits and taps (EAGLE-3 reads layers of both
+    halves), the same greedy tokens with and without a draft model, the same samples."""
+    spec = {"families": FAMILIES, "generate": ["llama", "gemma3_text"], "parallel": "pipeline"}
+    assert_sharded_matches(launch(tmp_path, 2, spec), FAMILIES, spec["generate"], atol=1e-6)
+
+
+def test_pipeline_three_ranks_uneven_blocks(tmp_path):
+    spec = {"families": ["qwen2"], "generate": ["qwen2"], "parallel": "pipeline"}
+    spec["overrides"] = {"num_hidden_layers": 4}  # blocks of 2, 1 and 1 layers
+    assert_sharded_matches(launch(tmp_path, 3, spec), ["qwen2"], ["qwen2"], atol=1e-6)
 
 
 class FakeGroup:

@@ -30,6 +30,7 @@ import mlx.nn as nn
 
 from ..cache import KVCache
 from .rope import RotaryEmbedding, native, rope_parameters
+from .stage import WHOLE, Stage
 
 
 @dataclass(frozen=True)
@@ -290,6 +291,11 @@ class DecoderStack(nn.Module):
         self.norm = norm(args.hidden_size, eps=args.rms_norm_eps)
         self._sliding = args.sliding_layers()
         self._embed_scale = embed_scale
+        self.stage: Stage = WHOLE  # all layers; `keep` sets a pipeline block
+
+    def keep(self, stage: Stage, block: slice) -> None:
+        """Drops every layer but `block`, this process's (pipeline.py; from stage.start on)."""
+        self.layers, self._sliding, self.stage = self.layers[block], self._sliding[block], stage
 
     def __call__(
         self,
@@ -300,29 +306,25 @@ class DecoderStack(nn.Module):
         taps: tuple[int, ...],
     ) -> tuple[mx.array, tuple[mx.array, ...]]:
         for i in taps:
-            if not 0 <= i < len(self.layers):
-                raise ValueError(f"cannot tap layer {i} of a {len(self.layers)}-layer model")
+            if not 0 <= i < (n := self.args.num_hidden_layers):
+                raise ValueError(f"cannot tap layer {i} of a {n}-layer model")
         h = self.embed_tokens(tokens)
         if self._embed_scale is not None:
             h = h * mx.array(self._embed_scale, h.dtype)  # rounded to the compute dtype, as HF
         ctx = build_context(
-            self._rope,
-            cache,
-            tokens.shape[1],
-            positions,
-            mask,
-            self.args.sliding_window,
-            self._sliding,
-            h.dtype,
-        )
+            self._rope, cache, tokens.shape[1], positions, mask, self.args.sliding_window,
+            self._sliding, h.dtype,
+        )  # fmt: skip
+        h, first = self.stage.enter(h, cache), self.stage.start
         captured = {}
-        for i, layer in enumerate(self.layers):
-            if i in taps:
-                captured[i] = h
-            h = layer(h, ctx, i)
+        for j, layer in enumerate(self.layers):  # j: the layer's index in this process
+            if first + j in taps:
+                captured[first + j] = h
+            h = layer(h, ctx, j)
         if cache is not None:
             cache.advance(tokens.shape[1])
-        return self.norm(h), tuple(captured[i] for i in taps)
+        h, shared = self.stage.leave(h, captured, taps, cache)
+        return self.norm(h), shared
 
 
 @dataclass(frozen=True)
