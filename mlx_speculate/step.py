@@ -1,10 +1,11 @@
 """Compiled verify and draft steps: fixed shapes, one graph per row bucket.
 
 A verify step runs the target over a draft tree padded to a row bucket (1, 2, 4, ..., 64, then
-multiples of 64) and applies the acceptance rule, both inside one `mx.compile` graph whose
-inputs are the tokens, the tree's arrays, the cache slot start and the cache storage (and the
-random state, so sampling stays seeded). Nothing in it depends on the host offset: a graph is
-traced once per (bucket, capacity, rule, tree depth) and reused until the cache grows a chunk.
+multiples of 64; a chain of at most `EXACT_CHAIN` nodes runs unpadded) and applies the
+acceptance rule, both inside one `mx.compile` graph whose inputs are the tokens, the tree's
+arrays, the cache slot start and the cache storage (and the random state, so sampling stays
+seeded). Nothing in it depends on the host offset: a graph is traced once per (rows, capacity,
+rule, tree depth) and reused until the cache grows a chunk.
 Padding nodes carry the draft token -1 (their input token is 0), see only their ancestors and
 are never accepted; the host advances the cache by the real node count.
 
@@ -24,10 +25,14 @@ from .cache import KVCache
 from .models.base import CausalLM, additive_mask
 from .models.rope import LENGTH_DEPENDENT
 from .sampling import SamplingParams, log_probs, pick
-from .tree import PaddedTree, Tree
+from .tree import DeviceTree, PaddedTree, Tree
 from .verify import Acceptance, greedy_accept, rejection_accept, typical_accept
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Chains up to this many rows verify unpadded, one graph per exact row count: a draft model's
+# or lookup's k is mostly fixed, so the few graphs are reused, and on an overhead-bound target
+# the padding rows of a bucket (k = 4: 8 rows for 5) cost a third of the step.
+EXACT_CHAIN = 8
 
 # Compiled functions per model (keyed by id, dropped with the model), so that every decoder of
 # one model (a server's sessions, repeated generate calls) shares the traced graphs.
@@ -37,6 +42,12 @@ _COMPILED: dict[int, dict[tuple, Callable]] = {}
 def bucket(n: int) -> int:
     """The rows a forward of n tokens is padded to."""
     return next((b for b in BUCKETS if n <= b), -(-n // BUCKETS[-1]) * BUCKETS[-1])
+
+
+def verify_rows(tree: Tree | DeviceTree) -> int:
+    """The rows a verify step of `tree` runs: a short chain's own node count, else its bucket."""
+    n = tree.num_nodes
+    return n if tree.is_chain and n <= EXACT_CHAIN else bucket(n)
 
 
 def compilable(model) -> bool:
@@ -87,7 +98,7 @@ def verify(
     """Queues one verify step (lazy): `pending` (1,) and `draft` (N - 1,) tokens of `tree`;
     `allowed` (N, V) bool, a grammar's mask per row: the rule sees forbidden tokens at -inf.
 
-    Fixed shapes: every array is padded to the row bucket of N (the q rows too) and the
+    Fixed shapes: every array is padded to `verify_rows(tree)` rows (the q rows too) and the
     cache is read whole; no host sync. Writes the padded rows from the cache offset and
     advances the offset by N; or, with `at` (a lazy root slot and a host bound on it), from
     that slot, leaving the offset to the caller (a step queued before the last one is read)."""
@@ -96,7 +107,7 @@ def verify(
             model, cache, pending, tree, draft, draft_logprobs, sampling, taps, typical, allowed
         )
     n = tree.num_nodes
-    rows = bucket(n)
+    rows = verify_rows(tree)
     padded = tree.padded(rows)
     pad = rows - n
     drafted = mx.zeros((0,), mx.int32) if draft is None else draft.astype(mx.int32)

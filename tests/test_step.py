@@ -25,6 +25,13 @@ def test_buckets():
     ]  # fmt: skip
 
 
+def test_short_chains_verify_unpadded():
+    """A chain of at most EXACT_CHAIN nodes runs its own row count; longer ones and trees
+    (host or device-chosen) pad to their bucket."""
+    assert [step.verify_rows(Tree.chain(k)) for k in (0, 1, 4, 7, 8, 12)] == [1, 2, 5, 8, 16, 16]
+    assert step.verify_rows(Tree(PARENTS)) == 8
+
+
 @pytest.mark.parametrize("parents", [PARENTS, Tree.chain(5).parents], ids=["tree", "chain"])
 def test_padded_verify_equals_the_eager_forward_and_rule(parents):
     """The compiled step over a padded tree gives the unpadded forward's logits on the real
@@ -52,7 +59,7 @@ def test_padded_verify_equals_the_eager_forward_and_rule(parents):
         model, compiled, mx.array(nodes[:1]), tree, mx.array(drafts), None, SamplingParams()
     )
     n = tree.num_nodes
-    assert got.logits.shape[0] == step.bucket(n) == 8
+    assert got.logits.shape[0] == step.verify_rows(tree) == (n if tree.is_chain else 8)
     np.testing.assert_allclose(np.array(got.logits[:n]), np.array(logits), rtol=1e-4, atol=1e-5)
     assert got.acceptance.num_accepted.item() == want.num_accepted.item() >= 1
     accepted = want.num_accepted.item() + 1
