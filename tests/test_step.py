@@ -13,7 +13,7 @@ from mlx_speculate.sampling import SamplingParams, log_probs
 from mlx_speculate.tree import Tree
 from mlx_speculate.verify import greedy_accept, rejection_accept
 
-from .helpers import decode, tiny_model
+from .helpers import decode, greedy_reference, tiny_model
 from .markov import chi_square_limit
 
 PARENTS = (-1, 0, 0, 1, 1, 2)  # 6 nodes: padded to 8 rows
@@ -21,14 +21,14 @@ PARENTS = (-1, 0, 0, 1, 1, 2)  # 6 nodes: padded to 8 rows
 
 def test_buckets():
     assert [step.bucket(n) for n in (1, 2, 3, 5, 9, 33, 64, 65, 130)] == [
-        1, 2, 4, 8, 16, 64, 64, 128, 192,
+        1, 2, 4, 8, 12, 48, 64, 128, 192,
     ]  # fmt: skip
 
 
 def test_short_chains_verify_unpadded():
     """A chain of at most EXACT_CHAIN nodes runs its own row count; longer ones and trees
     (host or device-chosen) pad to their bucket."""
-    assert [step.verify_rows(Tree.chain(k)) for k in (0, 1, 4, 7, 8, 12)] == [1, 2, 5, 8, 16, 16]
+    assert [step.verify_rows(Tree.chain(k)) for k in (0, 1, 4, 7, 8, 12)] == [1, 2, 5, 8, 12, 16]
     assert step.verify_rows(Tree(PARENTS)) == 8
 
 
@@ -87,6 +87,20 @@ def test_one_graph_serves_every_offset():
     step._COMPILED.pop(id(model), None)
     decode(model, [1, 5, 9], 40)
     assert len(step._COMPILED[id(model)]) == 1
+
+
+def test_steps_across_attention_spans_equal_plain_decoding():
+    """Draft-model steps from slot 3 to past 256 cross the spans 64, 96, 128, 192, 256 and 384
+    (attention reads only the leading span of the 256-slot cache, then of 512): each span
+    traces its own graphs and the tokens stay those of one-token eager forwards."""
+    model = tiny_model("llama", seed=0, max_position_embeddings=1024)
+    draft = tiny_model("llama", seed=7, num_hidden_layers=1, max_position_embeddings=1024)
+    step._COMPILED.pop(id(model), None)
+    tokens, _, decoder = decode(model, [1, 5, 9], 270, DraftModelDrafter(draft, 97), FixedPolicy(3))
+    assert tokens == greedy_reference(model, [1, 5, 9], 270)
+    spans = {key[-1] for key in step._COMPILED[id(model)]}
+    assert spans == {64, 96, 128, 192, 256, 384}
+    assert decoder.cache.capacity == 512
 
 
 def test_seeded_sampling_repeats():
