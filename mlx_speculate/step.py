@@ -60,14 +60,16 @@ def compilable(model) -> bool:
     return model.args.rope_config()["rope_type"] not in LENGTH_DEPENDENT
 
 
-def _compiled(model, key: tuple, build: Callable[[], Callable]) -> Callable:
+def compiled(model, key: tuple, build: Callable[[], Callable], traced: bool = True) -> Callable:
+    """The function `build()` makes for `model` and `key`, under `mx.compile` (the random state
+    passed through) unless `traced` is False or the model is not `compilable`; built once."""
     table = _COMPILED.get(id(model))
     if table is None:
         table = _COMPILED[id(model)] = {}
         weakref.finalize(model, _COMPILED.pop, id(model), None)
     if key not in table:
         fn = build()
-        if compilable(model):
+        if traced and compilable(model):
             state = mx.random.state
             fn = mx.compile(fn, inputs=state, outputs=state)
         table[key] = fn
@@ -129,7 +131,7 @@ def verify(
     shape = (rows, padded.is_chain, padded.depth, padded.width)
     span = _reserve(model, cache, (cache.offset if at is None else at[1]) + rows)
     key = ("verify", shape, sampled_q, masked, sampling, typical, taps, span)
-    fn = _compiled(
+    fn = compiled(
         model,
         key,
         lambda: _verify_fn(model, padded, sampling, typical, taps, sampled_q, masked, span),
@@ -161,7 +163,7 @@ def _verify_fn(
             shape.num_nodes, shape.depth, shape.width, shape.is_chain,
             parent_index, depth_index, ancestors,
         )  # fmt: skip
-        view = _view(model, arrays, start, span)
+        view = cache_view(model, arrays, start, span)
         positions = mask = None
         if not shape.is_chain:  # a chain (and its padding) needs the causal default
             positions, mask = start + depth_index, ancestors
@@ -221,7 +223,7 @@ def _reserve(model, cache: KVCache, length: int) -> int:
     return cache.span(length)
 
 
-def _view(model, arrays, start, span: int) -> KVCache | None:
+def cache_view(model, arrays, start, span: int) -> KVCache | None:
     """The cache a traced forward writes into: a view over the step's cache inputs, whose
     attention reads the leading `span` slots."""
     cache = model.make_cache()
@@ -279,7 +281,7 @@ def decode_at(
     sampling = replace(sampling, seed=None)
     span = _reserve(model, cache, at[1] + rows + k)
     key = ("decode", k, sampling, shared, vocab, span)
-    fn = _compiled(model, key, lambda: _decode_fn(model, k, sampling, shared, vocab, span))
+    fn = compiled(model, key, lambda: _decode_fn(model, k, sampling, shared, vocab, span))
     last = mx.array(last, dtype=mx.int32)
     picked, logprobs, *arrays = fn(at[0], last, inputs[None], *cache.state)
     cache.set_arrays(arrays)
@@ -290,7 +292,7 @@ def _decode_fn(
     model, k: int, sampling: SamplingParams, shared: int, vocab: int, span: int
 ) -> Callable:
     def step(start, last, inputs, *arrays):
-        view = _view(model, arrays, start, span)
+        view = cache_view(model, arrays, start, span)
         logits = mx.take(model(inputs, view).logits[0], last, axis=0)  # the last real row
         picked, rows = [], []
         for i in range(k):

@@ -6,8 +6,9 @@ One forward serves prefill, one-token decode, chain verification and tree verifi
 
 `positions` are rotary positions per token (default: consecutive from `cache.offset`); they are
 kept apart from cache slots, which are always `offset .. offset + L`. `mask` is an additive
-(L, offset + L) mask over cached + new keys, or a bool (L, L) visibility among the new tokens
-(the committed prefix seen by all), default causal. Attention spans the cache's whole capacity
+(L, offset + L) mask over cached + new keys, or a bool (L, M) visibility among the last M >= L
+slots, the new tokens last (a draft tree's earlier levels before them; older slots are the
+committed prefix, seen by all), default causal. Attention spans the cache's whole capacity
 (a compiled step's view: its leading `attended` slots) under a mask built on the device from
 the slot start, so shapes depend on (L, capacity) alone.
 `taps` names decoder layers whose *entering* hidden state (the residual stream before the
@@ -168,12 +169,12 @@ def build_context(
     dtype: mx.Dtype,
 ) -> ForwardContext:
     """The context of a forward of `length` new tokens. With a cache, keys are written at
-    `start` (default: the cache's offset) and attention spans the whole capacity: slots
-    before `start` are committed and seen by every new token; among the new ones `mask` says
-    who sees whom: a bool (..., L, L) visibility, or the additive (..., L, offset + L) mask of
-    the public contract (host offset only), or causal by default. A cache view
-    (`KVCache.view`, inside a compiled step) carries its own array start: the host reserved
-    room and no shape depends on the offset."""
+    `start` (default: the cache's offset) and attention spans the whole capacity: `mask`
+    says who sees whom: a bool (..., L, M) visibility among the last M slots (the new ones
+    last; older slots are committed and seen by every new token), or the additive
+    (..., L, offset + L) mask of the public contract (host offset only), or causal by
+    default. A cache view (`KVCache.view`, inside a compiled step) carries its own array
+    start: the host reserved room and no shape depends on the offset."""
     start = None if cache is None else cache.start
     offset = 0 if cache is None else cache.offset if start is None else None
     end = None if offset is None else offset + length
@@ -203,8 +204,10 @@ def build_context(
         allowed = causal
         additive = None if mask is None else _to_capacity(mask.astype(dtype), capacity, offset)
     else:
-        new = mx.take(mask, mx.clip(rel, 0, length - 1), axis=-1)  # (..., L, C)
-        allowed = (rel < 0) | (new & (rel < length))
+        m = mask.shape[-1]  # the last m slots up to the new ones (m >= L)
+        near = rel + (m - length)  # index among them; < 0 for the older, committed slots
+        new = mx.take(mask, mx.clip(near, 0, m - 1), axis=-1)  # (..., L, C)
+        allowed = (near < 0) | (new & (rel < length))
         additive = None
     window_mask = None
     if windowed:
