@@ -74,6 +74,10 @@ class Probe:
     def measure(self, generate) -> tuple[float, ...]:
         """(host ms, wait ms, syncs, total ms, tokens) per step of one generation, and its
         tokens/s; the prompt's forward and first token excluded."""
+        import mlx.core as mx
+
+        # Each run starts from an empty allocator cache, not the buffers the last one left.
+        mx.clear_cache()
         tokens, start = 0, 0.0
         for _ in generate():
             if tokens == 0:  # the prompt's forward is not a step

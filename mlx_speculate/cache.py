@@ -23,8 +23,10 @@ class KVCache:
     def __init__(self, num_layers: int, step: int = 256):
         self.step = step
         self.offset = 0
-        # Set on a view only (`view`): the array slot a compiled step writes at.
+        # Set on a view only (`view`): the array slot a compiled step writes at, and the
+        # leading slots its attention reads (`span`; None: the whole capacity).
         self.start: mx.array | None = None
+        self.attended: int | None = None
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
 
@@ -35,6 +37,16 @@ class KVCache:
     def capacity_for(self, length: int) -> int:
         """The capacity once `length` slots are reserved: storage only grows, a chunk at a time."""
         return max(self.capacity, -(-length // self.step) * self.step)
+
+    def span(self, end: int) -> int:
+        """The leading slots a compiled step that writes below slot `end` attends to: the first
+        of 64, 96, 128, 192, 256, ... (powers of two and 1.5 times them) that holds `end`,
+        within the capacity. Attention over unused slots still costs its softmax (on a CPU,
+        most of a wide verify), and two sizes an octave keep the traced graphs few."""
+        size = 64
+        while size < end:
+            size = size // 2 * 3 if size & (size - 1) == 0 else size // 3 * 4
+        return min(size, max(self.capacity, end))
 
     def reserve(self, length: int, like: mx.array | None = None) -> None:
         """Room for `length` slots in every layer, copying what it holds; `like`, a

@@ -1,11 +1,12 @@
 """Compiled verify and draft steps: fixed shapes, one graph per row bucket.
 
-A verify step runs the target over a draft tree padded to a row bucket (1, 2, 4, ..., 64, then
-multiples of 64) and applies the acceptance rule, both inside one `mx.compile` graph whose
-inputs are the tokens, the tree's arrays, the cache slot start and the cache storage (and the
-random state, so sampling stays seeded). Nothing in it depends on the host offset: a graph is
-traced once per (bucket, capacity, rule, tree depth and width bounds) and reused until the
-cache grows a chunk.
+A verify step runs the target over a draft tree padded to a row bucket (`BUCKETS`, then multiples
+of 64; a chain of at most `EXACT_CHAIN` nodes runs unpadded) and applies the
+acceptance rule, both inside one `mx.compile` graph whose inputs are the tokens, the tree's
+arrays, the cache slot start and the cache storage (and the random state, so sampling stays
+seeded). Nothing in it depends on the host offset: a graph is traced once per (rows, capacity,
+rule, tree depth and width bounds, attended span) and reused until the cache grows a chunk or
+the step's last slot passes the span (`KVCache.span`: two sizes an octave).
 Padding nodes carry the draft token -1 (their input token is 0), see only their ancestors and
 are never accepted; the host advances the cache by the real node count.
 
@@ -25,10 +26,16 @@ from .cache import KVCache
 from .models.base import CausalLM, additive_mask
 from .models.rope import LENGTH_DEPENDENT
 from .sampling import SamplingParams, log_probs, pick
-from .tree import PaddedTree, Tree
+from .tree import DeviceTree, PaddedTree, Tree
 from .verify import Acceptance, greedy_accept, rejection_accept, typical_accept
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Half-octave steps past 8: on a CPU a verify's cost jumps with its rows (Medusa's 20-node
+# tree padded to 32 rows cost twice its 24-row bucket on stories260K).
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+# Chains up to this many rows verify unpadded, one graph per exact row count: a draft model's
+# or lookup's k is mostly fixed, so the few graphs are reused, and on an overhead-bound target
+# the padding rows of a bucket (k = 4: 8 rows for 5) cost a third of the step.
+EXACT_CHAIN = 8
 
 # Compiled functions per model (keyed by id, dropped with the model), so that every decoder of
 # one model (a server's sessions, repeated generate calls) shares the traced graphs.
@@ -40,6 +47,12 @@ def bucket(n: int) -> int:
     return next((b for b in BUCKETS if n <= b), -(-n // BUCKETS[-1]) * BUCKETS[-1])
 
 
+def verify_rows(tree: Tree | DeviceTree) -> int:
+    """The rows a verify step of `tree` runs: a short chain's own node count, else its bucket."""
+    n = tree.num_nodes
+    return n if tree.is_chain and n <= EXACT_CHAIN else bucket(n)
+
+
 def compilable(model) -> bool:
     """Whether a forward's graph can be independent of the host offset."""
     if not isinstance(model, CausalLM):
@@ -47,14 +60,16 @@ def compilable(model) -> bool:
     return model.args.rope_config()["rope_type"] not in LENGTH_DEPENDENT
 
 
-def _compiled(model, key: tuple, build: Callable[[], Callable]) -> Callable:
+def compiled(model, key: tuple, build: Callable[[], Callable], traced: bool = True) -> Callable:
+    """The function `build()` makes for `model` and `key`, under `mx.compile` (the random state
+    passed through) unless `traced` is False or the model is not `compilable`; built once."""
     table = _COMPILED.get(id(model))
     if table is None:
         table = _COMPILED[id(model)] = {}
         weakref.finalize(model, _COMPILED.pop, id(model), None)
     if key not in table:
         fn = build()
-        if compilable(model):
+        if traced and compilable(model):
             # The graph captures the weights as they are: a lazy one (random, quantized or
             # cast in memory, loaded lazily) would be computed again inside every call.
             mx.eval(model.parameters())
@@ -91,7 +106,7 @@ def verify(
     """Queues one verify step (lazy): `pending` (1,) and `draft` (N - 1,) tokens of `tree`;
     `allowed` (N, V) bool, a grammar's mask per row: the rule sees forbidden tokens at -inf.
 
-    Fixed shapes: every array is padded to the row bucket of N (the q rows too) and the
+    Fixed shapes: every array is padded to `verify_rows(tree)` rows (the q rows too) and the
     cache is read whole; no host sync. Writes the padded rows from the cache offset and
     advances the offset by N; or, with `at` (a lazy root slot and a host bound on it), from
     that slot, leaving the offset to the caller (a step queued before the last one is read)."""
@@ -100,7 +115,7 @@ def verify(
             model, cache, pending, tree, draft, draft_logprobs, sampling, taps, typical, allowed
         )
     n = tree.num_nodes
-    rows = bucket(n)
+    rows = verify_rows(tree)
     padded = _bounded(tree.padded(rows))
     pad = rows - n
     drafted = mx.zeros((0,), mx.int32) if draft is None else draft.astype(mx.int32)
@@ -117,13 +132,13 @@ def verify(
         args.append(mx.concatenate([allowed, mx.ones((pad, allowed.shape[-1]), mx.bool_)]))
     masked = allowed is not None
     shape = (rows, padded.is_chain, padded.depth, padded.width)
-    key = ("verify", shape, sampled_q, masked, sampling, typical, taps)
-    fn = _compiled(
+    span = _reserve(model, cache, (cache.offset if at is None else at[1]) + rows)
+    key = ("verify", shape, sampled_q, masked, sampling, typical, taps, span)
+    fn = compiled(
         model,
         key,
-        lambda: _verify_fn(model, padded, sampling, typical, taps, sampled_q, masked),
+        lambda: _verify_fn(model, padded, sampling, typical, taps, sampled_q, masked, span),
     )
-    _reserve(model, cache, (cache.offset if at is None else at[1]) + rows)
     start = mx.array(cache.offset, dtype=mx.int32) if at is None else at[0]
     out = fn(start, *args, *cache.state)
     k = 4 + len(taps)
@@ -155,6 +170,7 @@ def _verify_fn(
     taps: tuple[int, ...],
     sampled_q: bool,
     masked: bool,
+    span: int,
 ) -> Callable:
     def step(start, inputs, drafted, parent_index, depth_index, ancestors, *rest):
         q, rest = (rest[0], rest[1:]) if sampled_q else (None, rest)
@@ -163,7 +179,7 @@ def _verify_fn(
             shape.num_nodes, shape.depth, shape.width, shape.is_chain,
             parent_index, depth_index, ancestors,
         )  # fmt: skip
-        view = _view(model, arrays, start)
+        view = cache_view(model, arrays, start, span)
         positions = mask = None
         if not shape.is_chain:  # a chain (and its padding) needs the causal default
             positions, mask = start + depth_index, ancestors
@@ -211,23 +227,26 @@ def _stand_in(
     return Verified(acceptance, logits, out.hidden[0], tuple(t[0] for t in out.taps))
 
 
-def _reserve(model, cache: KVCache, length: int) -> None:
+def _reserve(model, cache: KVCache, length: int) -> int:
     """Storage for `length` slots in every layer (a fresh cache gets its shape from the model;
-    a stand-in model without layers keeps none)."""
+    a stand-in model without layers keeps none); returns the slots a step writing below
+    `length` attends to (`KVCache.span`)."""
     like = None
     if isinstance(model, CausalLM) and cache.capacity == 0:
         args = model.args
         like = mx.zeros((1, args.num_key_value_heads, 0, args.head_dim), model.compute_dtype)
     cache.reserve(length, like)
+    return cache.span(length)
 
 
-def _view(model, arrays, start) -> KVCache | None:
-    """The cache a traced forward writes into: a view over the step's cache inputs."""
+def cache_view(model, arrays, start, span: int) -> KVCache | None:
+    """The cache a traced forward writes into: a view over the step's cache inputs, whose
+    attention reads the leading `span` slots."""
     cache = model.make_cache()
     if arrays:
         layers = len(arrays) // 2
         cache.keys, cache.values = list(arrays[:layers]), list(arrays[layers:])
-    cache.start = start
+    cache.start, cache.attended = start, span
     return cache
 
 
@@ -276,18 +295,20 @@ def decode_at(
     count it starts from is read. The cache's offset is left to the caller."""
     rows = inputs.shape[0]
     sampling = replace(sampling, seed=None)
-    key = ("decode", k, sampling, shared, vocab)
-    fn = _compiled(model, key, lambda: _decode_fn(model, k, sampling, shared, vocab))
-    _reserve(model, cache, at[1] + rows + k)
+    span = _reserve(model, cache, at[1] + rows + k)
+    key = ("decode", k, sampling, shared, vocab, span)
+    fn = compiled(model, key, lambda: _decode_fn(model, k, sampling, shared, vocab, span))
     last = mx.array(last, dtype=mx.int32)
     picked, logprobs, *arrays = fn(at[0], last, inputs[None], *cache.state)
     cache.set_arrays(arrays)
     return picked, None if sampling.greedy else logprobs
 
 
-def _decode_fn(model, k: int, sampling: SamplingParams, shared: int, vocab: int) -> Callable:
+def _decode_fn(
+    model, k: int, sampling: SamplingParams, shared: int, vocab: int, span: int
+) -> Callable:
     def step(start, last, inputs, *arrays):
-        view = _view(model, arrays, start)
+        view = cache_view(model, arrays, start, span)
         logits = mx.take(model(inputs, view).logits[0], last, axis=0)  # the last real row
         picked, rows = [], []
         for i in range(k):

@@ -174,3 +174,11 @@ def test_random_edits_match_a_fresh_forward(model_type, overrides, seed):
         assert cache.offset == len(committed)
         assert_probe_matches(model, cache, committed, int(rng.integers(0, vocab)))
     assert len(committed) > 15 and cache.capacity > 8 and scattered >= 3
+
+
+def test_span_grows_two_sizes_an_octave_within_the_capacity():
+    cache = KVCache(LAYERS, step=256)
+    cache.reserve(200, mx.zeros((1, 2, 0, 4)))  # capacity 256
+    assert [cache.span(e) for e in (1, 64, 65, 97, 129, 200)] == [64, 64, 96, 128, 192, 256]
+    cache.reserve(300, mx.zeros((1, 2, 0, 4)))  # capacity 512
+    assert [cache.span(e) for e in (257, 300, 385, 512)] == [384, 384, 512, 512]

@@ -108,7 +108,7 @@ def test_cli_prints_the_curve(tmp_path, capsys):
 @pytest.mark.parametrize("longest, rows", [((), [1, 2]), ((1, 8), [1, 2, 4, 8, 16])])
 def test_the_longest_drafts_rows_are_measured_past_the_budget(monkeypatch, longest, rows):
     # A machine so slow that the budget is spent at once: the curve still reaches the rows a
-    # step of the longest draft verifies (8 drafts: 9 rows, bucket 16), never carried on in
+    # step of the longest draft verifies (8 drafts: 9 rows, bucket 12), never carried on in
     # proportion below them.
     monkeypatch.setattr(calibrate, "BUDGET", 1e-9)  # each point timed once
     model = tiny_model()

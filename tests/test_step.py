@@ -13,7 +13,7 @@ from mlx_speculate.sampling import SamplingParams, log_probs
 from mlx_speculate.tree import Tree
 from mlx_speculate.verify import greedy_accept, rejection_accept
 
-from .helpers import decode, tiny_model
+from .helpers import decode, greedy_reference, tiny_model
 from .markov import chi_square_limit
 
 PARENTS = (-1, 0, 0, 1, 1, 2)  # 6 nodes: padded to 8 rows
@@ -21,8 +21,15 @@ PARENTS = (-1, 0, 0, 1, 1, 2)  # 6 nodes: padded to 8 rows
 
 def test_buckets():
     assert [step.bucket(n) for n in (1, 2, 3, 5, 9, 33, 64, 65, 130)] == [
-        1, 2, 4, 8, 16, 64, 64, 128, 192,
+        1, 2, 4, 8, 12, 48, 64, 128, 192,
     ]  # fmt: skip
+
+
+def test_short_chains_verify_unpadded():
+    """A chain of at most EXACT_CHAIN nodes runs its own row count; longer ones and trees
+    (host or device-chosen) pad to their bucket."""
+    assert [step.verify_rows(Tree.chain(k)) for k in (0, 1, 4, 7, 8, 12)] == [1, 2, 5, 8, 12, 16]
+    assert step.verify_rows(Tree(PARENTS)) == 8
 
 
 @pytest.mark.parametrize("parents", [PARENTS, Tree.chain(5).parents], ids=["tree", "chain"])
@@ -52,7 +59,7 @@ def test_padded_verify_equals_the_eager_forward_and_rule(parents):
         model, compiled, mx.array(nodes[:1]), tree, mx.array(drafts), None, SamplingParams()
     )
     n = tree.num_nodes
-    assert got.logits.shape[0] == step.bucket(n) == 8
+    assert got.logits.shape[0] == step.verify_rows(tree) == (n if tree.is_chain else 8)
     np.testing.assert_allclose(np.array(got.logits[:n]), np.array(logits), rtol=1e-4, atol=1e-5)
     assert got.acceptance.num_accepted.item() == want.num_accepted.item() >= 1
     accepted = want.num_accepted.item() + 1
@@ -102,14 +109,14 @@ def test_lazy_weights_are_computed_once():
 
 
 def test_drafts_of_nearby_sizes_share_a_graph():
-    """Chains of 4 to 7 tokens (one row bucket) share one verify graph, and so do trees of
-    one bucket whose depth and width round up to the same powers of two: the adaptive
-    policy and lookup trees vary both, and each trace costs several steps."""
+    """Chains past `EXACT_CHAIN` rows (9 to 11 drafts: one row bucket) share one verify graph,
+    and so do trees of one bucket whose depth and width round up to the same powers of two:
+    the adaptive policy and lookup trees vary both, and each trace costs several steps."""
     model = tiny_model("llama", seed=0)
     step._COMPILED.pop(id(model), None)
     cache = model.make_cache()
     model(mx.array([[1, 5, 9]]), cache)
-    trees = [Tree.chain(k) for k in (4, 5, 6, 7)]
+    trees = [Tree.chain(k) for k in (9, 10, 11)]
     trees += [Tree((-1, 0, 1, 2, 0)), Tree((-1, 0, 1, 2, 3, 0)), Tree((-1, 0, 1, 0, 3, 4))]
     for tree in trees:
         drafts = mx.ones((tree.num_nodes - 1,), mx.int32)
@@ -117,6 +124,20 @@ def test_drafts_of_nearby_sizes_share_a_graph():
         mx.eval(out.acceptance.tokens)
         cache.truncate(3)
     assert len(step._COMPILED[id(model)]) == 2
+
+
+def test_steps_across_attention_spans_equal_plain_decoding():
+    """Draft-model steps from slot 3 to past 256 cross the spans 64, 96, 128, 192, 256 and 384
+    (attention reads only the leading span of the 256-slot cache, then of 512): each span
+    traces its own graphs and the tokens stay those of one-token eager forwards."""
+    model = tiny_model("llama", seed=0, max_position_embeddings=1024)
+    draft = tiny_model("llama", seed=7, num_hidden_layers=1, max_position_embeddings=1024)
+    step._COMPILED.pop(id(model), None)
+    tokens, _, decoder = decode(model, [1, 5, 9], 270, DraftModelDrafter(draft, 97), FixedPolicy(3))
+    assert tokens == greedy_reference(model, [1, 5, 9], 270)
+    spans = {key[-1] for key in step._COMPILED[id(model)]}
+    assert spans == {64, 96, 128, 192, 256, 384}
+    assert decoder.cache.capacity == 512
 
 
 def test_seeded_sampling_repeats():

@@ -19,7 +19,7 @@ sync is the acceptance read-back.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -29,8 +29,9 @@ import mlx.core as mx
 from ..cli import bounded, non_negative_int, positive_int
 from ..heads.eagle import EagleHead
 from ..heads.eagle_format import EAGLE_DIR, load_eagle_heads
-from ..models.base import CausalLM, additive_mask
+from ..models.base import CausalLM
 from ..sampling import SamplingParams
+from ..step import cache_view, compiled
 from ..tree import DeviceTree, Tree
 from .base import Draft, DrafterSpec, TargetFeatures
 
@@ -197,47 +198,76 @@ class EagleDrafter:
         return self._grow(committed, k)
 
     def _grow(self, committed: int, k: int) -> Draft:
-        """The best k nodes of an EAGLE-2 tree below the pending token."""
+        """The best k nodes of an EAGLE-2 tree below the pending token.
+
+        Fixed shapes: the levels and the selection are one compiled graph per (top-k, depth,
+        k, span) whose inputs are the head's state at the last committed position, the first
+        tree slot and its position (arrays) and the head's cache, read over its leading span;
+        each level's mask is a bool visibility over the tree's own slots. No host sync."""
         top_k = min(self.settings.top_k, k)
         depth = min(self.settings.depth, k - 1)  # deeper levels could not be among k nodes
-        scores, ids = self._best(self._last[None], top_k)  # (1, top_k)
-        tokens, scores = ids[0], scores[0]  # the root's children
-        candidates = [(tokens, scores, mx.zeros((top_k,), dtype=mx.int32))]
-        frontier = mx.arange(top_k, dtype=mx.int32)  # candidate indices of the frontier
-        hidden = mx.broadcast_to(self.head.feedback(self._last), (top_k, self._last.shape[-1]))
-        seen = mx.eye(top_k, dtype=mx.bool_)  # (top_k, tree slots) ancestors among fed nodes
-        start = top_k  # index of the next level's first candidate
-        for level in range(depth):
-            positions = mx.full((top_k,), committed + level, dtype=mx.int32)
-            mask = additive_mask(seen, hidden.dtype, self._fed)
-            out = self.head(
-                self._embed(tokens)[None],
-                hidden[None],
-                self.cache,
-                from_target=False,
-                positions=positions,
-                mask=mask,
-            )[0]  # (top_k, h)
-            child_scores, child_ids = self._best(out, top_k)  # (top_k, top_k)
-            cumulative = (child_scores + scores[:, None]).reshape(-1)  # (top_k * top_k,)
-            parents = mx.repeat(frontier + 1, top_k)  # node ids: candidate index + 1
-            candidates.append((child_ids.reshape(-1), cumulative, parents))
-            if level == depth - 1:
-                break
-            best = mx.argsort(-cumulative)[:top_k].astype(mx.int32)
-            rows = best // top_k
-            tokens, scores = child_ids.reshape(-1)[best], cumulative[best]
-            frontier, hidden = start + best, self.head.feedback(out)[rows]
-            seen = mx.concatenate([seen[rows], mx.eye(top_k, dtype=mx.bool_)], axis=1)
-            start += top_k * top_k
-        tokens, scores, parents = (mx.concatenate(c) for c in zip(*candidates, strict=True))
+        end = self._fed + depth * top_k
+        self.cache.reserve(end)
+        span = self.cache.span(end)
+        key = ("eagle", id(self.target), top_k, depth, k, span)
+        build = lambda: self._levels(top_k, depth, k, span)  # noqa: E731
+        fn = compiled(self.head, key, build, traced=self.head.traceable)
+        start, position = mx.array(self._fed, mx.int32), mx.array(committed, mx.int32)
+        tokens, *tree = fn(self._last, start, position, *self.cache.state)
+        layers = len(self.cache.state)
+        tree, arrays = tree[: len(tree) - layers], tree[len(tree) - layers :]
+        self.cache.set_arrays(arrays)
+        self.cache.advance(depth * top_k)
         if top_k == 1:  # a chain: its first k nodes are its best ones
-            n = min(k, tokens.shape[0])
-            return Draft(tokens[:n], Tree.chain(n))
-        levels = [mx.full((top_k,), 1, mx.int32)]
-        levels += [mx.full((top_k * top_k,), d + 2, mx.int32) for d in range(depth)]
-        tree, index = select(scores, parents, mx.concatenate(levels), k, depth + 1, top_k)
-        return Draft(tokens[index], tree)
+            return Draft(tokens, Tree.chain(tokens.shape[0]))
+        return Draft(tokens, DeviceTree(k + 1, depth + 1, top_k, *tree))
+
+    def _levels(self, top_k: int, depth: int, k: int, span: int) -> Callable:
+        """The traced growth: (last, start, position, *cache) -> (tokens, the selected tree's
+        parent, depth and ancestor arrays (trees only), *cache)."""
+
+        def grow(last, start, position, *arrays):
+            cache = cache_view(self.head, arrays, start, span)
+            scores, ids = self._best(last[None], top_k)  # (1, top_k)
+            tokens, scores = ids[0], scores[0]  # the root's children
+            candidates = [(tokens, scores, mx.zeros((top_k,), dtype=mx.int32))]
+            frontier = mx.arange(top_k, dtype=mx.int32)  # candidate indices of the frontier
+            hidden = mx.broadcast_to(self.head.feedback(last), (top_k, last.shape[-1]))
+            seen = mx.eye(top_k, dtype=mx.bool_)  # (top_k, tree slots) ancestors among fed nodes
+            first = top_k  # index of the next level's first candidate
+            for level in range(depth):
+                cache.start = start + level * top_k
+                out = self.head(
+                    self._embed(tokens)[None],
+                    hidden[None],
+                    cache,
+                    from_target=False,
+                    positions=mx.broadcast_to(position + level, (top_k,)),
+                    mask=seen,
+                )[0]  # (top_k, h)
+                child_scores, child_ids = self._best(out, top_k)  # (top_k, top_k)
+                cumulative = (child_scores + scores[:, None]).reshape(-1)  # (top_k * top_k,)
+                parents = mx.repeat(frontier + 1, top_k)  # node ids: candidate index + 1
+                candidates.append((child_ids.reshape(-1), cumulative, parents))
+                if level == depth - 1:
+                    break
+                best = mx.argsort(-cumulative)[:top_k].astype(mx.int32)
+                rows = best // top_k
+                tokens, scores = child_ids.reshape(-1)[best], cumulative[best]
+                frontier, hidden = first + best, self.head.feedback(out)[rows]
+                seen = mx.concatenate([seen[rows], mx.eye(top_k, dtype=mx.bool_)], axis=1)
+                first += top_k * top_k
+            tokens, scores, parents = (mx.concatenate(c) for c in zip(*candidates, strict=True))
+            if top_k == 1:
+                return tokens[:k], *cache.state
+            levels = [mx.full((top_k,), 1, mx.int32)]
+            levels += [mx.full((top_k * top_k,), d + 2, mx.int32) for d in range(depth)]
+            tree, index = select(scores, parents, mx.concatenate(levels), k, depth + 1, top_k)
+            return (
+                tokens[index], tree.parent_index, tree.depth_index, tree.ancestors, *cache.state
+            )
+
+        return grow
 
     def _embed(self, tokens: mx.array) -> mx.array:
         return self.target.model.embed_tokens(tokens)

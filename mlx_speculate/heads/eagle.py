@@ -150,6 +150,12 @@ class EagleHead(nn.Module):
     def num_layers(self) -> int:
         raise NotImplementedError
 
+    @property
+    def traceable(self) -> bool:
+        """Whether a level's graph can be independent of the host offset: its rope
+        frequencies do not depend on the largest position."""
+        return not self._rope.depends_on_length
+
     def make_cache(self) -> KVCache:
         return KVCache(self.num_layers)
 

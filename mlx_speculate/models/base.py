@@ -6,9 +6,11 @@ One forward serves prefill, one-token decode, chain verification and tree verifi
 
 `positions` are rotary positions per token (default: consecutive from `cache.offset`); they are
 kept apart from cache slots, which are always `offset .. offset + L`. `mask` is an additive
-(L, offset + L) mask over cached + new keys, or a bool (L, L) visibility among the new tokens
-(the committed prefix seen by all), default causal. Attention spans the cache's whole capacity
-under a mask built on the device from the slot start, so shapes depend on (L, capacity) alone.
+(L, offset + L) mask over cached + new keys, or a bool (L, M) visibility among the last M >= L
+slots, the new tokens last (a draft tree's earlier levels before them; older slots are the
+committed prefix, seen by all), default causal. Attention spans the cache's whole capacity
+(a compiled step's view: its leading `attended` slots) under a mask built on the device from
+the slot start, so shapes depend on (L, capacity) alone.
 `taps` names decoder layers whose *entering* hidden state (the residual stream before the
 layer, transformers' `hidden_states[i]`) the output carries, for drafters that read the
 target's features (EAGLE-3 taps layers 2, L//2 and L-3); `hidden`, the final-norm output,
@@ -134,6 +136,7 @@ class ForwardContext:
     mask: mx.array | str | None  # additive (..., L, capacity), or "causal" without a cache
     window_mask: mx.array | None  # set when a sliding-window layer must mask old keys
     sliding: tuple[bool, ...]
+    span: int | None = None  # leading cache slots attention reads (None: all of them)
     # RoPE tables per rotary embedding (by id), built by the first layer that needs them
     rotations: dict[int, tuple[mx.array, ...]] = field(default_factory=dict, compare=False)
 
@@ -167,12 +170,12 @@ def build_context(
     dtype: mx.Dtype,
 ) -> ForwardContext:
     """The context of a forward of `length` new tokens. With a cache, keys are written at
-    `start` (default: the cache's offset) and attention spans the whole capacity: slots
-    before `start` are committed and seen by every new token; among the new ones `mask` says
-    who sees whom: a bool (..., L, L) visibility, or the additive (..., L, offset + L) mask of
-    the public contract (host offset only), or causal by default. A cache view
-    (`KVCache.view`, inside a compiled step) carries its own array start: the host reserved
-    room and no shape depends on the offset."""
+    `start` (default: the cache's offset) and attention spans the whole capacity: `mask`
+    says who sees whom: a bool (..., L, M) visibility among the last M slots (the new ones
+    last; older slots are committed and seen by every new token), or the additive
+    (..., L, offset + L) mask of the public contract (host offset only), or causal by
+    default. A cache view (`KVCache.view`, inside a compiled step) carries its own array
+    start: the host reserved room and no shape depends on the offset."""
     start = None if cache is None else cache.start
     offset = 0 if cache is None else cache.offset if start is None else None
     end = None if offset is None else offset + length
@@ -188,7 +191,12 @@ def build_context(
         mask = None if mask is None else mask.astype(dtype)
         causal_mask = "causal" if mask is None and length > 1 else mask
         return ForwardContext(None, start, end, positions, seq_len, causal_mask, None, sliding)
-    capacity = length if cache is None else cache.capacity_for(end) if end else cache.capacity
+    if cache is None:
+        capacity = length
+    elif end is not None:
+        capacity = cache.capacity_for(end)
+    else:  # a compiled step's view reads its leading `attended` slots (KVCache.span)
+        capacity = cache.attended or cache.capacity
     slots = mx.arange(capacity, dtype=mx.int32)
     rel = slots - start  # (C,) index among the new tokens; < 0 for committed slots
     rows = mx.arange(length, dtype=mx.int32)
@@ -197,8 +205,10 @@ def build_context(
         allowed = causal
         additive = None if mask is None else _to_capacity(mask.astype(dtype), capacity, offset)
     else:
-        new = mx.take(mask, mx.clip(rel, 0, length - 1), axis=-1)  # (..., L, C)
-        allowed = (rel < 0) | (new & (rel < length))
+        m = mask.shape[-1]  # the last m slots up to the new ones (m >= L)
+        near = rel + (m - length)  # index among them; < 0 for the older, committed slots
+        new = mx.take(mask, mx.clip(near, 0, m - 1), axis=-1)  # (..., L, C)
+        allowed = (near < 0) | (new & (rel < length))
         additive = None
     window_mask = None
     if windowed:
@@ -212,7 +222,10 @@ def build_context(
             window_mask = mx.minimum(window_mask, additive)
     if additive is None:
         additive = additive_mask(allowed, dtype)
-    return ForwardContext(cache, start, end, positions, seq_len, additive, window_mask, sliding)
+    span = None if cache is None or end is not None else capacity
+    return ForwardContext(
+        cache, start, end, positions, seq_len, additive, window_mask, sliding, span
+    )
 
 
 def _to_capacity(mask: mx.array, capacity: int, offset: int | None) -> mx.array:
@@ -245,6 +258,8 @@ def attend(
         queries, keys = rope.rotate(queries, tables), rope.rotate(keys, tables)
     if ctx.cache is not None:
         keys, values = ctx.cache.write(layer, keys, values, ctx.start, ctx.end)
+        if ctx.span is not None and ctx.span < keys.shape[2]:
+            keys, values = keys[..., : ctx.span, :], values[..., : ctx.span, :]
     mask = ctx.window_mask if ctx.window_mask is not None and ctx.sliding[layer] else ctx.mask
     out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     return out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, H * D)
