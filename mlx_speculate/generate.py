@@ -176,7 +176,7 @@ def _read_prompt(prompt: str) -> str:
     return cli.read_stdin("the prompt on stdin")
 
 
-def _load(model: str | None, dtype: str | None, split: Split | None):
+def _load(model: str | None, dtype: str | None, split: Split | None = None):
     from .loading import load
 
     if model is None:
