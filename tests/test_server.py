@@ -276,10 +276,12 @@ def served_greedy_usage(model, tokenizer, spec) -> dict:
     return completion.usage.speculative
 
 
-def test_medusa_greedy_equals_generate(stories):
-    from .test_medusa import FULL_TREE, stories_with_heads
+def test_medusa_greedy_equals_generate(stories, tmp_path):
+    from .test_medusa import FULL_TREE, load_medusa_heads, train_heads
 
-    model, tokenizer, heads = stories_with_heads(SHARED / "models" / "stories260K-llama")
+    model, tokenizer = stories
+    train_heads(model, tmp_path, samples=32, prefix=16, epochs=10)
+    heads = load_medusa_heads(tmp_path / "heads", model)
     # A fixed tree: the adaptive policy may fall back to plain steps on a slow, noisy machine.
     usage = served_greedy_usage(
         model, tokenizer, MedusaSpec(heads=heads, num_draft_tokens=FULL_TREE)
