@@ -24,6 +24,7 @@ import numpy as np
 from ..heads.medusa import DEFAULT_TREE, MEDUSA_TREES, MedusaHeads, load_medusa_heads, medusa_tree
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
+from ..step import compiled
 from ..tree import Tree
 from .base import Draft, DrafterSpec, TargetFeatures
 
@@ -184,11 +185,25 @@ class MedusaDrafter:
             self._length = length
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft | None:
+        """Fixed shapes: one compiled graph per tree size (the heads' input is the last hidden
+        state); no host sync."""
         if self._hidden is None or k <= 0 or self.max_draft == 0:
             return None
         tree, index, depth, width = self._plan(k)
-        logits = self.heads(self._hidden, depth)  # (depth, V)
+        key = ("medusa", self._choices[: tree.num_nodes - 1])
+        fn = compiled(self.heads, key, lambda: _ranked_fn(self.heads, index, depth, width))
+        return Draft(fn(self._hidden), tree)
+
+
+def _ranked_fn(heads: MedusaHeads, index: mx.array, depth: int, width: int):
+    """The draft tokens (k,) of one tree from a hidden state (hidden,): each node takes its
+    head's token of its rank."""
+
+    def ranked_tokens(hidden: mx.array) -> mx.array:
+        logits = heads(hidden, depth)  # (depth, V)
         top = mx.argpartition(-logits, kth=width - 1, axis=-1)[:, :width]  # (depth, width)
         order = mx.argsort(-mx.take_along_axis(logits, top, axis=-1), axis=-1)
         ranked = mx.take_along_axis(top, order, axis=-1)  # (depth, width), best first
-        return Draft(ranked.reshape(-1)[index].astype(mx.int32), tree)
+        return ranked.reshape(-1)[index].astype(mx.int32)
+
+    return ranked_tokens
