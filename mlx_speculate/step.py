@@ -23,7 +23,8 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from .cache import KVCache
-from .models.base import CausalLM, additive_mask
+from .models.base import CausalLM
+from .models.context import additive_mask
 from .models.rope import LENGTH_DEPENDENT
 from .sampling import SamplingParams, log_probs, pick
 from .tree import DeviceTree, PaddedTree, Tree

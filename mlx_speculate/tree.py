@@ -21,7 +21,7 @@ from functools import cache, cached_property, lru_cache
 import mlx.core as mx
 import numpy as np
 
-from .models.base import additive_mask
+from .models.context import additive_mask
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ import mlx.nn as nn
 
 from ..cache import KVCache
 from ..models import llama, qwen2
-from ..models.base import CausalLM, ForwardContext, build_context
+from ..models.base import CausalLM
+from ..models.context import ForwardContext, build_context
 from ..models.rope import RotaryEmbedding
 
 # Speculators' normalisation options for EAGLE-3 (all off in SafeAILab's heads).

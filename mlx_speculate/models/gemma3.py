@@ -16,7 +16,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import llama, qwen3
-from .base import BaseModelArgs, CausalLM, ForwardContext
+from .base import BaseModelArgs, CausalLM
+from .context import ForwardContext
 from .rope import LAYER_TYPES, RotaryEmbedding, rope_parameters
 
 # Checkpoint prefixes of the language model inside `gemma3` folders (transformers >= 4.52, then

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import BaseModelArgs, CausalLM, ForwardContext, TransformerBlock, attend
+from .base import BaseModelArgs, CausalLM, TransformerBlock, attend
+from .context import ForwardContext
 
 
 @dataclass

@@ -9,7 +9,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import llama, qwen2
-from .base import CausalLM, ForwardContext, TransformerBlock, attend
+from .base import CausalLM, TransformerBlock, attend
+from .context import ForwardContext
 from .rope import RotaryEmbedding
 
 

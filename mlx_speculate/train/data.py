@@ -25,7 +25,8 @@ from typing import Any
 import mlx.core as mx
 
 from ..chat import apply_chat_template, has_chat_template
-from ..models.base import CausalLM, additive_mask
+from ..models.base import CausalLM
+from ..models.context import additive_mask
 from ..sampling import SamplingParams, pick
 
 DATA_FILE = "data.jsonl"

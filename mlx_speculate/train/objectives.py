@@ -24,7 +24,7 @@ import mlx.nn as nn
 
 from ..heads.eagle import Eagle1Head, Eagle3Head
 from ..heads.medusa import MedusaHeads
-from ..models.base import additive_mask
+from ..models.context import additive_mask
 
 Batch = tuple[mx.array, mx.array, mx.array, mx.array, mx.array]
 

@@ -1,0 +1,131 @@
+"""The per-forward context every layer reads: slot start, rotary positions, one rotation
+table per forward, and the attention mask over the cache's attended span (causal, tree or
+sliding window), built on the device from the slot start so that shapes depend on
+(L, capacity) alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from ..cache import KVCache
+from .rope import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """Per-forward state every layer reads: built once, passed down as an argument.
+
+    Fixed shapes: new keys go to cache slot `start` (an int32 array), attention reads the
+    whole cache capacity under `mask`, so the graph depends on (rows, capacity) only. `end`
+    is the host's start + rows (None inside a compiled step, where the host reserved room).
+    """
+
+    cache: KVCache | None
+    start: mx.array  # () int32: the first new slot
+    end: int | None
+    positions: mx.array | None
+    seq_len: int  # largest rotary position + 1: what dynamic / longrope frequencies depend on
+    mask: mx.array | str | None  # additive (..., L, capacity), or "causal" without a cache
+    window_mask: mx.array | None  # set when a sliding-window layer must mask old keys
+    sliding: tuple[bool, ...]
+    span: int | None = None  # leading cache slots attention reads (None: all of them)
+    # RoPE tables per rotary embedding (by id), built by the first layer that needs them
+    rotations: dict[int, tuple[mx.array, ...]] = field(default_factory=dict, compare=False)
+
+    def rotation(self, rope: RotaryEmbedding, length: int, dtype: mx.Dtype) -> tuple:
+        """`rope`'s tables for this forward (RotaryEmbedding.tables), shared by its layers."""
+        if id(rope) not in self.rotations:
+            freqs = rope.freqs(self.seq_len)
+            tables = rope.tables(self.start, self.positions, length, freqs, dtype)
+            self.rotations[id(rope)] = tables
+        return self.rotations[id(rope)]
+
+
+def additive_mask(allowed: mx.array, dtype: mx.Dtype, prefix: int = 0) -> mx.array:
+    """(..., N, M) bool -> (..., N, prefix + M) additive mask: 0 where allowed and on `prefix`
+    leading keys (a committed prefix every query sees), else the dtype's most negative finite
+    value, since -inf can turn into NaN inside fused attention kernels."""
+    mask = mx.where(allowed, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+    if prefix == 0:
+        return mask
+    return mx.concatenate([mx.zeros((*mask.shape[:-1], prefix), dtype=dtype), mask], axis=-1)
+
+
+def build_context(
+    rope: RotaryEmbedding,
+    cache: KVCache | None,
+    length: int,
+    positions: mx.array | None,
+    mask: mx.array | None,
+    window: int | None,
+    sliding: tuple[bool, ...],
+    dtype: mx.Dtype,
+) -> ForwardContext:
+    """The context of a forward of `length` new tokens. With a cache, keys are written at
+    `start` (default: the cache's offset) and attention spans the whole capacity: `mask`
+    says who sees whom: a bool (..., L, M) visibility among the last M slots (the new ones
+    last; older slots are committed and seen by every new token), or the additive
+    (..., L, offset + L) mask of the public contract (host offset only), or causal by
+    default. A cache view (`KVCache.view`, inside a compiled step) carries its own array
+    start: the host reserved room and no shape depends on the offset."""
+    start = None if cache is None else cache.start
+    offset = 0 if cache is None else cache.offset if start is None else None
+    end = None if offset is None else offset + length
+    if start is None:
+        start = mx.array(offset or 0, dtype=mx.int32)
+    seq_len = end if end is not None else rope.max_position_embeddings
+    if rope.depends_on_length and (positions is not None or end is None):
+        # A host sync, only for rope types whose frequencies depend on the largest position.
+        last = positions.max() if positions is not None else start + length - 1
+        seq_len = int(last.item()) + 1
+    windowed = window is not None and any(sliding) and (end is None or end > window)
+    if cache is None and not windowed and (mask is None or mask.dtype != mx.bool_):
+        mask = None if mask is None else mask.astype(dtype)
+        causal_mask = "causal" if mask is None and length > 1 else mask
+        return ForwardContext(None, start, end, positions, seq_len, causal_mask, None, sliding)
+    if cache is None:
+        capacity = length
+    elif end is not None:
+        capacity = cache.capacity_for(end)
+    else:  # a compiled step's view reads its leading `attended` slots (KVCache.span)
+        capacity = cache.attended or cache.capacity
+    slots = mx.arange(capacity, dtype=mx.int32)
+    rel = slots - start  # (C,) index among the new tokens; < 0 for committed slots
+    rows = mx.arange(length, dtype=mx.int32)
+    causal = rel[None, :] <= rows[:, None]  # (L, C): committed slots and earlier new ones
+    if mask is None or mask.dtype != mx.bool_:
+        allowed = causal
+        additive = None if mask is None else _to_capacity(mask.astype(dtype), capacity, offset)
+    else:
+        m = mask.shape[-1]  # the last m slots up to the new ones (m >= L)
+        near = rel + (m - length)  # index among them; < 0 for the older, committed slots
+        new = mx.take(mask, mx.clip(near, 0, m - 1), axis=-1)  # (..., L, C)
+        allowed = (near < 0) | (new & (rel < length))
+        additive = None
+    window_mask = None
+    if windowed:
+        # Causal by cache slot, distance by rotary position (committed slots sit at their
+        # positions, new ones at theirs): (B or 1, 1, L, C).
+        q_pos = (start + rows if positions is None else positions).reshape(-1, length)
+        k_pos = mx.where(rel < 0, slots, mx.take(q_pos, mx.clip(rel, 0, length - 1), axis=-1))
+        near = q_pos[:, :, None] - k_pos[:, None, :] < window
+        window_mask = additive_mask(allowed & near, dtype)[:, None]
+        if additive is not None:
+            window_mask = mx.minimum(window_mask, additive)
+    if additive is None:
+        additive = additive_mask(allowed, dtype)
+    span = None if cache is None or end is not None else capacity
+    return ForwardContext(
+        cache, start, end, positions, seq_len, additive, window_mask, sliding, span
+    )
+
+
+def _to_capacity(mask: mx.array, capacity: int, offset: int | None) -> mx.array:
+    """An additive (..., L, offset + L) mask padded to (..., L, capacity) with hidden slots."""
+    if offset is None:
+        raise ValueError("an additive mask over cached + new keys needs the cache's host offset")
+    pad = capacity - mask.shape[-1]
+    hidden = mx.full((*mask.shape[:-1], pad), mx.finfo(mask.dtype).min, dtype=mask.dtype)
+    return mx.concatenate([mask, hidden], axis=-1)
