@@ -17,6 +17,7 @@ measured timings (`SharedPolicy`, one scalar all-sum per step). Only rank 0 prin
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -25,8 +26,11 @@ import numpy as np
 from mlx.nn.layers.distributed import shard_linear
 from mlx.utils import tree_flatten
 
+from . import cli
+from .device import GENERATION_STREAM
 from .pipeline import split_layers
 from .policy import Policy
+from .ranks import DEFAULT_TIMEOUT, check_same_model, drafter_digest
 
 PARALLEL_MODES = ("tensor", "pipeline")
 
@@ -62,6 +66,23 @@ class Split:
         )
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every CLI that runs under `mlx.launch` takes (generate, server)."""
+    parser.add_argument(
+        "--parallel",
+        choices=PARALLEL_MODES,
+        default="tensor",
+        help="under mlx.launch: how the target is split across ranks (default: tensor)",
+    )
+    parser.add_argument(
+        "--rank-timeout",
+        type=cli.bounded(float, lambda v: v > 0, "a positive number of seconds"),
+        default=DEFAULT_TIMEOUT,
+        help="under mlx.launch: end with an error when no step finishes in this many seconds "
+        f"(a rank died or hangs; default {DEFAULT_TIMEOUT:g})",
+    )
+
+
 def init_group() -> mx.distributed.Group | None:
     """The group `mlx.launch` set up, or None when this process runs alone."""
     if not mx.distributed.is_available():
@@ -70,20 +91,26 @@ def init_group() -> mx.distributed.Group | None:
     return group if group.size() > 1 else None
 
 
+def from_rank0(value: int, group: mx.distributed.Group) -> int:
+    """Rank 0's int32 `value` on every rank (one scalar all-sum). It runs on the generation
+    stream, after the step queued there: that step's own collectives must meet the other
+    ranks' in the same order, which a second stream would race."""
+    mine = mx.array(value if group.rank() == 0 else 0, mx.int32)
+    return int(mx.distributed.all_sum(mine, group=group, stream=GENERATION_STREAM).item())
+
+
 def shared_seed(seed: int | None, group: mx.distributed.Group) -> int:
     """`seed`, or one rank 0 drew: every rank must sample with the same one."""
     if seed is not None:
         return seed
-    mine = int(np.random.default_rng().integers(2**31)) if group.rank() == 0 else 0
-    return int(mx.distributed.all_sum(mx.array(mine, mx.int32), group=group).item())
+    return from_rank0(int(np.random.default_rng().integers(2**31)), group)
 
 
 def rank0_says(flag: bool, group: mx.distributed.Group) -> bool:
     """Rank 0's `flag` on every rank: calibrating a sharded target times its forwards, and
     every choice that follows a timing must be the same on all ranks (they run the forwards
     together)."""
-    mine = int(flag) if group.rank() == 0 else 0
-    return bool(mx.distributed.all_sum(mx.array(mine, mx.int32), group=group).item())
+    return bool(from_rank0(int(flag), group))
 
 
 class SharedPolicy:
@@ -95,8 +122,7 @@ class SharedPolicy:
         self.group = group
 
     def choose(self) -> int:
-        k = self.policy.choose() if self.group.rank() == 0 else 0
-        return int(mx.distributed.all_sum(mx.array(k, mx.int32), group=self.group).item())
+        return from_rank0(self.policy.choose() if self.group.rank() == 0 else 0, self.group)
 
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:
         self.policy.observe(drafted, accepted, seconds)
@@ -183,15 +209,33 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
+def shared_spec(spec, model: nn.Module, group: mx.distributed.Group):
+    """`spec` resolved (its draft model or heads loaded), checked to be the same on every
+    rank: ValueError naming the ranks otherwise (they would draft different tokens)."""
+    spec = spec.resolve(model)
+    check_same_model(drafter_digest(spec), group, "drafter")
+    return spec
+
+
+def shared_policy(drafter, model: nn.Module, num_draft_tokens: int | None, group) -> Policy:
+    """The draft-length policy of `default_policy`, calibrated and chosen by rank 0 when a
+    `group` is given (every rank then drafts the same lengths)."""
+    from .policy import default_policy
+
+    if group is None:
+        return default_policy(drafter, model, num_draft_tokens)
+    costs = default_policy(drafter, model, num_draft_tokens, lambda b: rank0_says(b, group))
+    return SharedPolicy(costs, group)
+
+
 def decoding_options(model, tokenizer, spec, group: mx.distributed.Group) -> dict:
     """stream_generate's `drafter`, `policy` (and `typical_acceptance`) for a sharded target:
     the drafter built here so that its policy can be wrapped in a SharedPolicy."""
     if spec is None:
         return {"drafter": None}
     from .drafters import make_drafter
-    from .policy import default_policy
 
+    spec = shared_spec(spec, model, group)
     drafter = make_drafter(spec, model, tokenizer)
-    costs = default_policy(drafter, model, spec.num_draft_tokens, lambda b: rank0_says(b, group))
-    policy = SharedPolicy(costs, group)
+    policy = shared_policy(drafter, model, spec.num_draft_tokens, group)
     return {"drafter": drafter, "policy": policy, "typical_acceptance": spec.typical_acceptance}

@@ -10,13 +10,13 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import replace
 
-from . import cli
+from . import cli, distributed
 from .chat import apply_chat_template, has_chat_template, plain_tokens
-from .distributed import PARALLEL_MODES, Split, decoding_options, init_group, shared_seed
+from .distributed import Split, decoding_options, init_group, shared_seed
 from .drafters import cli as drafter_cli
 from .generation import GenerationResponse, stream_generate
 from .loading import DTYPES
-from .ranks import DEFAULT_TIMEOUT, guarded
+from .ranks import guarded
 from .sampling import SamplingParams
 
 EXAMPLES = """examples:
@@ -72,19 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Metal; a draft model keeps that default)",
     )
     parser.add_argument("--verbose", action="store_true", help="print speed and statistics")
-    parser.add_argument(
-        "--parallel",
-        choices=PARALLEL_MODES,
-        default="tensor",
-        help="under mlx.launch: how the target is split across ranks (default: tensor)",
-    )
-    parser.add_argument(
-        "--rank-timeout",
-        type=cli.bounded(float, lambda v: v > 0, "a positive number of seconds"),
-        default=DEFAULT_TIMEOUT,
-        help="under mlx.launch: end with an error when no step finishes in this many seconds "
-        f"(a rank died or hangs; default {DEFAULT_TIMEOUT:g})",
-    )
+    distributed.add_arguments(parser)
     drafter_cli.add_arguments(parser)
     return parser
 

@@ -11,6 +11,7 @@ closes its own sockets, and `mlx.launch` stops the remaining ranks once one exit
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -79,7 +80,7 @@ def guarded(group: mx.distributed.Group, timeout: float = DEFAULT_TIMEOUT) -> It
     try:
         yield watchdog
     except RuntimeError as e:
-        if "[ring]" not in str(e) and "peer" not in str(e):
+        if not lost_peer(e):
             raise
         raise ConnectionError(
             f"rank {group.rank()}: lost the connection to another rank (it exited or its "
@@ -89,12 +90,31 @@ def guarded(group: mx.distributed.Group, timeout: float = DEFAULT_TIMEOUT) -> It
         watchdog.stop()
 
 
-def model_digest(config: Mapping[str, Any], model: nn.Module) -> bytes:
+def lost_peer(error: BaseException) -> bool:
+    """Whether `error` is a collective failing because another rank's connection closed."""
+    return isinstance(error, RuntimeError) and ("[ring]" in str(error) or "peer" in str(error))
+
+
+def model_digest(config: Mapping[str, Any] | Any, model: nn.Module) -> bytes:
     """A digest of a model's config and its parameters' names, shapes and dtypes: cheap (no
     weight is read) and equal for the same checkpoint on any machine."""
     shapes = sorted((k, list(v.shape), str(v.dtype)) for k, v in tree_flatten(model.parameters()))
     text = json.dumps([config, shapes], sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).digest()
+
+
+def drafter_digest(spec: Any) -> bytes:
+    """A digest of a resolved drafter spec (a frozen dataclass): its method, its settings and
+    the config and parameter shapes of what it loaded (a draft model, heads). Not its
+    tokenizer: the draft model's vocabulary check covers it."""
+    parts = [spec.method]
+    for field in dataclasses.fields(spec):
+        value = getattr(spec, field.name)
+        if isinstance(value, nn.Module):
+            parts.append(model_digest(getattr(value, "args", None), value).hex())
+        elif field.name != "tokenizer":
+            parts.append(f"{field.name}={value!r}")
+    return hashlib.sha256("\n".join(parts).encode()).digest()
 
 
 def check_same_model(digest: bytes, group: mx.distributed.Group, what: str = "model") -> None:
@@ -112,6 +132,6 @@ def check_same_model(digest: bytes, group: mx.distributed.Group, what: str = "mo
         f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}" for r in groups.values()
     )
     raise ValueError(
-        f"the ranks loaded different {what}s ({sides}): config or weight shapes differ; "
-        "every rank must load the same checkpoint"
+        f"the ranks loaded different {what}s ({sides}): their configs, settings or weight "
+        "shapes differ; every rank must load the same ones"
     )

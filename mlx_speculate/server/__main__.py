@@ -3,6 +3,10 @@
 Listens at once (GET /health answers 503 while the model loads) and prints the URL when the
 model is ready. SIGTERM or Ctrl-C stops accepting requests, lets running ones finish for up to
 `--shutdown-timeout` seconds, cancels the rest and exits with status 0.
+
+Under `mlx.launch` the target is sharded over the ranks: rank 0 serves HTTP and the others
+run its requests in step with it (lockstep.py), binding no port; they stop when rank 0 does.
+A lost rank ends the server with a one-line error and status 1.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .. import cli
+from .. import cli, distributed
+from ..distributed import Split, init_group
 from ..drafters import cli as drafter_cli
 from .app import MAX_BODY, create_app
+from .lockstep import Lockstep
 from .metrics import Metrics
 from .sessions import SessionPool
 from .worker import Worker
@@ -65,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
     )
+    distributed.add_arguments(parser)
     drafter_cli.add_arguments(parser)
     return parser
 
@@ -95,17 +102,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, ImportError) as e:
         return cli.fail(e)
 
+    group = init_group()
+    split = None if group is None else Split(group, args.parallel)
+    lockstep = None if group is None else Lockstep(group, args.rank_timeout)
+
     def load() -> SessionPool:
         from ..loading import load as load_model
 
-        model, tokenizer = load_model(source)
+        model, tokenizer = load_model(source, split=split)
+        if split is not None and lockstep.leads:
+            print(split.describe(model), file=sys.stderr, flush=True)
         if template is not None:
             tokenizer.chat_template = template
             tokenizer.has_chat_template = True
-        return SessionPool(model, tokenizer, spec, args.prompt_cache_size)
+        return SessionPool(model, tokenizer, spec, args.prompt_cache_size, group)
 
     metrics = Metrics()
-    worker = Worker(load, metrics, args.max_queue)
+    worker = Worker(load, metrics, args.max_queue, lockstep)
+    if lockstep is not None and not lockstep.leads:
+        return _follow(worker)
     app = create_app(
         worker, model_id(source), metrics, api_key=args.api_key, max_body=args.max_body_bytes
     )
@@ -133,13 +148,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:
         if e.code:
             raise
-    return 1 if worker.load_error else 0
+    return 1 if worker.load_error or worker.fatal else 0
+
+
+def _follow(worker: Worker) -> int:
+    """A rank other than 0: no HTTP; runs rank 0's requests until rank 0 stops."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every rank: rank 0 decides
+    try:
+        worker.follow()
+    except (ValueError, OSError, ImportError) as e:
+        cli.fail(e)
+        return 1
+    return 0
 
 
 def _supervise(server, worker: Worker, source: str, grace: float) -> None:
     """Prints the URL once the model is loaded and the socket listens (or stops the server on
-    a load error); once shutting down, cancels the generations still running after `grace`
-    seconds, so that their streams end with an error event rather than a cut connection."""
+    a load error, or when a sharded server lost a rank); once shutting down, cancels the
+    generations still running after `grace` seconds, so that their streams end with an error
+    event rather than a cut connection."""
     worker.loaded.wait()
     if worker.load_error:
         print(f"error: {worker.load_error}", file=sys.stderr, flush=True)
@@ -151,6 +178,10 @@ def _supervise(server, worker: Worker, source: str, grace: float) -> None:
         host, port = server.servers[0].sockets[0].getsockname()[:2]
         print(f"serving {source} at http://{host}:{port}/v1", flush=True)
     while not server.should_exit:
+        if worker.fatal is not None:
+            print(f"error: {worker.fatal}", file=sys.stderr, flush=True)
+            server.should_exit = True
+            return
         time.sleep(0.05)
     time.sleep(grace)
     worker.cancel_all()

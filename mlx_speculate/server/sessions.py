@@ -18,10 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import mlx.core as mx
+
+from ..distributed import shared_policy, shared_spec
 from ..drafters import DrafterSpec, LookupSpec, make_drafter
 from ..generation import Session
 from ..models.base import CausalLM
-from ..policy import Policy, default_policy
+from ..policy import Policy
 
 NONE = "none"  # the method name that turns speculation off
 
@@ -35,10 +38,16 @@ class Entry:
 
 class SessionPool:
     """Sessions per speculative method over one model: `methods` maps each method the server
-    can serve to its spec ("none" to None); `default` is the one a request gets by default."""
+    can serve to its spec ("none" to None); `default` is the one a request gets by default.
+    With `group` (a sharded target) the drafters and their draft lengths are rank 0's."""
 
     def __init__(
-        self, model: CausalLM, tokenizer, spec: DrafterSpec | None = None, max_sessions: int = 4
+        self,
+        model: CausalLM,
+        tokenizer,
+        spec: DrafterSpec | None = None,
+        max_sessions: int = 4,
+        group: mx.distributed.Group | None = None,
     ):
         if max_sessions < 1:
             raise ValueError(f"the prompt cache must hold at least 1 session, got {max_sessions}")
@@ -46,10 +55,12 @@ class SessionPool:
         self.tokenizer = tokenizer
         self.max_sessions = max_sessions
         self.max_context = model.args.max_position_embeddings
+        self.group = group
         # Prompt lookup needs nothing loaded, so it is always on offer.
         self.methods: dict[str, DrafterSpec | None] = {NONE: None, LookupSpec.method: LookupSpec()}
         if spec is not None:
-            self.methods[spec.method] = spec.resolve(model)
+            resolved = spec.resolve(model) if group is None else shared_spec(spec, model, group)
+            self.methods[spec.method] = resolved
         self.default = NONE if spec is None else spec.method
         # Built once now: a method that does not fit the model fails at start, not per request.
         drafters = {
@@ -102,7 +113,9 @@ class SessionPool:
             return Entry(method, Session(self.model, self.tokenizer))
         drafter = make_drafter(spec, self.model, self.tokenizer)
         if method not in self.policies:
-            self.policies[method] = default_policy(drafter, self.model, spec.num_draft_tokens)
+            self.policies[method] = shared_policy(
+                drafter, self.model, spec.num_draft_tokens, self.group
+            )
         session = Session(
             self.model, self.tokenizer, drafter, typical_acceptance=spec.typical_acceptance
         )

@@ -8,6 +8,10 @@ the event loop is plain Python: text, token ids, floats.
 A job is cancelled (its client went away) by a flag the thread reads after every token and
 between prefill chunks, so a cancelled generation stops within one decoding step or one prefill
 chunk; a cancelled job still waiting is skipped.
+
+With a sharded target (lockstep.py) the thread is rank 0's and every other rank runs `follow`
+on its main thread: each request is shared as it is taken, and each flag read goes through
+`agree`, so all ranks stop at the same token.
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ from contextlib import closing
 
 import mlx.core as mx
 
+from ..cli import one_line
 from ..device import clear_cache
 from ..generation import GenerationResponse
 from ..policy import FixedPolicy
+from ..ranks import lost_peer
+from .lockstep import Lockstep, Mirror, Solo
 from .metrics import Metrics
 from .records import Delta, Failed, Finished, Generation, Job, TokenLogprob, Usage
 from .sessions import SessionPool
@@ -41,9 +48,16 @@ class NotReady(Exception):
 
 class Worker:
     """The generation thread and its bounded FIFO queue. `load` builds the session pool (the
-    model and its drafters) on the thread itself; until it has, `pool` is None."""
+    model and its drafters) on the thread itself; until it has, `pool` is None. `fatal` says
+    why a sharded server can serve no more (a rank was lost)."""
 
-    def __init__(self, load: Callable[[], SessionPool], metrics: Metrics, max_queue: int = 16):
+    def __init__(
+        self,
+        load: Callable[[], SessionPool],
+        metrics: Metrics,
+        max_queue: int = 16,
+        lockstep: Lockstep | Solo | None = None,
+    ):
         if max_queue < 1:
             raise ValueError(f"the queue must hold at least 1 request, got {max_queue}")
         self._load = load
@@ -53,6 +67,8 @@ class Worker:
         self.pool: SessionPool | None = None
         self.load_error: str | None = None
         self.loaded = threading.Event()  # set when loading ended, well or not
+        self.fatal: str | None = None
+        self._lockstep = lockstep or Solo()
         self._running: Job | None = None
         metrics.queue_depth.set_function(self._queue.qsize)
 
@@ -77,8 +93,8 @@ class Worker:
 
     def submit(self, request: Generation) -> Job:
         """Queues a generation; QueueFull when the queue is full, NotReady while loading."""
-        if self.pool is None:
-            raise NotReady(self.load_error or "the model is still loading")
+        if self.pool is None or self.fatal is not None:
+            raise NotReady(self.fatal or self.load_error or "the model is still loading")
         job = Job(request)
         try:
             self._queue.put_nowait(job)
@@ -86,33 +102,63 @@ class Worker:
             raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
         return job
 
+    def follow(self) -> None:
+        """A follower rank's loop, on its main thread: loads its part of the model, then runs
+        rank 0's requests until rank 0 stops. Loading errors and a lost rank 0 propagate."""
+        with self._lockstep.guard():
+            self.pool = self._load()
+            while (request := self._lockstep.share(None)) is not None:
+                self._serve(Mirror(request))
+
     def _run(self) -> None:
         try:
-            self.pool = self._load()
-        except Exception as e:  # a bad model folder must not kill the process silently
-            log.exception("loading the model failed")
-            self.load_error = f"loading the model failed: {e}"
-        finally:
-            self.loaded.set()
-        while (job := self._queue.get()) is not None:
-            if job.cancelled:
-                job.emit(Finished("cancelled", None))
-                continue
-            self._running = job
-            try:
-                self._generate(job)
-            except Exception as e:  # the server outlives any one request
-                log.exception("generation failed")
-                job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
-            finally:
-                self._running = None
-                clear_cache()  # the request's buffers go back, as mlx-lm's server does
+            with self._lockstep.guard():
+                try:
+                    self.pool = self._load()
+                except Exception as e:  # a bad model folder must not kill the process silently
+                    log.exception("loading the model failed")
+                    self.load_error = f"loading the model failed: {e}"
+                finally:
+                    self.loaded.set()
+                    self._lockstep.idle()
+                while (job := self._take()) is not None:
+                    self._serve(job)
+        except ConnectionError as e:  # a rank was lost: no generation can run any more
+            self.fatal = one_line(e)
+            with self._queue.mutex:
+                waiting = [job for job in self._queue.queue if job is not None]
+            for job in waiting:
+                job.emit(Failed(self.fatal))
         # This thread's compiled graphs hold Python objects; MLX frees them when the thread
         # ends, by then without the interpreter if the process is exiting (an abort): free
         # them now (the maintainers' advice: call it at the end of every thread).
         mx.clear_streams()
 
-    def _generate(self, job: Job) -> None:
+    def _take(self) -> Job | None:
+        """The next job not cancelled while waiting (None: stop), shared with the other ranks
+        (its request then carries the seed they all use)."""
+        while (job := self._queue.get()) is not None and job.cancelled:
+            job.emit(Finished("cancelled", None))
+        request = self._lockstep.share(None if job is None else job.request)
+        if job is not None:
+            job.request = request
+        return job
+
+    def _serve(self, job: Job | Mirror) -> None:
+        self._running = job
+        try:
+            self._generate(job)
+        except Exception as e:  # the server outlives any one request
+            log.exception("generation failed")
+            job.emit(Failed(f"generation failed: {type(e).__name__}: {one_line(e)}"))
+            if lost_peer(e):
+                raise
+        finally:
+            self._running = None
+            self._lockstep.idle()
+            clear_cache()  # the request's buffers go back, as mlx-lm's server does
+
+    def _generate(self, job: Job | Mirror) -> None:
         request, pool, metrics = job.request, self.pool, self._metrics
         assert pool is not None
         entry = pool.acquire(request.method, request.tokens)
@@ -123,35 +169,47 @@ class Worker:
         last: GenerationResponse | None = None
         first = True
         text, tokens = [], []  # what was sent, and every token but an EOS
+        failure: Exception | None = None  # in delivering a token: the stream stops cleanly
+
+        def cancelled() -> bool:
+            return self._lockstep.agree(job.cancelled)
+
         stream = entry.session.stream(
             request.tokens,
             sampling=request.sampling,
             max_tokens=request.max_tokens,
             stop=request.stop,
             policy=policy,
-            cancelled=lambda: job.cancelled,
+            cancelled=cancelled,
             grammar=request.grammar,
         )
         try:
             with closing(stream):
                 for last in stream:
-                    if first:
-                        metrics.time_to_first_token.observe(time.perf_counter() - job.submitted)
-                        first = False
-                    logprob = None
-                    if request.top_logprobs is not None and not (
-                        last.finish_reason == "stop" and last.token in eos
-                    ):
-                        logprob = self._logprob(last, request.top_logprobs)
-                    job.emit(Delta(last.text, logprob))
+                    try:
+                        if first:
+                            waited = time.perf_counter() - job.submitted
+                            metrics.time_to_first_token.observe(waited)
+                            first = False
+                        logprob = None
+                        if request.top_logprobs is not None and not (
+                            last.finish_reason == "stop" and last.token in eos
+                        ):
+                            logprob = self._logprob(last, request.top_logprobs)
+                        job.emit(Delta(last.text, logprob))
+                    except Exception as e:  # every rank stops at this token, then it fails
+                        failure = e
+                        job.cancel()
                     text.append(last.text)
                     if last.token not in eos:
                         tokens.append(last.token)
-                    if job.cancelled:
+                    if cancelled():
                         break
         except Exception:
             pool.discard(entry)  # its cache may hold half a step
             raise
+        if failure is not None:  # the cache is whole: every rank keeps its session
+            raise failure
         if last is None:
             job.emit(Finished("cancelled", None))
             return
