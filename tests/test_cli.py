@@ -43,11 +43,11 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def tiny_folder(folder: Path, context: int) -> Path:
+def tiny_folder(folder: Path, context: int, seed: int = 0) -> Path:
     """A tiny llama with a WordLevel tokenizer: no chat template, and no EOS token, so it
     generates until max_tokens, the context or a signal stops it."""
     config = tiny_config(max_position_embeddings=context)
-    write_folder(folder, config, random_weights(config))
+    write_folder(folder, config, random_weights(config, seed))
     tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
     del tokenizer_config["eos_token"]
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
