@@ -1,7 +1,8 @@
 """Run by tests/test_distributed_loading.py under `mlx.launch`: each rank loads its folder of
-`spec["folders"]` split over the group, writes what it holds to `<out>/rank<r>.json`, then
-decodes a few tokens, unless `spec["fault"]` makes rank 1 exit or hang first. An error
-(a one-line ValueError / OSError, as the CLI prints it) is written to the same file."""
+`spec["folders"]` split over the group, writes what it holds to `<out>/rank<r>.json`, builds
+its draft model of `spec["drafts"]` if given, then decodes a few tokens, unless
+`spec["fault"]` makes rank 1 exit or hang first. An error (a one-line ValueError / OSError, as
+the CLI prints it) is written to the same file."""
 
 from __future__ import annotations
 
@@ -16,7 +17,13 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_speculate.cli import one_line  # noqa: E402
-from mlx_speculate.distributed import Split, init_group, weight_bytes  # noqa: E402
+from mlx_speculate.distributed import (  # noqa: E402
+    Split,
+    decoding_options,
+    init_group,
+    weight_bytes,
+)
+from mlx_speculate.drafters import DraftModelSpec  # noqa: E402
 from mlx_speculate.generation import stream_generate  # noqa: E402
 from mlx_speculate.loading import load  # noqa: E402
 from mlx_speculate.ranks import guarded  # noqa: E402
@@ -34,6 +41,9 @@ def main() -> None:
             model, tokenizer = load(spec["folders"][rank], split=split)
             record |= {"bytes": weight_bytes(model), "peak": mx.get_peak_memory()}
             record["describe"] = split.describe(model)
+            if "drafts" in spec:  # every rank checks its draft model against the others'
+                draft = DraftModelSpec(model=spec["drafts"][rank])
+                decoding_options(model, tokenizer, draft, group)
             if rank == 1 and spec.get("fault") == "exit":
                 os._exit(0)  # a rank that stops without a word: its sockets close
             if rank == 1 and spec.get("fault") == "hang":

@@ -22,6 +22,7 @@ from mlx_speculate.distributed import (  # noqa: E402
 )
 from mlx_speculate.drafters.lookup import LookupSpec  # noqa: E402
 from mlx_speculate.generation import stream_generate  # noqa: E402
+from mlx_speculate.ranks import guarded  # noqa: E402
 from mlx_speculate.sampling import SamplingParams  # noqa: E402
 from tests.helpers import tiny_model  # noqa: E402
 from tests.markov import StubTokenizer  # noqa: E402
@@ -62,14 +63,17 @@ def main() -> None:
     split = Split(group, spec.get("parallel", "tensor"))
     out: dict[str, np.ndarray] = {}
     draft = tiny_model("llama", seed=11, **spec.get("overrides", {}))
-    for family in spec["families"]:
-        model = tiny_model(family, seed=3, **spec.get("overrides", {}))
-        if spec.get("quantize"):
-            nn.quantize(model, group_size=32, bits=8)
-        generations = family in spec.get("generate", ())
-        record(model, f"{family}/single/", out, draft, generations, group)
-        split.apply(model)
-        record(model, f"{family}/sharded/", out, draft, generations, group)
+    # A rank that hangs ends the run (and mlx.launch the rest) rather than the test's timeout.
+    with guarded(group, 120) as watchdog:
+        for family in spec["families"]:
+            model = tiny_model(family, seed=3, **spec.get("overrides", {}))
+            if spec.get("quantize"):
+                nn.quantize(model, group_size=32, bits=8)
+            generations = family in spec.get("generate", ())
+            record(model, f"{family}/single/", out, draft, generations, group)
+            split.apply(model)
+            record(model, f"{family}/sharded/", out, draft, generations, group)
+            watchdog.beat()
     np.savez(out_dir / f"rank{group.rank()}.npz", **out)
 
 

@@ -149,7 +149,8 @@ def test_indivisible_counts_raise(overrides, name):
         check_shardable(model, 3)
 
 
-def test_generate_cli_under_mlx_launch(tmp_path):
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_generate_cli_under_mlx_launch(tmp_path, mode):
     """`mlx.launch ... -- python -m mlx_speculate.generate --draft-model ...` prints once, the
     single-process greedy text, and says how the target is split."""
     folder = tiny_folder(tmp_path / "tiny", 64)
@@ -164,8 +165,9 @@ def test_generate_cli_under_mlx_launch(tmp_path):
         str(LAUNCH), "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1",
         "--starting-port", str(free_port(2)), "--cwd", str(ROOT),
         "--", sys.executable, "-m", "mlx_speculate.generate", *flags, "--verbose",
+        "--parallel", mode, "--rank-timeout", "120",
     ]  # fmt: skip
     done = run_launch(command)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count(alone.stdout.strip()) == 1, (done.stdout, alone.stdout)
-    assert "Sharded: tensor parallel over 2 ranks" in done.stdout + done.stderr
+    assert f"Sharded: {mode} parallel over 2 ranks" in done.stdout + done.stderr

@@ -54,6 +54,15 @@ def test_ranks_with_different_models_fail_naming_them(tmp_path):
         assert r["error"].startswith("the ranks loaded different models (rank 0 vs rank 1)")
 
 
+def test_ranks_with_different_draft_models_fail_naming_them(tmp_path):
+    model = folder(tmp_path / "m")
+    a, b = folder(tmp_path / "a", num_hidden_layers=1), folder(tmp_path / "b")
+    done, records = launch(tmp_path, {"folders": [model, model], "drafts": [a, b]})
+    for r in records.values():
+        assert r is not None, done.stderr[-3000:]
+        assert r["error"].startswith("the ranks loaded different drafters (rank 0 vs rank 1)")
+
+
 def test_a_rank_that_exits_ends_the_others_with_one_line(tmp_path):
     model = folder(tmp_path / "m")
     done, records = launch(tmp_path, {"folders": [model, model], "fault": "exit"})

@@ -66,7 +66,8 @@ def sharded_server(*flags: str) -> Iterator[tuple[subprocess.Popen, openai.OpenA
     command = [
         str(LAUNCH), "--backend", "ring", "-n", "2", "--hosts", "127.0.0.1",
         "--starting-port", str(free_port(2)), "--cwd", str(ROOT), "--",
-        sys.executable, "-m", "mlx_speculate.server", "--port", "0", *flags,
+        sys.executable, "-m", "mlx_speculate.server", "--port", "0", "--rank-timeout", "120",
+        *flags,
     ]  # fmt: skip
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
