@@ -4,7 +4,8 @@ step, and memory per rank. On one machine two ranks are slower (they share its c
 collectives); the point of splitting is memory per rank, and the all-reduce share is what a
 network link multiplies.
 
-    python benchmarks/bench_dist.py [--model stories|smollm2] [--openblas] [--runs 3]
+    python benchmarks/bench_dist.py [--model stories|smollm2] [--mode single|tensor|pipeline]
+        [--openblas] [--runs 3]
 
 Per configuration (1 rank; 2 ranks tensor parallel; 2 ranks pipeline):
 - ms/token, median of `--runs` greedy generations (prefill excluded), plain and with the
@@ -40,13 +41,15 @@ MODELS = {
         "draft": SHARED / "models" / "llama2xs281K-llama",
         "prompt": "Once upon a time, there was a little girl named Lily. She",
         "tokens": 128,
+        "steps": 50,
         "modes": ("single", "tensor", "pipeline"),
     },
     "smollm2": {
         "target": CACHE / "smollm2-f32-mlx",
         "draft": None,  # prompt lookup
         "prompt": "Repeat this list twice: apples, pears, plums, figs, dates, limes, kiwis.",
-        "tokens": 64,
+        "tokens": 32,
+        "steps": 10,
         "modes": ("single", "pipeline"),
     },
 }
@@ -55,6 +58,7 @@ MODELS = {
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=list(MODELS), action="append")
+    parser.add_argument("--mode", choices=["single", "tensor", "pipeline"], action="append")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     add_blas_argument(parser)
@@ -69,7 +73,7 @@ def main(argv=None) -> None:
           "peak MB/rank |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.model or list(MODELS):
-        for mode in MODELS[name]["modes"]:
+        for mode in [m for m in MODELS[name]["modes"] if m in (args.mode or [m])]:
             r = launch(name, mode, args.runs, args.openblas)
             alone = r["ranks"] == 1
             share = "-" if alone else f"{r['share']:.0%}"
@@ -142,7 +146,7 @@ def worker(name: str, mode: str, runs: int) -> None:
 
     plain, _ = ms_per_token()
     drafter, per_forward = ms_per_token(**options)
-    step, step_alone = step_times(model, prompt, runs)
+    step, step_alone = step_times(model, prompt, runs, spec_of["steps"])
     result = {
         "ranks": 1 if group is None else group.size(),
         "plain": plain,
@@ -159,7 +163,7 @@ def worker(name: str, mode: str, runs: int) -> None:
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def step_times(model, prompt: list[int], runs: int, steps: int = 50) -> tuple[float, float]:
+def step_times(model, prompt: list[int], runs: int, steps: int) -> tuple[float, float]:
     """ms of one target step (one token in, its logits out) after the prompt, with the
     all-sums and with all-sum as the identity (median of `runs` rounds of `steps`)."""
     import mlx.core as mx
