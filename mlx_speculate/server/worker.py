@@ -104,7 +104,9 @@ class Worker:
 
     def follow(self) -> None:
         """A follower rank's loop, on its main thread: loads its part of the model, then runs
-        rank 0's requests until rank 0 stops. Loading errors and a lost rank 0 propagate."""
+        rank 0's requests until rank 0 stops. Loading errors and a lost rank 0 propagate.
+        Host syncs besides decoding's own: the request's two all-sums (its size varies with the
+        request) and a scalar one per token and per prefill chunk, as on rank 0."""
         with self._lockstep.guard():
             self.pool = self._load()
             while (request := self._lockstep.share(None)) is not None:
