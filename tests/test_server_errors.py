@@ -231,3 +231,22 @@ def test_a_failing_generation_leaves_the_server_up(stories, monkeypatch):
         with pytest.raises(openai.APIError, match="boom"):
             list(running.client().completions.create(**TEXT, stream=True))
         assert running.client().completions.create(**TEXT).choices[0].finish_reason
+
+
+def test_a_failure_delivering_a_token_keeps_the_session(stories, monkeypatch):
+    """Log-probabilities (the worker's own work after a token) that raise: the request fails,
+    the generation stops at that token, and the cache it wrote stays for the next request
+    (a sharded server's ranks must keep the same sessions: only rank 0 delivers)."""
+    from mlx_speculate.server.worker import Worker
+
+    def broken(self, response, top):
+        raise RuntimeError("no log-probabilities")
+
+    monkeypatch.setattr(Worker, "_logprob", broken)
+    prompt = {**TEXT, "prompt": "Once upon a time, there was a little girl named Lily."}
+    with serve(*stories) as running:
+        error = assert_error(post(running, "/v1/completions", {**prompt, "logprobs": 1}), 500)
+        assert "no log-probabilities" in error["message"]
+        assert len(running.worker.pool) == 1
+        usage = running.client().completions.create(**prompt).usage
+        assert usage.prompt_tokens_details.cached_tokens > 0
