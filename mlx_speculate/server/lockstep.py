@@ -27,7 +27,7 @@ import numpy as np
 
 from ..device import GENERATION_STREAM
 from ..distributed import from_rank0, rank0_says
-from ..ranks import Watchdog, guarded
+from ..ranks import Watchdog, guarded, lost_peer
 from .records import Event, Generation
 
 
@@ -45,6 +45,9 @@ class Solo:
 
     def agree(self, flag: bool) -> bool:
         return flag
+
+    def lost(self, error: Exception) -> bool:
+        return False
 
     def idle(self) -> None:
         pass
@@ -92,6 +95,10 @@ class Lockstep:
         decided = rank0_says(flag, self.group)
         self._watchdog.beat()
         return decided
+
+    def lost(self, error: Exception) -> bool:
+        """Whether `error` means a rank was lost: no generation can run after it."""
+        return lost_peer(error)
 
     def idle(self) -> None:
         """Loading or a generation ended: waiting is expected until the next share."""

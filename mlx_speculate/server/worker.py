@@ -29,7 +29,6 @@ from ..cli import one_line
 from ..device import clear_cache
 from ..generation import GenerationResponse
 from ..policy import FixedPolicy
-from ..ranks import lost_peer
 from .lockstep import Lockstep, Mirror, Solo
 from .metrics import Metrics
 from .records import Delta, Failed, Finished, Generation, Job, TokenLogprob, Usage
@@ -153,7 +152,7 @@ class Worker:
         except Exception as e:  # the server outlives any one request
             log.exception("generation failed")
             job.emit(Failed(f"generation failed: {type(e).__name__}: {one_line(e)}"))
-            if lost_peer(e):
+            if self._lockstep.lost(e):
                 raise
         finally:
             self._running = None
