@@ -2,8 +2,9 @@
 objects, enums, arrays, numbers, refs, any_of, ...): every answer ends, parses and validates,
 at temperature 0 and 0.8, with prompt lookup and with a draft model; the grammar's forced
 tokens are fast-forwarded; greedy answers equal plain constrained greedy decoding's token for
-token. stories260K runs all 20 by default; SmolLM2 a sample (all 20 under -m slow: ~10 minutes
-on 2 loaded cores with OpenBLAS, which tests/blas.py loads). The figures (fast-forwarded
+token. stories260K runs all 20 by default; SmolLM2 a sample (all 20 under -m slow: 34 minutes
+under nice on 2 cores at load 12-15, with the OpenBLAS tests/blas.py loads; the longest are
+sampled answers that run long, array_of_objects 423 s). The figures (fast-forwarded
 fraction, tokens per forward) are benchmarks/bench_grammar.py's."""
 
 from __future__ import annotations
