@@ -35,7 +35,13 @@ is never accepted: with deterministic children (top-k heads) it is cut with its 
 which changes nothing for the rule (its token has no mass under the mask: accepting it has
 probability 0 and rejecting it leaves the residual as it was); with sampled children it
 stays as a leaf that the rule rejects with certainty, as a chain's does. Below an EOS
-nothing is kept.
+nothing is kept. Below a kept node after which the grammar forces tokens the drafter did not
+draft (after a key's last free token, say), the forced run joins the tree as a chain of
+certain nodes (deterministic trees): accepted with the node, so the target samples after the
+run in the same forward instead of a forward for the run alone.
+
+Where the grammar forces the whole rest of the output up to its EOS (`ending`), the loop
+emits it without a forward.
 
 Host synchronisation added per constrained step (on top of the loop's own, in decode.py):
   1. the matcher runs on the host, so the next step is built only once this one's tokens are
@@ -174,7 +180,8 @@ class Constraint:
 
     def tree_guide(self, propose: Callable[[], Draft | None], room: int) -> Guide:
         """A tree drafter's step: the forced run where the grammar forces the next token (at
-        most `room` nodes), else `propose()`'s tree less what the grammar forbids."""
+        most `room` nodes), else `propose()`'s tree less what the grammar forbids, with the
+        forced runs below its nodes (no deeper than `room`)."""
         allowed, point = self._row()
         if point is not None:
             return self.guide((), None, 0, room)
@@ -186,6 +193,27 @@ class Constraint:
         sampled = draft.logprobs is not None
         anything = np.ones(self.vocab_size, dtype=bool)  # the row of a node never accepted
         rows: dict[int, tuple[np.ndarray, bool]] = {0: (allowed, False)}
+        # Node -> parent, token, depth; forced runs below the drafter's nodes join as N, N+1...
+        parents, depths = dict(enumerate(tree.parents)), dict(enumerate(tree.depths))
+        token_of = dict(enumerate([-1, *tokens]))
+        cap = max(room, tree.num_nodes - 1)  # nodes below the root: what the context holds
+
+        def force_below(node: int) -> None:
+            """The forced run after `node` as a chain below it: certain nodes, accepted with
+            it, so the target samples after the run in this same forward."""
+            walked = 0
+            while rows[node][1] and depths[node] < room and len(rows) <= cap:
+                token = int(np.flatnonzero(rows[node][0])[0])
+                if token in self._eos:  # the target's own token after the run is this EOS
+                    break
+                self._matcher.consume_token(token)
+                walked += 1
+                child = len(parents)
+                parents[child], depths[child], token_of[child] = node, depths[node] + 1, token
+                row, forced = self._row()
+                rows[child] = (row, forced is not None)
+                node = child
+            self._matcher.rollback(walked)
 
         def visit(node: int) -> None:
             for child in tree.children(node):
@@ -203,22 +231,45 @@ class Constraint:
                 rows[child] = (row, forced is not None)
                 visit(child)
                 self._matcher.rollback(1)
+            if not sampled and not any(child in rows for child in tree.children(node)):
+                force_below(node)
 
         visit(0)
-        kept = sorted(rows)  # parents come before children, in the tree as in this order
+        kept = sorted(rows)  # parents come before children: the drafter's nodes, then runs
         logprobs = draft.logprobs
         if logprobs is not None:  # by parent: the kept nodes that had children keep theirs
             logprobs = logprobs[mx.array([i for i in kept if i < logprobs.shape[0]])]
         pruned = None
         if len(kept) > 1:
-            chosen = mx.array([tokens[i - 1] for i in kept[1:]], dtype=mx.int32)
-            pruned = Draft(chosen, tree.subtree(kept), logprobs)
+            index = {node: i for i, node in enumerate(kept)}
+            shape = Tree((-1, *(index[parents[i]] for i in kept[1:])))
+            chosen = mx.array([token_of[i] for i in kept[1:]], dtype=mx.int32)
+            pruned = Draft(chosen, shape, logprobs)
         return Guide(
             pruned,
             mx.array(np.stack([rows[i][0] for i in kept])),
             tuple(rows[i][1] for i in kept),
-            len(kept) - 1,
+            sum(0 < i < tree.num_nodes for i in kept),
         )
+
+    def ending(self, room: int) -> tuple[int, ...] | None:
+        """The rest of the output where the grammar forces all of it: the forced run (at most
+        `room` tokens) and the forced EOS after it. Emitted without a forward: every token
+        is certain, and nothing follows an EOS. None where something is left to choose."""
+        run: list[int] = []  # consumed by the matcher, rolled back at the end
+        try:
+            while True:
+                _, point = self._row()
+                if point is None:
+                    return None
+                if point in self._eos:
+                    return (*run, point)
+                if len(run) >= room:
+                    return None
+                self._matcher.consume_token(point)
+                run.append(point)
+        finally:
+            self._matcher.rollback(len(run))
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The step emitted `tokens`: the matcher moves past them."""
@@ -265,11 +316,14 @@ class Constraint:
         logprobs = None
         if sampled is not None:
             rows = sampled.logprobs[mx.array([max(r, 0) for r in q_rows], dtype=mx.int32)]
-            vocab = mx.arange(rows.shape[-1])
-            points = mx.where(vocab == tokens[:, None], 0.0, -mx.inf)  # (N - 1, V)
             is_point = mx.array([r < 0 for r in q_rows])[:, None]
-            logprobs = mx.where(is_point, points, rows)
+            logprobs = mx.where(is_point, points(tokens, rows.shape[-1]), rows)
         return Draft(tokens, Tree.chain(len(chain)), logprobs)
+
+
+def points(tokens: mx.array, vocab_size: int) -> mx.array:
+    """(N, V) log-probabilities of certainty: row i puts all its mass on tokens[i]."""
+    return mx.where(mx.arange(vocab_size) == tokens[:, None], 0.0, -mx.inf)
 
 
 def masked(logits: mx.array, guide: Guide | None) -> mx.array:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .cache import KVCache
-from .constraint import CHAIN_DRAFTERS, Constraint, Guide, masked
+from .constraint import CHAIN_DRAFTERS, Constraint, Guide, masked, points
 from .device import GENERATION_STREAM
 from .drafters.base import Draft, Drafter, TargetFeatures
 from .models.base import CausalLM
@@ -62,7 +62,7 @@ class Step:
     drafted: int  # tokens the drafter proposed (tree: nodes below the root)
     logprobs: mx.array  # (len(tokens), V) target log-probabilities that chose each token
     seconds: float
-    verified: bool = True  # False for the first token, which the prompt's forward chose
+    verified: bool = True  # False: no verify forward (the first token, a forced ending)
     forced: tuple[bool, ...] = ()  # per token, under a grammar: it forced the token
 
     @property
@@ -198,7 +198,7 @@ class Decoder:
         """Yields the first token (from the prompt's forward), then one Step per verify forward
         until the context is full or `max_tokens` tokens were emitted (the last step may
         commit a few more). A `constraint` masks every row with its grammar (constraint.py
-        says where that syncs more)."""
+        says where that syncs more); an ending it forces whole is a step without a forward."""
         if self._prompt_logits is None:
             raise ValueError("prefill a prompt before decoding")
         policy = policy or FixedPolicy(0)
@@ -209,8 +209,7 @@ class Decoder:
         queue = _Queue(self, sampling, typical_acceptance, constraint)
         guide = None if constraint is None else constraint.first()
         logits, self._prompt_logits = masked(self._prompt_logits, guide), None
-        empty = mx.zeros((0,), dtype=mx.int32)
-        acceptance = queue.accept(ROOT, empty, logits, None)
+        acceptance = queue.accept(ROOT, mx.zeros((0,), dtype=mx.int32), logits, None)
         step = _Pending(len(self.context), ROOT, acceptance, logits, guide=guide)
         while True:
             upcoming = k = None
@@ -233,6 +232,12 @@ class Decoder:
                 policy.observe(result.drafted, result.accepted, result.seconds)
             yield result
             if self.room() < 0:
+                return
+            if constraint is not None and (ending := constraint.ending(self.room())):
+                self.context.extend(ending)  # no forward: the cache stays behind the context
+                rows = points(mx.array(ending), self.model.args.vocab_size)
+                seconds = time.perf_counter() - self._clock
+                yield Step(ending, 0, rows, seconds, False, (True,) * len(ending))
                 return
             if upcoming is None:
                 k = policy.choose() if k is None else k

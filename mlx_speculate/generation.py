@@ -33,14 +33,15 @@ class SpeculativeStats:
 
     The first token comes from the prompt's own forward; every later forward verifies a draft
     (or nothing) and yields at least one token, so `tokens_per_forward` is the papers' tau:
-    accepted drafts + 1 per verify forward, at least 1.
+    accepted drafts + 1 per verify forward, at least 1 (a grammar's forced tokens add to it,
+    and so does a forced ending, emitted without a forward).
     """
 
     drafted: int  # draft tokens proposed to the target (tree: nodes below the root)
     accepted: int  # of those, accepted and emitted (drafts cut off by a stop do not count)
     target_forwards: int  # verify forwards (the prompt's forward is not one)
-    generated: int  # tokens the verify forwards yielded and the stream took: emitted ones,
-    # and the EOS that ended the generation if one did
+    generated: int  # tokens after the first that the stream took (emitted ones, and the EOS
+    # that ended the generation if one did): the verify forwards' and a grammar's forced ending
     # Under a grammar: tokens it forced (the first token and EOS included), emitted without
     # being sampled; they count in neither drafted nor accepted.
     fast_forwarded: int = 0
@@ -220,8 +221,8 @@ class Session:
             typical_acceptance=self.typical_acceptance,
             constraint=constraint,
         )
-        for step in steps:
-            if not step.verified:  # the first token, chosen by the prompt's forward
+        for n, step in enumerate(steps):
+            if n == 0:  # the first token, chosen by the prompt's forward
                 first_time = time.perf_counter()
                 # Counts the tokens prefilled now, not those whose cache carried over.
                 prompt_tps = (len(tokens) - cached) / max(first_time - start, 1e-9)
@@ -229,7 +230,7 @@ class Session:
             drafted += step.drafted
             last_step = decoder.room() < 0
             for i, token in enumerate(step.tokens):
-                generated += step.verified
+                generated += n > 0
                 was_forced = i < len(step.forced) and step.forced[i]
                 from_draft = i < len(step.tokens) - 1 and not was_forced
                 accepted += from_draft

@@ -7,9 +7,14 @@ from pathlib import Path
 
 import pytest
 
+from .blas import BLAS  # first: before anything imports MLX
 from .helpers import SHARED, require
 
 _BESIDE = "it ships beside the development checkout, not in the repository"
+
+
+def pytest_report_header() -> str:
+    return f"float32 matmuls: {BLAS}"
 
 
 @pytest.fixture(autouse=True, scope="session")

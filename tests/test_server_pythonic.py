@@ -12,7 +12,7 @@ from mlx_speculate.server.tool_parser import ToolParser
 from mlx_speculate.server.tools import PYTHONIC, call_grammar, parse_pythonic_calls, tool_format
 
 from . import test_server_tools as served
-from .test_server_tools import ASK, TOOLS, ask, names_and_arguments
+from .test_server_tools import ASK, TIME, TOOLS, ask, names_and_arguments
 
 # The scripted model under tests/templates/pythonic.jinja, shared with test_server_tools.
 pythonic, tokenizer_path = served.pythonic, served.tokenizer_path
@@ -140,10 +140,76 @@ def test_pythonic_grammar_takes_exactly_calls_of_the_tools(tokenizer_path):
 
 def test_parser_reads_pythonic_output_whole_however_it_streams():
     said = '[get_weather(city="Paris"), get_time()]'
-    for eager in (False, True):
+    for eager in (False, True):  # whole calls, or calls in deltas (each one's first names it)
         parser = ToolParser(PYTHONIC, NAMES, eager=eager)
-        pieces = [p for c in said for p in parser.feed(c)] + parser.end()
-        assert [(p.name, json.loads(p.arguments)) for p in pieces] == [
+        calls: dict[int, list[str]] = {}
+        for piece in [p for c in said for p in parser.feed(c)] + parser.end():
+            calls.setdefault(piece.index, [piece.name, ""])[1] += piece.arguments
+        assert [(name, json.loads(arguments)) for name, arguments in calls.values()] == [
             ("get_weather", {"city": "Paris"}),
             ("get_time", {}),
         ]
+
+
+def test_parser_streams_pythonic_calls_argument_by_argument():
+    said = '[get_weather(city="Paris", days=3), get_time(zone="CET")]'
+    parser = ToolParser(PYTHONIC, NAMES, eager=True)
+    arrived = [(n, p) for n in range(len(said)) for p in parser.feed(said[n])] + [
+        (len(said), p) for p in parser.end()
+    ]
+    # (where in the output each delta went out, its name, its arguments)
+    assert [(n, p.index, p.name, p.arguments) for n, p in arrived] == [
+        (said.index(","), 0, "get_weather", ""),
+        (said.index(","), 0, None, '{"city": "Paris"'),
+        (said.index(")"), 0, None, ', "days": 3'),
+        (said.index(")"), 0, None, "}"),
+        (said.rindex(")"), 1, "get_time", ""),
+        (said.rindex(")"), 1, None, '{"zone": "CET"'),
+        (said.rindex(")"), 1, None, "}"),
+    ]
+    assert arrived[0][1].id.startswith("call_") and arrived[4][1].id != arrived[0][1].id
+
+
+def test_streamed_pythonic_call_broken_midway_is_truncated(pythonic):
+    """Whole, a call with a non-literal argument is content; streamed, the arguments that
+    went out stay (a truncated call) and the text from the one that broke it is content."""
+    running, model, _ = pythonic
+    said = '[get_weather(city="Paris", days=1 + 2)]'
+    model.say(said)
+    assert ask(running, False, tools=TOOLS) == (said, [], "stop")
+    content, calls, finish = ask(running, True, tools=TOOLS)
+    assert (content, finish) == (" days=1 + 2)]", "tool_calls")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("get_weather", '{"city": "Paris"')
+    ]
+
+
+def test_client_stream_helpers_rebuild_pythonic_calls(pythonic):
+    """openai's chat.completions.stream() and anthropic's messages.stream() put the calls
+    together from their deltas (several per call)."""
+    from .test_server_messages import WEATHER, client
+
+    running, model, _ = pythonic
+    model.say('[get_weather(city="Paris", days=3, hourly=True), get_time(zone="CET")]')
+    with running.client().chat.completions.stream(
+        model="scripted", messages=ASK, tools=TOOLS, temperature=0
+    ) as stream:
+        deltas = [e for e in stream if e.type == "tool_calls.function.arguments.delta"]
+        message = stream.get_final_completion().choices[0].message
+    # Per call: its name (no arguments), then one per argument and its "}".
+    assert [bool(d.arguments_delta) for d in deltas] == [False, *[True] * 4, False, True, True]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": 3, "hourly": True}),
+        ("get_time", {"zone": "CET"}),
+    ]
+    time_tool = {"name": "get_time", "input_schema": TIME["function"]["parameters"]}
+    args = {"model": "scripted", "max_tokens": 200, "messages": ASK, "tools": [WEATHER, time_tool]}
+    with client(running, "unused").messages.stream(**args) as events:
+        fragments = [e.partial_json for e in events if e.type == "input_json"]
+        final = events.get_final_message()
+    assert len(fragments) == 6
+    assert [(b.type, b.name, b.input) for b in final.content] == [
+        ("tool_use", "get_weather", {"city": "Paris", "days": 3, "hourly": True}),
+        ("tool_use", "get_time", {"zone": "CET"}),
+    ]
+    assert final.stop_reason == "tool_use"

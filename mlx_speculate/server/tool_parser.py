@@ -5,8 +5,8 @@ names it (index, id, name) as soon as the call's head `{"name": "<offered tool>"
 "arguments": {` is read, and each later delta carries the arguments text the model just
 wrote, released only while it is still a prefix of valid JSON. A call whose head is
 anything else (keys in another order, arguments as a string) is sent whole once its text is
-complete, as are pythonic calls (read with `ast` once the output ended) and all calls of a
-response that is not streamed.
+complete, as are all calls of a response that is not streamed. Pythonic calls stream
+argument by argument (pythonic_calls.py).
 
 A call that does not parse is content, as the model wrote it. Only a streamed call can turn
 out malformed after it went out: its arguments then stop at the last character that kept
@@ -21,6 +21,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from .json_prefix import JsonPrefix
+from .pythonic_calls import BROKEN, DONE, PythonicCalls
 from .tools import (
     CLOSE,
     FENCE,
@@ -31,6 +32,7 @@ from .tools import (
     PYTHON_START,
     PYTHON_TAG,
     PYTHONIC,
+    CallDelta,
     call_from,
     call_id,
     parse_json_calls,
@@ -39,16 +41,6 @@ from .tools import (
 
 # What output that is calls starts with, in the formats where the whole output is the calls.
 OPENERS = {JSON: (PYTHON_TAG, FENCE, "{", "["), PYTHONIC: (PYTHON_TAG, PYTHON_START, "[")}
-
-
-@dataclass(frozen=True)
-class CallDelta:
-    """Part of tool call `index`: the first names it (`id`, `name`), the others do not."""
-
-    index: int
-    arguments: str
-    id: str | None = None
-    name: str | None = None
 
 
 Piece = str | CallDelta  # content text, or part of a call
@@ -126,6 +118,7 @@ class ToolParser:
         # read to its end), content (the rest of the output is content)
         self._state = "outside"
         self._json: JsonPrefix | None = None
+        self._pythonic: PythonicCalls | None = None
         self._space = ""  # whitespace held back: dropped if a call follows
         self._after_call = False  # whitespace here is dropped: it only separates calls
         self._decided = format_ == HERMES  # json, pythonic: whether it looked like calls yet
@@ -173,6 +166,8 @@ class ToolParser:
             return self._tail(pieces, final)
         if state == "content":
             return self._content_to_end(pieces)
+        if state == "pythonic":
+            return self._read_pythonic(pieces, final)
         return self._whole(pieces, final)
 
     def _outside(self, pieces: list[Piece], final: bool) -> bool:
@@ -201,7 +196,10 @@ class ToolParser:
                 if not final:
                     return False
             self._decided = True
-            self._state = "head" if self.eager and self.format == JSON else "whole"
+            self._state = "whole"
+            if self.eager:
+                self._state = "head" if self.format == JSON else "pythonic"
+                self._pythonic = PythonicCalls(self.names)
             return True
         # Between streamed calls: separators, a list's or a fence's end.
         rest = head.lstrip(";,]`\n ")
@@ -260,6 +258,23 @@ class ToolParser:
             self._state = "tail"
             return True
         if self._buffer:  # a character no JSON could continue with: the call is cut here
+            self._broken()
+            return True
+        return False
+
+    def _read_pythonic(self, pieces: list[Piece], final: bool) -> bool:
+        """Streamed pythonic calls (pythonic_calls.py): until one goes out, output that is
+        not calls is left to the whole-output parser; after, what breaks them is content."""
+        deltas, status = self._pythonic.read(self._buffer, final)
+        pieces.extend(deltas)
+        self.calls = self._pythonic.calls
+        if status == DONE:
+            self._buffer = ""
+        elif status == BROKEN and not self.calls:
+            self._state = "whole"
+            return True
+        elif status == BROKEN:
+            self._buffer = self._buffer[self._pythonic.sent :]
             self._broken()
             return True
         return False

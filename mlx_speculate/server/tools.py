@@ -53,6 +53,17 @@ class ToolCall:
     arguments: str  # a JSON object, as OpenAI sends it
 
 
+@dataclass(frozen=True)
+class CallDelta:
+    """Part of tool call `index`, as it streams: the first names it (`id`, `name`), the
+    others do not."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+
 def template_source(tokenizer) -> str | None:
     """The chat template's Jinja source (the `tool_use` one where a tokenizer has several)."""
     source = getattr(tokenizer, "chat_template", None)
@@ -198,7 +209,7 @@ def parse_pythonic_calls(text: str, names: Collection[str]) -> list[ToolCall] | 
         ):
             return None
         try:
-            arguments = {k.arg: _literal(k.value) for k in node.keywords}
+            arguments = {k.arg: literal(k.value) for k in node.keywords}
         except ValueError:
             return None
         calls.append(new_call(node.func.id, arguments))
@@ -208,22 +219,22 @@ def parse_pythonic_calls(text: str, names: Collection[str]) -> list[ToolCall] | 
 _NAMED = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
 
 
-def _literal(node: ast.expr) -> Any:
+def literal(node: ast.expr) -> Any:
     """The JSON value a literal expression writes; ValueError for anything else."""
     if isinstance(node, ast.Constant) and isinstance(node.value, (str, int, float, type(None))):
         return node.value
     if isinstance(node, ast.Name) and node.id in _NAMED:
         return _NAMED[node.id]
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        value = _literal(node.operand)
+        value = literal(node.operand)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError("a sign on something other than a number")
         return -value if isinstance(node.op, ast.USub) else value
     if isinstance(node, (ast.List, ast.Tuple)):
-        return [_literal(e) for e in node.elts]
+        return [literal(e) for e in node.elts]
     if isinstance(node, ast.Dict):
-        keys = [_literal(k) if k is not None else None for k in node.keys]
+        keys = [literal(k) if k is not None else None for k in node.keys]
         if not all(isinstance(k, str) for k in keys):
             raise ValueError("a dict key that is not a string")
-        return {k: _literal(v) for k, v in zip(keys, node.values, strict=True)}
+        return {k: literal(v) for k, v in zip(keys, node.values, strict=True)}
     raise ValueError(f"{type(node).__name__} is not a literal")
