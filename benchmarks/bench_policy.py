@@ -132,8 +132,12 @@ def main(argv=None) -> None:
             heads = SHARED / "eagle" / "smollm2-eagle1"
             tree = EagleSpec(heads=heads, tree=EagleTree())
             rows = {"plain": run(chat["open"]), "eagle adaptive": run(chat["open"], tree)}
-            for k in (1, 3, 6, 12, 59):
-                rows[f"eagle tree k={k}"] = run(chat["open"], tree, k)
+            for k in (2, 4):
+                rows[f"eagle chain {k}"] = run(chat["open"], EagleSpec(
+                    heads=heads, tree=EagleTree.chain(k)), k)
+            for shape in ((8, 3, 2), (16, 4, 4), (60, 7, 10)):
+                spec = EagleSpec(heads=heads, tree=EagleTree(*shape))
+                rows["eagle tree {}/{}/{}".format(*shape)] = run(chat["open"], spec, shape[0] - 1)
             interleave("EAGLE-1 heads, open text (tree size)", rows, args.runs)
         elif case == "lookup":
             for name in args.prompts.split(","):

@@ -25,6 +25,8 @@ token is forced), found by walking one matcher along the chain and rolling it ba
   from p instead, biased by the draft's mass on forbidden tokens). A drafter token at a
   forced position is the forced token or the end of the drafter's part of the chain.
 - EOS is allowed only where the grammar accepts the output; the chain ends after one.
+Prompt lookup's drafts are trees: one hangs below the forced run and is walked depth first
+as a tree drafter's is (below), with no forced run after its leaves.
 
 A tree drafter's step (Medusa, EAGLE: `tree_guide`): the heads draft from the target's
 features at the pending position, so a forced run cannot come first. Where the grammar
@@ -60,7 +62,7 @@ from .drafters.lookup import LookupDrafter
 from .grammar import Grammar, ll_tokenizer
 from .tree import Tree
 
-# Drafters whose chains a forced run may come before (see the module's docstring).
+# Drafters whose drafts (chains; lookup's trees) a forced run may come before (see above).
 CHAIN_DRAFTERS = (LookupDrafter, DraftModelDrafter)
 
 
@@ -141,6 +143,10 @@ class Constraint:
         live = run_forced()
         budget = min(k, room - len(chain))
         draft = propose(list(context) + chain, budget) if live and propose and budget > 0 else None
+        if draft is not None and not draft.tree.is_chain:  # lookup's tree, below the run
+            grafted = self._graft(chain, rows, forced, draft)
+            matcher.rollback(walked)
+            return grafted
         sampled = draft is not None and draft.logprobs is not None
         if draft is not None:
             for j, token in enumerate(draft.tokens.tolist()[:budget]):  # sync: the draft
@@ -183,7 +189,41 @@ class Constraint:
             return Guide(None, mx.array(allowed[None]), (False,), 0)
         tree = draft.tree if isinstance(draft.tree, Tree) else draft.tree.host()
         tokens = draft.tokens.tolist()  # sync: the tree, walked on the host
-        sampled = draft.logprobs is not None
+        logprobs = draft.logprobs
+        kept, masks, forced = self._walk(tree, tokens, logprobs is not None, allowed)
+        if logprobs is not None:  # by parent: the kept nodes that had children keep theirs
+            logprobs = logprobs[mx.array([i for i in kept if i < logprobs.shape[0]])]
+        pruned = None
+        if len(kept) > 1:
+            chosen = mx.array([tokens[i - 1] for i in kept[1:]], dtype=mx.int32)
+            pruned = Draft(chosen, tree.subtree(kept), logprobs)
+        return Guide(pruned, mx.array(np.stack(masks)), tuple(forced), len(kept) - 1)
+
+    def _graft(
+        self, chain: list[int], rows: list[np.ndarray], forced: list[bool], draft: Draft
+    ) -> Guide:
+        """A chain drafter's tree (prompt lookup's: deterministic picks) walked below the
+        step's forced run (`chain`, its masks `rows`), as `tree_guide` walks a head's."""
+        tree = draft.tree if isinstance(draft.tree, Tree) else draft.tree.host()
+        tokens = draft.tokens.tolist()  # sync: the tree, walked on the host
+        kept, masks, flags = self._walk(tree, tokens, False, rows[-1])
+        base = len(chain)  # the tree's root is the run's last node
+        parents = [*Tree.chain(base).parents, *(p + base for p in tree.subtree(kept).parents[1:])]
+        nodes = chain + [tokens[i - 1] for i in kept[1:]]
+        return Guide(
+            Draft(mx.array(nodes, dtype=mx.int32), Tree(tuple(parents))) if nodes else None,
+            mx.array(np.stack(rows + masks[1:])),
+            tuple(forced + flags[1:]),
+            len(kept) - 1,
+        )
+
+    def _walk(
+        self, tree: Tree, tokens: list[int], sampled: bool, allowed: np.ndarray
+    ) -> tuple[list[int], list[np.ndarray], list[bool]]:
+        """Depth first along a draft tree with the matcher (rolled back after), from a root
+        whose mask is `allowed`: the nodes kept (ascending, the root first; what the grammar
+        forbids is cut with its subtree, or with sampled children kept as a leaf rejected with
+        certainty), and each kept node's mask and whether it is a point (a forced token)."""
         anything = np.ones(self.vocab_size, dtype=bool)  # the row of a node never accepted
         rows: dict[int, tuple[np.ndarray, bool]] = {0: (allowed, False)}
 
@@ -206,19 +246,7 @@ class Constraint:
 
         visit(0)
         kept = sorted(rows)  # parents come before children, in the tree as in this order
-        logprobs = draft.logprobs
-        if logprobs is not None:  # by parent: the kept nodes that had children keep theirs
-            logprobs = logprobs[mx.array([i for i in kept if i < logprobs.shape[0]])]
-        pruned = None
-        if len(kept) > 1:
-            chosen = mx.array([tokens[i - 1] for i in kept[1:]], dtype=mx.int32)
-            pruned = Draft(chosen, tree.subtree(kept), logprobs)
-        return Guide(
-            pruned,
-            mx.array(np.stack([rows[i][0] for i in kept])),
-            tuple(rows[i][1] for i in kept),
-            len(kept) - 1,
-        )
+        return kept, [rows[i][0] for i in kept], [rows[i][1] for i in kept]
 
     def commit(self, tokens: Sequence[int]) -> None:
         """The step emitted `tokens`: the matcher moves past them."""

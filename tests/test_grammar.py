@@ -280,18 +280,20 @@ class MarkovTreeDrafter:
     [
         ("none", SamplingParams(temperature=1.0)),
         ("lookup", SamplingParams(temperature=1.0)),
+        ("lookup_chain", SamplingParams(temperature=1.0)),
         ("draft_model", SamplingParams(temperature=1.0)),
         ("draft_model", SamplingParams(temperature=0.7, top_k=3)),
         ("tree", SamplingParams(temperature=1.0)),
     ],
-    ids=["none", "lookup", "draft_model", "draft_model-top_k", "tree"],
+    ids=["none", "lookup", "lookup_chain", "draft_model", "draft_model-top_k", "tree"],
 )
 def test_constrained_sampling_follows_masked_target(drafter_kind, sampling):
     mx.random.seed(5)
     drafter = {
         "none": None,
         "draft_model": DraftModelDrafter(MarkovLM(DRAFT_TABLE), V),
-        "lookup": LookupDrafter(max_ngram=2),
+        "lookup": LookupDrafter(max_ngram=2),  # trees below the forced run
+        "lookup_chain": LookupDrafter(max_ngram=2, branches=1),
         "tree": MarkovTreeDrafter(),
     }[drafter_kind]
     constraint = Constraint(Grammar.lark(MARKOV_GRAMMAR), LetterTokenizer(), V)
