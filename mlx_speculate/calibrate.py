@@ -11,9 +11,10 @@ measured smallest first within `BUDGET` seconds each for the verify and the draf
 verify rows of the longest draft, up to `NEEDED_ROWS`, and the longest draft itself, whatever
 the time; draft costs between are interpolated); where the budget runs out (a slow CPU: a
 64-row forward of a 4-bit model takes seconds) the verify curve goes on in proportion to the
-rows, as it does on such a machine. The curve is cached on disk (`calibration_dir()`, one JSON file per target key, written atomically) and
-measured again when older than `MAX_AGE` or when the key changes (another model, dtype,
-quantization, device, BLAS or MLX version): a few seconds on first use, with a progress bar.
+rows, as it does on such a machine. The curve is cached on disk (`calibration_dir()`, one
+JSON file per target key, written atomically) and measured again when older than `MAX_AGE` or
+when the key changes (another model, dtype, quantization, device, BLAS or MLX version): a few
+seconds on first use, with a progress bar.
 """
 
 from __future__ import annotations
