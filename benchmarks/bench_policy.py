@@ -8,7 +8,7 @@
   same     the target's own 4-bit copy as the draft (costs as much as the target)
   eagle    the EAGLE-1 heads of ../shared/eagle: adaptive against fixed tree sizes
   lookup   prompt lookup on edit, rewrite, summary and open prompts: adaptive against fixed
-           k, chains and trees of 3 matches
+           k, trees of 3 matches (the default) and chains
 
 Tokens/s are medians over interleaved rounds (the first round warms up and is dropped; the
 adaptive policy's calibration is done once before), tau is tokens per verify forward.
@@ -132,16 +132,20 @@ def main(argv=None) -> None:
             heads = SHARED / "eagle" / "smollm2-eagle1"
             tree = EagleSpec(heads=heads, tree=EagleTree())
             rows = {"plain": run(chat["open"]), "eagle adaptive": run(chat["open"], tree)}
-            for k in (1, 3, 6, 12, 59):
-                rows[f"eagle tree k={k}"] = run(chat["open"], tree, k)
+            for k in (2, 4):
+                rows[f"eagle chain {k}"] = run(chat["open"], EagleSpec(
+                    heads=heads, tree=EagleTree.chain(k)), k)
+            for shape in ((8, 3, 2), (16, 4, 4), (60, 7, 10)):
+                spec = EagleSpec(heads=heads, tree=EagleTree(*shape))
+                rows["eagle tree {}/{}/{}".format(*shape)] = run(chat["open"], spec, shape[0] - 1)
             interleave("EAGLE-1 heads, open text (tree size)", rows, args.runs)
         elif case == "lookup":
+            chains, trees = LookupSpec(branches=1), LookupSpec()  # trees: the default
             for name in args.prompts.split(","):
-                rows = {"plain": run(chat[name]), "lookup adaptive": run(chat[name], LookupSpec())}
-                for k in (2, 4, 8, 16):  # 16: an edit prompt's best chain can be long
-                    rows[f"lookup k={k}"] = run(chat[name], LookupSpec(), k)
-                trees = LookupSpec(branches=3)
-                rows["lookup tree adaptive"] = run(chat[name], trees)
+                rows = {"plain": run(chat[name]), "lookup tree adaptive": run(chat[name], trees)}
+                rows["lookup chain adaptive"] = run(chat[name], chains)
+                for k in (4, 8, 16):  # 16: an edit prompt's best chain can be long
+                    rows[f"lookup chain k={k}"] = run(chat[name], chains, k)
                 for k in (8, 16):
                     rows[f"lookup tree k={k}"] = run(chat[name], trees, k)
                 interleave(f"prompt lookup, {name} prompt", rows, args.runs)

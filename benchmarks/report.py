@@ -51,15 +51,15 @@ def cases(names: list[str]):
             draft = SHARED / "models" / "llama2xs281K-llama"
             yield "stories260K", folder, STORY, False, {
                 "draft model (llama2xs281K)": {"draft_model": str(draft)},
+                "prompt lookup (trees, the default)": {"prompt_lookup": True},
                 "prompt lookup chain": {"prompt_lookup": True, "lookup_branches": 1},
-                "prompt lookup tree (3 branches)": {"prompt_lookup": True, "lookup_branches": 3},
             }
         elif name in ("smollm2-f32", "smollm2-4bit"):
             f32, q4 = smollm2_f32(), default_model_path()
             folder = f32 if name == "smollm2-f32" else q4
             methods = {
+                "prompt lookup (trees, the default)": {"prompt_lookup": True},
                 "prompt lookup chain": {"prompt_lookup": True, "lookup_branches": 1},
-                "prompt lookup tree (3 branches)": {"prompt_lookup": True, "lookup_branches": 3},
                 "EAGLE-1 adaptive": {"eagle": str(eagle)},
             }
             if name == "smollm2-f32":

@@ -8,12 +8,13 @@ It times one target forward over r rows (`ROWS`, the verify buckets: 1 to 64) af
 prompt, and for a drafter one proposal per draft length the policy weighs (`policy.sizes`)
 and, for drafters that keep a cache, catching up on `CATCH_UP` skipped tokens. Points are
 measured smallest first within `BUDGET` seconds each for the verify and the draft curve (the
-verify rows of the longest draft, up to `NEEDED_ROWS`, whatever the time); where the budget
-runs out (a slow CPU: a 64-row forward of a 4-bit model takes seconds) the curve goes on in
-proportion to the rows, as it does on such a machine. The curve is
-cached on disk (`calibration_dir()`, one JSON file per target key, written atomically) and
-measured again when older than `MAX_AGE` or when the key changes (another model, dtype,
-quantization, device, BLAS or MLX version): a few seconds on first use, with a progress bar.
+verify rows of the longest draft, up to `NEEDED_ROWS`, and the longest draft itself, whatever
+the time; draft costs between are interpolated); where the budget runs out (a slow CPU: a
+64-row forward of a 4-bit model takes seconds) the verify curve goes on in proportion to the
+rows, as it does on such a machine. The curve is cached on disk (`calibration_dir()`, one
+JSON file per target key, written atomically) and measured again when older than `MAX_AGE` or
+when the key changes (another model, dtype, quantization, device, BLAS or MLX version): a few
+seconds on first use, with a progress bar.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ BUDGET = 3.0  # seconds for the verify curve, and again for the draft curve
 NEEDED_ROWS = 16  # verify rows measured past the budget where the longest draft needs them
 CATCH_UP = 32  # skipped tokens a drafter catches up on (DraftModelDrafter's window)
 MAX_AGE = 30 * 24 * 3600.0  # seconds before a curve is measured again
-FORMAT = 3  # 3: least times, weights evaluated before compiling (lazy ones were timed recomputed)
+FORMAT = 4  # 4: the longest draft always measured (3: least times; weights evaluated first)
 
 
 @dataclass(frozen=True)
@@ -273,9 +274,14 @@ def measure(
         # features of every committed position, so it drafts nothing on the prompt alone.
         context, greedy = [*decoder.context, 1], SamplingParams()
         start = time.perf_counter()
-        for k in sizes:
-            if len(draft) >= 2 and decide(time.perf_counter() - start > BUDGET):
-                break
+        # The longest draft is measured whatever the budget: the curve between it and the
+        # last point within budget is then interpolated, never carried on in proportion,
+        # which would price an EAGLE tree (whose draft cost stops growing once its levels
+        # are all expanded) at ten times its cost, and the policy would never grow one.
+        for i, k in enumerate(sizes):
+            last = i == len(sizes) - 1
+            if len(draft) >= 2 and not last and decide(time.perf_counter() - start > BUDGET):
+                continue
             draft[k] = _time(lambda k=k: _propose(drafter, context, k, greedy), decide)
             trees = trees or _propose(drafter, context, k, greedy) == "tree"
             bar.update()

@@ -25,6 +25,8 @@ token is forced), found by walking one matcher along the chain and rolling it ba
   from p instead, biased by the draft's mass on forbidden tokens). A drafter token at a
   forced position is the forced token or the end of the drafter's part of the chain.
 - EOS is allowed only where the grammar accepts the output; the chain ends after one.
+Prompt lookup's drafts are trees: one hangs below the forced run and is walked depth first
+as a tree drafter's is (below), forced runs below its leaves included.
 
 A tree drafter's step (Medusa, EAGLE: `tree_guide`): the heads draft from the target's
 features at the pending position, so a forced run cannot come first. Where the grammar
@@ -42,6 +44,7 @@ run in the same forward instead of a forward for the run alone.
 
 Where the grammar forces the whole rest of the output up to its EOS (`ending`), the loop
 emits it without a forward.
+
 
 Host synchronisation added per constrained step (on top of the loop's own, in decode.py):
   1. the matcher runs on the host, so the next step is built only once this one's tokens are
@@ -66,7 +69,7 @@ from .drafters.lookup import LookupDrafter
 from .grammar import Grammar, ll_tokenizer
 from .tree import Tree
 
-# Drafters whose chains a forced run may come before (see the module's docstring).
+# Drafters whose drafts (chains; lookup's trees) a forced run may come before (see above).
 CHAIN_DRAFTERS = (LookupDrafter, DraftModelDrafter)
 
 
@@ -78,6 +81,20 @@ class Guide:
     allowed: mx.array  # (N, V) bool: row i, the tokens allowed after node i
     forced: tuple[bool, ...]  # (N,) row i's token is forced (its mask is a point)
     drafted: int  # the drafter's tokens in the chain (forced positions not counted)
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """A draft tree as the grammar leaves it (`Constraint._walk`): its kept nodes (ascending,
+    the root first; forced runs numbered after the drafter's nodes), their tree, tokens (the
+    root's excluded), masks and points, and how many of them the drafter drafted."""
+
+    kept: tuple[int, ...]
+    shape: Tree
+    tokens: list[int]
+    masks: list[np.ndarray]
+    forced: tuple[bool, ...]
+    drafted: int
 
 
 class Constraint:
@@ -147,6 +164,10 @@ class Constraint:
         live = run_forced()
         budget = min(k, room - len(chain))
         draft = propose(list(context) + chain, budget) if live and propose and budget > 0 else None
+        if draft is not None and not draft.tree.is_chain:  # lookup's tree, below the run
+            grafted = self._graft(chain, rows, forced, draft, room)
+            matcher.rollback(walked)
+            return grafted
         sampled = draft is not None and draft.logprobs is not None
         if draft is not None:
             for j, token in enumerate(draft.tokens.tolist()[:budget]):  # sync: the draft
@@ -188,6 +209,36 @@ class Constraint:
         draft = propose()
         if draft is None:
             return Guide(None, mx.array(allowed[None]), (False,), 0)
+        walk = self._walk(draft, allowed, room)
+        logprobs = draft.logprobs
+        if logprobs is not None:  # by parent: the kept nodes that had children keep theirs
+            logprobs = logprobs[mx.array([i for i in walk.kept if i < logprobs.shape[0]])]
+        pruned = None
+        if walk.tokens:
+            pruned = Draft(mx.array(walk.tokens, dtype=mx.int32), walk.shape, logprobs)
+        return Guide(pruned, mx.array(np.stack(walk.masks)), walk.forced, walk.drafted)
+
+    def _graft(
+        self, chain: list[int], rows: list[np.ndarray], forced: list[bool], draft: Draft, room: int
+    ) -> Guide:
+        """A chain drafter's tree (prompt lookup's: deterministic picks) walked below the
+        step's forced run (`chain`, its masks `rows`), as `tree_guide` walks a head's."""
+        walk = self._walk(draft, rows[-1], room - len(chain))
+        base = len(chain)  # the tree's root is the run's last node
+        parents = [*Tree.chain(base).parents, *(p + base for p in walk.shape.parents[1:])]
+        nodes = chain + walk.tokens
+        return Guide(
+            Draft(mx.array(nodes, dtype=mx.int32), Tree(tuple(parents))) if nodes else None,
+            mx.array(np.stack(rows + walk.masks[1:])),
+            tuple(forced) + walk.forced[1:],
+            walk.drafted,
+        )
+
+    def _walk(self, draft: Draft, allowed: np.ndarray, room: int) -> _Walk:
+        """Depth first along a draft tree with the matcher (rolled back after), from a root
+        whose mask is `allowed`: what the grammar forbids is cut with its subtree (or, with
+        sampled children, kept as a leaf rejected with certainty), and below a deterministic
+        tree's kept leaves the forced runs join as certain nodes, no deeper than `room`."""
         tree = draft.tree if isinstance(draft.tree, Tree) else draft.tree.host()
         tokens = draft.tokens.tolist()  # sync: the tree, walked on the host
         sampled = draft.logprobs is not None
@@ -236,18 +287,12 @@ class Constraint:
 
         visit(0)
         kept = sorted(rows)  # parents come before children: the drafter's nodes, then runs
-        logprobs = draft.logprobs
-        if logprobs is not None:  # by parent: the kept nodes that had children keep theirs
-            logprobs = logprobs[mx.array([i for i in kept if i < logprobs.shape[0]])]
-        pruned = None
-        if len(kept) > 1:
-            index = {node: i for i, node in enumerate(kept)}
-            shape = Tree((-1, *(index[parents[i]] for i in kept[1:])))
-            chosen = mx.array([token_of[i] for i in kept[1:]], dtype=mx.int32)
-            pruned = Draft(chosen, shape, logprobs)
-        return Guide(
-            pruned,
-            mx.array(np.stack([rows[i][0] for i in kept])),
+        index = {node: i for i, node in enumerate(kept)}
+        return _Walk(
+            tuple(kept),
+            Tree((-1, *(index[parents[i]] for i in kept[1:]))),
+            [token_of[i] for i in kept[1:]],
+            [rows[i][0] for i in kept],
             tuple(rows[i][1] for i in kept),
             sum(0 < i < tree.num_nodes for i in kept),
         )

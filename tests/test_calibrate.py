@@ -117,6 +117,19 @@ def test_the_longest_drafts_rows_are_measured_past_the_budget(monkeypatch, longe
     assert sorted(verify) == rows
 
 
+def test_the_longest_draft_is_measured_past_the_budget(monkeypatch):
+    # The draft curve, cut short by the budget, ends at the longest draft and is interpolated
+    # below it: carried on in proportion it priced EAGLE's 60-node tree (drafted in as many
+    # levels as an 8-node one) at ten times its cost.
+    monkeypatch.setattr(calibrate, "BUDGET", 1e-9)
+    model = tiny_model()
+    drafter = make_drafter(LookupSpec(), model)
+    _, draft, _, _ = calibrate.measure(model, drafter, (1, 2, 3, 4, 24), progress=False)
+    assert sorted(draft) == [1, 2, 24]
+    costs = StepCosts({1: 1.0}, {1: 1.0, 2: 2.0, 24: 2.0})
+    assert costs.draft_cost(12) == 2.0 and costs.draft_cost(48) == 4.0
+
+
 def test_eagle_drafts_are_timed_as_trees():
     # EAGLE proposes from the features of every committed position: timed on the prompt alone
     # it proposed nothing, and its drafts were priced as free chains.

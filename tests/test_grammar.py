@@ -280,18 +280,20 @@ class MarkovTreeDrafter:
     [
         ("none", SamplingParams(temperature=1.0)),
         ("lookup", SamplingParams(temperature=1.0)),
+        ("lookup_chain", SamplingParams(temperature=1.0)),
         ("draft_model", SamplingParams(temperature=1.0)),
         ("draft_model", SamplingParams(temperature=0.7, top_k=3)),
         ("tree", SamplingParams(temperature=1.0)),
     ],
-    ids=["none", "lookup", "draft_model", "draft_model-top_k", "tree"],
+    ids=["none", "lookup", "lookup_chain", "draft_model", "draft_model-top_k", "tree"],
 )
 def test_constrained_sampling_follows_masked_target(drafter_kind, sampling):
     mx.random.seed(5)
     drafter = {
         "none": None,
         "draft_model": DraftModelDrafter(MarkovLM(DRAFT_TABLE), V),
-        "lookup": LookupDrafter(max_ngram=2),
+        "lookup": LookupDrafter(max_ngram=2),  # trees below the forced run
+        "lookup_chain": LookupDrafter(max_ngram=2, branches=1),
         "tree": MarkovTreeDrafter(),
     }[drafter_kind]
     constraint = Constraint(Grammar.lark(MARKOV_GRAMMAR), LetterTokenizer(), V)
@@ -408,3 +410,25 @@ def test_tree_guide_runs_a_forced_token_without_drafting():
     guide, proposed = tree_guide_for([0, 1], [-1, 0, 0], context=(1, 4))
     assert not proposed
     assert guide.draft.tokens.tolist() == [5] and guide.forced[0] and guide.drafted == 0
+
+
+def test_a_lookup_tree_hangs_below_the_forced_run():
+    # After "b e" the grammar forces "f"; prompt lookup's tree ("a" then "d" or "b"; "c") is
+    # walked below it: "d" after "a" is forbidden and cut, the rest kept with their masks.
+    a, b, c, d, e, f = range(V)
+    constraint = Constraint(Grammar.lark(MARKOV_GRAMMAR), LetterTokenizer(), V)
+    constraint.commit([b, e])
+    seen = []
+
+    def propose(context, k):
+        seen.append(list(context))
+        return Draft(mx.array([a, c, d, b], dtype=mx.int32), Tree((-1, 0, 0, 1, 1)))
+
+    guide = constraint.guide([b, e], propose, 4, 8)
+    assert seen == [[b, e, f]]
+    assert guide.draft.tokens.tolist() == [f, a, c, b]
+    assert guide.draft.tree.parents == (-1, 0, 1, 1, 2)
+    assert guide.forced == (True, False, False, False, False) and guide.drafted == 3
+    rows = guide.allowed.tolist()
+    assert rows[0] == [i == f for i in range(V)] and rows[2] == ALLOWED[a].tolist()
+    assert constraint.guide([b, e], lambda *_: None, 4, 8).draft.tokens.tolist() == [f]

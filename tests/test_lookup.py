@@ -20,7 +20,7 @@ GREEDY = SamplingParams()
 
 
 def proposal(context, k=3, max_ngram=3):
-    draft = LookupDrafter(max_ngram=max_ngram).propose(context, k, GREEDY)
+    draft = LookupDrafter(max_ngram=max_ngram, branches=1).propose(context, k, GREEDY)
     return None if draft is None else draft.tokens.tolist()
 
 
@@ -79,7 +79,7 @@ def test_drafts_are_deterministic_chains_and_k_is_capped():
 def test_incremental_index_matches_brute_force():
     # Grow random low-entropy contexts the way the loop does, with rewinds and a fresh context.
     rng = np.random.default_rng(0)
-    drafter = LookupDrafter(max_ngram=3)
+    drafter = LookupDrafter(max_ngram=3, branches=1)  # a chain: the longest match
     for _ in range(3):
         context = rng.integers(0, 4, size=3).tolist()
         for _ in range(150):

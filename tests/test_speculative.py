@@ -216,7 +216,7 @@ def test_sampling_follows_target(sampling, drafter_kind):
     if drafter_kind == "draft_model":
         drafter = DraftModelDrafter(MarkovLM(DRAFT_TABLE), V)
     elif drafter_kind == "lookup":
-        drafter = LookupDrafter(max_ngram=2)
+        drafter = LookupDrafter(max_ngram=2, branches=1)
     else:  # several matches verified as one tree: the rule tries siblings in turn
         drafter = LookupDrafter(max_ngram=2, branches=3)
     tokens, steps, _ = decode(target, [0], SAMPLED, drafter, FixedPolicy(3), sampling)

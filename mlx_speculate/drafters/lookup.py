@@ -15,6 +15,8 @@ from ..sampling import SamplingParams
 from ..tree import Tree
 from .base import MAX_DRAFT, Draft, DrafterSpec, TargetFeatures
 
+BRANCHES = 3  # matches a lookup tree holds: a tree's tau is never below its best chain's
+
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class LookupSpec(DrafterSpec):
@@ -34,7 +36,7 @@ class LookupSpec(DrafterSpec):
     }
 
     max_ngram: int = 3
-    branches: int = 1  # matches verified together as one tree (1: a chain)
+    branches: int = BRANCHES  # matches verified together as one tree (1: a chain)
 
     @classmethod
     def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
@@ -55,7 +57,8 @@ class LookupSpec(DrafterSpec):
             type=positive_int,
             default=None,
             metavar="B",
-            help="prompt lookup: verify up to B matches together as one tree (default: 1)",
+            help=f"prompt lookup: verify up to B matches together as one tree (default: "
+            f"{BRANCHES}; 1 drafts a chain)",
         )
 
     @classmethod
@@ -104,7 +107,9 @@ class LookupDrafter:
 
     taps: tuple[int, ...] = ()
 
-    def __init__(self, max_ngram: int = 3, max_draft: int = MAX_DRAFT, branches: int = 1):
+    def __init__(
+        self, max_ngram: int = 3, max_draft: int = MAX_DRAFT * BRANCHES, branches: int = BRANCHES
+    ):
         if max_ngram < 1:
             raise ValueError(f"the longest n-gram must be >= 1, got {max_ngram}")
         if max_draft < 1:
