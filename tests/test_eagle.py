@@ -10,6 +10,7 @@ import pytest
 from mlx_speculate.cache import KVCache
 from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters import EagleSpec, EagleTree, TargetFeatures, make_drafter
+from mlx_speculate.drafters import eagle_grow
 from mlx_speculate.drafters.eagle import EagleDrafter
 from mlx_speculate.generation import Session
 from mlx_speculate.policy import FixedPolicy
@@ -66,7 +67,7 @@ def brute_force_tree(drafter: EagleDrafter, context: list[int], settings: EagleT
         return out
 
     def best(out, width):
-        scores, ids = drafter._best(out[None], width)
+        scores, ids = eagle_grow.best(head, drafter._project, out[None], width)
         return scores[0].tolist(), ids[0].tolist()
 
     top_k = min(settings.top_k, k)
