@@ -6,18 +6,16 @@ pending token (emitted, not yet in the target cache): a chain, a tree, or the ro
 rule (`verify.py`) picks the accepted path and the target's next token; the commit moves the
 path's keys/values into consecutive slots (`KVCache.compact`) and hands its features on.
 
-Host synchronisation, per step: one `mx.eval` of the acceptance (path, tokens, count), then
-`.item()`/`.tolist()` on the evaluated arrays. Drafting, the target forward and the rule are
-one lazy graph, scheduled with `mx.async_eval` as soon as it is built. A tree forward reads its
-largest position back only for rope types that depend on it (models/base.py). Under a grammar,
+Host syncs per step: one `mx.eval` of the acceptance, then `.item()`/`.tolist()` on it; the
+draft, forward and rule are one lazy graph, `mx.async_eval`ed once built. A tree forward reads
+its largest position only for rope types that depend on it (models/base.py). Under a grammar,
 its host-side matcher builds each step's chain or tree and masks from the tokens read, and
 reads a drafter's tokens (and EAGLE's tree) back before the verify forward (constraint.py).
-When a plain step follows a plain one, step t+1 is queued on step t's lazy token before step t
-is read, as mlx-lm does. A draft model's chain step is followed the same way (`_Queue.follow`):
-the next chain and its verify are queued on step t's lazy accepted count when the worst case
-fits; its `settle` tells the drafter the count once read. An EAGLE step is fused
-(`step.Then`): its compiled verify graph also runs the head over the accepted path, grows the
-next tree and compacts the path's keys, so the step is one call and one sync; `settle` again.
+A plain step after a plain one is queued on its lazy token before it is read, and a draft
+model's chain step on its lazy accepted count (`_Queue.follow`, when the worst case fits); its
+`settle` tells the drafter the count once read. An EAGLE step is fused (`step.Then`): its
+compiled verify graph also runs the head over the accepted path, grows the next tree and
+compacts the path's keys, so a step is one call and one sync; `settle` again.
 """
 
 from __future__ import annotations
@@ -343,10 +341,9 @@ class _Queue:
 
     def _then(self) -> Then | None:
         """EAGLE's next draft, traced into this step's graph (`step.Then`), on a real target."""
-        drafter, model = self.decoder.drafter, self.decoder.model
-        if self.typical or not hasattr(drafter, "then") or not isinstance(model, CausalLM):
-            return None
-        return drafter.then()  # and `received`, `settle`
+        drafter = self.decoder.drafter  # with `then`, `received` and `settle`
+        fits = hasattr(drafter, "then") and isinstance(self.decoder.model, CausalLM)
+        return drafter.then() if fits and not self.typical else None
 
     def _follows(self) -> bool:
         """Whether a chain can be queued on the last one's lazy count: the drafter continues
