@@ -13,7 +13,7 @@ from mlx_speculate.sampling import SamplingParams, log_probs
 from mlx_speculate.tree import Tree
 from mlx_speculate.verify import greedy_accept, rejection_accept
 
-from .helpers import decode, greedy_reference, tiny_model
+from .helpers import decode, greedy_reference, leading_tokens, tiny_model
 from .markov import assert_follows_marginal, chi_square_limit
 
 PARENTS = (-1, 0, 0, 1, 1, 2)  # 6 nodes: padded to 8 rows
@@ -222,12 +222,6 @@ def test_followed_chains_sample_the_target():
     mx.random.seed(0)
     n, fourths = 2000, []
     for _ in range(n):
-        decoder.prefill(prompt)
-        tokens = []
-        for s in decoder.steps(sampling, FixedPolicy(1), max_tokens=8):
-            tokens.extend(s.tokens)
-            if len(tokens) >= 4:
-                break
-        fourths.append(tokens[3])
+        fourths.append(leading_tokens(decoder, prompt, sampling, FixedPolicy(1), 4)[3])
     assert sum(a > 0 for a in settled) > 0.2 * n  # followed steps after an accepted draft
     assert_follows_marginal(target, prompt, temperature, 3, fourths)
