@@ -1,29 +1,21 @@
 """The one decoding loop: propose -> verify in one target forward -> accept -> commit.
 
 The prefill runs the whole prompt; its last row gives the first token, and every position's
-features reach the drafter (`Drafter.extend`), so a head drafter drafts from the first step on.
-Every step then verifies a draft tree rooted at the pending token (the last one emitted, not
-yet in the target cache): a chain for draft-model and lookup drafts, a static or dynamic tree
-for head drafters, the root alone for a plain step. One rule (`verify.py`) picks the accepted
-path and the target's own next token; the commit moves that path's keys/values into
-consecutive cache slots (`KVCache.compact`, O(1) when they already are) and hands its target
-features to the drafter.
+features reach the drafter (`Drafter.extend`). Every step verifies a draft tree rooted at the
+pending token (emitted, not yet in the target cache): a chain, a tree, or the root alone. One
+rule (`verify.py`) picks the accepted path and the target's next token; the commit moves the
+path's keys/values into consecutive slots (`KVCache.compact`) and hands its features on.
 
-Host synchronisation, per step:
-  1. `mx.eval` of the acceptance (path, tokens, count), then `.item()`/`.tolist()` on the
-     already-evaluated arrays. Drafting, the target forward and the acceptance rule are one
-     lazy graph, scheduled with `mx.async_eval` as soon as it is built.
-  2. Only when the rope type depends on the largest position (dynamic NTK, longrope) does a tree
-     forward read that position back (models/base.py).
-  4. Under a grammar, its host-side matcher builds each step's chain or tree and masks from
-     the tokens read at 1, and reads a drafter's tokens (and EAGLE's tree) back before the
-     verify forward (constraint.py): no plain step is queued ahead then.
-When a plain step follows a plain one (always without a drafter; with one, when the policy
-chooses 0), step t+1 is queued on step t's lazy token before step t is read, as mlx-lm does, so
-host work overlaps the next forward. A draft model's chain step is followed the same way
-(`_Queue.follow`): the next chain and its verify are queued on step t's lazy accepted count
-(pending token, root slot and the draft's first slot are arrays), when the worst case fits the
-room left; its `settle` then tells the drafter (drafters/draft_model.py) the count once read.
+Host syncs per step: one `mx.eval` of the acceptance, then `.item()`/`.tolist()` on it; the
+draft, forward and rule are one lazy graph, `mx.async_eval`ed once built. A tree forward reads
+its largest position only for rope types that depend on it (models/base.py). Under a grammar,
+its host-side matcher builds each step's chain or tree and masks from the tokens read, and
+reads a drafter's tokens (and EAGLE's tree) back before the verify forward (constraint.py).
+A plain step after a plain one is queued on its lazy token before it is read, and a draft
+model's chain step on its lazy accepted count (`_Queue.follow`, when the worst case fits); its
+`settle` tells the drafter the count once read. An EAGLE step is fused (`step.Then`): its
+compiled verify graph also runs the head over the accepted path, grows the next tree and
+compacts the path's keys, so a step is one call and one sync; `settle` again.
 """
 
 from __future__ import annotations
@@ -43,7 +35,7 @@ from .models.base import CausalLM
 from .policy import FixedPolicy, Policy
 from .quantized_prefill import prefilling
 from .sampling import SamplingParams, log_probs
-from .step import compilable, verify
+from .step import Then, compilable, verify
 from .tree import ROOT, Tree
 from .verify import Acceptance, greedy_accept, rejection_accept, typical_accept
 
@@ -83,6 +75,7 @@ class _Pending:
     features: TargetFeatures | None = None
     guide: Guide | None = None  # under a grammar: its chain and masks (constraint.py)
     draft: mx.array | None = None  # a chain's tokens, which the next chain may follow lazily
+    fused: bool = False  # the drafter's next draft and the path's compaction ran in the step
 
 
 class Decoder:
@@ -256,12 +249,14 @@ class Decoder:
         if root is None:  # queued before the step ahead was read, which ended at the offset
             root = self.cache.offset
             self.cache.advance(step.tree.num_nodes)
-        if step.tree.num_nodes > 1:  # a plain step's one slot is already in place
+        if step.fused:  # the step moved the path's keys in place
+            self.cache.truncate(root + n + 1)
+        elif step.tree.num_nodes > 1:  # a plain step's one slot is already in place
             self.cache.compact(root, [root + i for i in path])
         rows = slice(0, n + 1) if path == list(range(n + 1)) else mx.array(path)
         logits = step.logits[rows]
         self.context.extend(tokens)
-        if followed:
+        if followed or step.fused:
             self.drafter.settle(n)
         elif self.drafter is not None and step.features is not None:
             self.drafter.rewind(len(self.context) - 1)
@@ -315,6 +310,7 @@ class _Queue:
             draft = self._propose(k)
         tree = ROOT if draft is None else draft.tree
         offset = decoder.cache.offset
+        then = None if draft is None or guide is not None else self._then()
         verified = verify(
             decoder.model,
             decoder.cache,
@@ -326,14 +322,17 @@ class _Queue:
             taps=decoder.taps,
             typical=self.typical,
             allowed=None if guide is None else guide.allowed,
+            then=then,
         )
+        if then is not None:
+            decoder.drafter.received(verified.then)
         acceptance = verified.acceptance
         mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
         features = TargetFeatures(verified.hidden, verified.taps)
         chain = None if draft is None or guide is not None or not self._follows() else draft
         return _Pending(
             offset, tree, acceptance, verified.logits, features, guide,
-            None if chain is None else chain.tokens,
+            None if chain is None else chain.tokens, then is not None,
         )  # fmt: skip
 
     def _propose(self, k: int) -> Draft | None:
@@ -344,6 +343,12 @@ class _Queue:
         k = min(k, decoder.context_room())
         draft = decoder.drafter.propose(decoder.context, k, self.sampling)
         return None if draft is None else draft.limited(decoder.room())
+
+    def _then(self) -> Then | None:
+        """EAGLE's next draft, traced into this step's graph (`step.Then`), on a real target."""
+        drafter = self.decoder.drafter  # with `then`, `received` and `settle`
+        fits = hasattr(drafter, "then") and isinstance(self.decoder.model, CausalLM)
+        return drafter.then() if fits and not self.typical else None
 
     def _follows(self) -> bool:
         """Whether a chain can be queued on the last one's lazy count: the drafter continues

@@ -88,6 +88,20 @@ class Verified:
     logits: mx.array  # (rows, V)
     hidden: mx.array  # (rows, hidden)
     taps: tuple[mx.array, ...]  # (rows, hidden) each
+    then: tuple[mx.array, ...] = ()  # what a `Then` traced after the rule returned
+
+
+@dataclass(frozen=True)
+class Then:
+    """Work traced into a verify step's graph after its rule, so that a drafter's next draft
+    needs no call of its own: `trace(acceptance, hidden, taps, *inputs)` returns arrays
+    (`Verified.then`); `key` names what shapes its graph besides the step's own key. The
+    step also moves a tree's accepted path into consecutive cache slots (the caller only
+    truncates to root + accepted + 1)."""
+
+    key: tuple
+    inputs: tuple[mx.array, ...]
+    trace: Callable[..., tuple[mx.array, ...]]
 
 
 def verify(
@@ -103,6 +117,7 @@ def verify(
     typical: bool = False,
     allowed: mx.array | None = None,
     at: tuple[mx.array, int] | None = None,
+    then: Then | None = None,
 ) -> Verified:
     """Queues one verify step (lazy): `pending` (1,) and `draft` (N - 1,) tokens of `tree`;
     `allowed` (N, V) bool, a grammar's mask per row: the rule sees forbidden tokens at -inf.
@@ -110,7 +125,8 @@ def verify(
     Fixed shapes: every array is padded to `verify_rows(tree)` rows (the q rows too) and the
     cache is read whole; no host sync. Writes the padded rows from the cache offset and
     advances the offset by N; or, with `at` (a lazy root slot and a host bound on it), from
-    that slot, leaving the offset to the caller (a step queued before the last one is read)."""
+    that slot, leaving the offset to the caller (a step queued before the last one is read).
+    `then` (compiled models only): work traced after the rule, see `Then`."""
     if not isinstance(model, CausalLM):
         return _stand_in(
             model, cache, pending, tree, draft, draft_logprobs, sampling, taps, typical, allowed
@@ -135,19 +151,23 @@ def verify(
     shape = (rows, padded.is_chain, padded.depth, padded.width)
     span = _reserve(model, cache, (cache.offset if at is None else at[1]) + rows)
     key = ("verify", shape, sampled_q, masked, sampling, typical, taps, span)
+    key += () if then is None else (then.key,)
     fn = compiled(
         model,
         key,
-        lambda: _verify_fn(model, padded, sampling, typical, taps, sampled_q, masked, span),
+        lambda: _verify_fn(model, padded, sampling, typical, taps, sampled_q, masked, span, then),
     )
     start = mx.array(cache.offset, dtype=mx.int32) if at is None else at[0]
-    out = fn(start, *args, *cache.state)
-    k = 4 + len(taps)
+    extra = () if then is None else then.inputs
+    out = fn(start, *args, *extra, *cache.state)
+    k, layers = 4 + len(taps), len(cache.state)
     path, tokens, num_accepted, logits, hidden = out[:5]
-    cache.set_arrays(out[k + 1 :])
+    cache.set_arrays(out[len(out) - layers :])
     if at is None:
         cache.advance(n)
-    return Verified(Acceptance(path, tokens, num_accepted), logits, hidden, tuple(out[5 : k + 1]))
+    acceptance = Acceptance(path, tokens, num_accepted)
+    following = tuple(out[k + 1 : len(out) - layers])
+    return Verified(acceptance, logits, hidden, tuple(out[5 : k + 1]), following)
 
 
 def _bounded(padded: PaddedTree) -> PaddedTree:
@@ -172,10 +192,13 @@ def _verify_fn(
     sampled_q: bool,
     masked: bool,
     span: int,
+    then: Then | None,
 ) -> Callable:
     def step(start, inputs, drafted, parent_index, depth_index, ancestors, *rest):
         q, rest = (rest[0], rest[1:]) if sampled_q else (None, rest)
-        allowed, arrays = (rest[0], rest[1:]) if masked else (None, rest)
+        allowed, rest = (rest[0], rest[1:]) if masked else (None, rest)
+        extra = 0 if then is None else len(then.inputs)
+        extra, arrays = rest[:extra], rest[extra:]
         tree = PaddedTree(
             shape.num_nodes, shape.depth, shape.width, shape.is_chain,
             parent_index, depth_index, ancestors,
@@ -189,12 +212,28 @@ def _verify_fn(
         if allowed is not None:
             logits = mx.where(allowed, logits, -mx.inf)
         acceptance = _accept(tree, drafted, logits, sampling, typical, q)
+        taps_out = tuple(t[0] for t in out.taps)
+        following = ()
+        if then is not None:
+            following = then.trace(acceptance, out.hidden[0], taps_out, *extra)
+            if not shape.is_chain and view is not None:
+                _compact(view, start, acceptance.path)
         return (
             acceptance.path, acceptance.tokens, acceptance.num_accepted, logits, out.hidden[0],
-            *(t[0] for t in out.taps), *(view.state if view is not None else ()),
+            *taps_out, *following, *(view.state if view is not None else ()),
         )  # fmt: skip
 
     return step
+
+
+def _compact(view: KVCache, start: mx.array, path: mx.array) -> None:
+    """Moves the path's slots (from `start`) to start, start + 1, ... in every layer; the
+    slots past the accepted ones get other nodes' keys, past the committed end."""
+    slots = start + path
+    for layer, (k, v) in enumerate(zip(view.keys, view.values, strict=True)):
+        at = start[None]
+        view.keys[layer] = mx.slice_update(k, mx.take(k, slots, axis=2), at, axes=(2,))
+        view.values[layer] = mx.slice_update(v, mx.take(v, slots, axis=2), at, axes=(2,))
 
 
 def _accept(tree, drafted, logits, sampling: SamplingParams, typical: bool, q) -> Acceptance:

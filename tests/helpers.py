@@ -197,3 +197,14 @@ def random_eagle_head(target: dict[str, Any], version: int, seed: int = 0, **kwa
 
     config = eagle_config(target, version, **kwargs)
     return build_eagle(config, random_eagle_weights(config, seed))
+
+
+def leading_tokens(decoder, prompt, sampling, policy, count: int) -> list[int]:
+    """The first `count` tokens of one generation after `prompt` (the decoder reused)."""
+    decoder.prefill(prompt)
+    tokens = []
+    for step in decoder.steps(sampling, policy, max_tokens=8):
+        tokens.extend(step.tokens)
+        if len(tokens) >= count:
+            break
+    return tokens[:count]

@@ -85,3 +85,21 @@ class StubTokenizer:
 
     def encode(self, text):
         return [int(t) for t in text.split()]
+
+
+def assert_follows_marginal(target, prompt: list[int], temperature: float, position: int, tokens):
+    """`tokens` (the one at `position`, 0 the first, of many generations after `prompt`) pass
+    Pearson's test against that token's exact marginal under `target` at `temperature`:
+    summed over every continuation before it (vocabulary ** position contexts)."""
+    vocab = target.args.vocab_size
+    contexts, joint = [[]], mx.ones((1,))  # every continuation so far and its probability
+    for _ in range(position + 1):
+        logits = target(mx.array([prompt + c for c in contexts])).logits[:, -1]
+        rows = mx.softmax(logits / temperature, axis=-1)  # (contexts, V) next-token rows
+        marginal = (joint[:, None] * rows).sum(axis=0)  # of the token after them
+        joint = (joint[:, None] * rows).reshape(-1)
+        contexts = [c + [t] for c in contexts for t in range(vocab)]
+    observed = np.bincount(tokens, minlength=vocab)
+    expected = len(tokens) * np.array(marginal, dtype=np.float64)
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    assert statistic < chi_square_limit(vocab - 1)

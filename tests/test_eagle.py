@@ -7,9 +7,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_speculate import step
 from mlx_speculate.cache import KVCache
 from mlx_speculate.decode import Decoder
-from mlx_speculate.drafters import EagleSpec, EagleTree, TargetFeatures, make_drafter
+from mlx_speculate.drafters import EagleSpec, EagleTree, TargetFeatures, eagle_grow, make_drafter
 from mlx_speculate.drafters.eagle import EagleDrafter
 from mlx_speculate.generation import Session
 from mlx_speculate.policy import FixedPolicy
@@ -20,11 +21,12 @@ from .helpers import (
     assert_clear_argmax,
     decode,
     greedy_reference,
+    leading_tokens,
     random_eagle_head,
     tiny_config,
     tiny_model,
 )
-from .markov import MarkovLM, StubTokenizer, assert_markov
+from .markov import MarkovLM, StubTokenizer, assert_follows_marginal, assert_markov
 
 GREEDY = SamplingParams()
 PROMPT = [1, 5, 9, 33, 7, 2, 60]
@@ -66,7 +68,7 @@ def brute_force_tree(drafter: EagleDrafter, context: list[int], settings: EagleT
         return out
 
     def best(out, width):
-        scores, ids = drafter._best(out[None], width)
+        scores, ids = eagle_grow.best(head, drafter._project, out[None], width)
         return scores[0].tolist(), ids[0].tolist()
 
     top_k = min(settings.top_k, k)
@@ -212,3 +214,58 @@ def test_sampling_follows_target(version, sampling):
     assert sum(s.accepted for s in steps) > 200
     assert sum(s.accepted < s.drafted for s in steps) > 200
     assert_markov([0, *tokens], TABLE, sampling)
+
+
+# Fused steps: the verify graph runs the head over the accepted path and grows the next tree.
+
+
+@pytest.mark.parametrize("settings", [EagleTree(16, 4, 4), EagleTree.chain(3)], ids=["tree", "k3"])
+def test_a_step_is_one_compiled_graph_and_one_sync(monkeypatch, settings):
+    """After the first proposal, no step calls the head's own growth graph: the catch-up and
+    the next tree are traced into the verify graph, one per (tree, span), and each step reads
+    the host once. Greedy output stays plain greedy's."""
+    target, head = target_and_head("llama", 3)
+    step._COMPILED.pop(id(target), None)
+    reference = greedy_reference(target, PROMPT, 30)
+    drafter = EagleDrafter(head, target, (1, 2, 4), settings)
+    grows = []
+    original = drafter._grow
+    monkeypatch.setattr(drafter, "_grow", lambda k: grows.append(k) or original(k))
+    decoder = Decoder(target, drafter)
+    decoder.prefill(PROMPT)
+    syncs = []
+    evaluate = mx.eval
+    # Reads of step results (a graph's first trace also evaluates the weights it captures).
+    read = lambda *a: syncs.append(all(isinstance(x, mx.array) for x in a)) or evaluate(*a)  # noqa: E731
+    monkeypatch.setattr(mx, "eval", read)
+    tokens, steps = [], []
+    for s in decoder.steps(GREEDY, FixedPolicy(settings.total - 1)):
+        tokens.extend(s.tokens)
+        steps.append(s)
+        if len(tokens) >= 30:
+            break
+    assert tokens[:30] == reference
+    assert len(grows) == 1
+    assert sum(syncs) == len(steps)
+    fused = [key for key in step._COMPILED[id(target)] if key[-1][:2] == ("eagle", id(head))]
+    assert len({key[-1][-1] for key in fused}) == len(fused) <= 2  # head spans 64 and 96
+
+
+def test_fused_sampling_follows_the_target():
+    """Fused tree steps on a compiled target stay lossless when sampling: the third token's
+    frequencies over many seeded generations match the target's exact marginal. Its step's
+    tree was grown inside the step before, from the path that step accepted."""
+    vocab, prompt, temperature = 13, [1, 5, 9], 0.5
+    config = tiny_config("llama", vocab_size=vocab)
+    target = tiny_model("llama", seed=0, vocab_size=vocab)
+    head = random_eagle_head(config, 1, 3)
+    drafter = EagleDrafter(head, target, (), EagleTree(4, 1, 2))
+    decoder = Decoder(target, drafter)
+    sampling = SamplingParams(temperature=temperature)
+    mx.random.seed(0)
+    n, thirds, fused = 1500, [], 0
+    for _ in range(n):
+        thirds.append(leading_tokens(decoder, prompt, sampling, FixedPolicy(3), 3)[2])
+        fused += drafter._ready is not None  # the next tree was grown inside the step
+    assert fused > 0.9 * n
+    assert_follows_marginal(target, prompt, temperature, 2, thirds)

@@ -13,8 +13,8 @@ from mlx_speculate.sampling import SamplingParams, log_probs
 from mlx_speculate.tree import Tree
 from mlx_speculate.verify import greedy_accept, rejection_accept
 
-from .helpers import decode, greedy_reference, tiny_model
-from .markov import chi_square_limit
+from .helpers import decode, greedy_reference, leading_tokens, tiny_model
+from .markov import assert_follows_marginal, chi_square_limit
 
 PARENTS = (-1, 0, 0, 1, 1, 2)  # 6 nodes: padded to 8 rows
 
@@ -211,13 +211,6 @@ def test_followed_chains_sample_the_target():
     target = tiny_model("llama", seed=0, vocab_size=vocab)
     draft = tiny_model("llama", seed=7, num_hidden_layers=1, vocab_size=vocab)
     sampling = SamplingParams(temperature=temperature)
-    contexts, joint = [[]], mx.ones((1,))  # every continuation so far and its probability
-    for _ in range(4):
-        logits = target(mx.array([prompt + c for c in contexts])).logits[:, -1]
-        rows = mx.softmax(logits / temperature, axis=-1)  # (contexts, V) next-token rows
-        marginal = (joint[:, None] * rows).sum(axis=0)  # of the token after them
-        joint = (joint[:, None] * rows).reshape(-1)
-        contexts = [c + [t] for c in contexts for t in range(vocab)]
     settled = []
 
     class Counting(DraftModelDrafter):
@@ -229,15 +222,6 @@ def test_followed_chains_sample_the_target():
     mx.random.seed(0)
     n, fourths = 2000, []
     for _ in range(n):
-        decoder.prefill(prompt)
-        tokens = []
-        for s in decoder.steps(sampling, FixedPolicy(1), max_tokens=8):
-            tokens.extend(s.tokens)
-            if len(tokens) >= 4:
-                break
-        fourths.append(tokens[3])
+        fourths.append(leading_tokens(decoder, prompt, sampling, FixedPolicy(1), 4)[3])
     assert sum(a > 0 for a in settled) > 0.2 * n  # followed steps after an accepted draft
-    observed = np.bincount(fourths, minlength=vocab)
-    expected = n * np.array(marginal, dtype=np.float64)
-    statistic = float(((observed - expected) ** 2 / expected).sum())
-    assert statistic < chi_square_limit(vocab - 1)
+    assert_follows_marginal(target, prompt, temperature, 3, fourths)

@@ -31,9 +31,10 @@ from ..heads.eagle import EagleHead
 from ..heads.eagle_format import EAGLE_DIR, load_eagle_heads
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
-from ..step import cache_view, compiled
+from ..step import Then, bucket, cache_view, compiled
 from ..tree import DeviceTree, Tree
 from .base import Draft, DrafterSpec, TargetFeatures
+from .eagle_grow import catch_up_and_grow, grow
 
 
 @dataclass(frozen=True)
@@ -152,6 +153,15 @@ class EagleSpec(DrafterSpec):
 
 
 class EagleDrafter:
+    """Grows EAGLE-2 trees (or chains) from the head's state at the last committed position.
+
+    A step can be fused (`then`): the verify step's graph runs the head over the accepted
+    path and grows the next tree from its end (eagle_grow.catch_up_and_grow), so a step is
+    one compiled call and one host sync; `settle` then takes the accepted count, and the
+    next `propose` of the same size returns that tree. Otherwise (the first step, a plain
+    step between, another size) `propose` runs the head over the positions it has not seen,
+    then grows the tree in a compiled graph of its own."""
+
     def __init__(self, head: EagleHead, target: CausalLM, taps: tuple[int, ...], tree: EagleTree):
         self.head = head
         self.target = target
@@ -163,6 +173,12 @@ class EagleDrafter:
         self._fed = 0  # committed positions in the draft cache
         self._known = 0  # committed positions whose features it has: fed + pending
         self._last: mx.array | None = None  # (h,) the head's output at position _fed - 1
+        self._k = 0  # the size of the last proposal
+        # A fused step's lazy outputs (last, draft), until `settle`; then the draft, for the
+        # next proposal of `_k` nodes at `_known` committed positions.
+        self._queued: tuple[mx.array, Draft] | None = None
+        self._ready: Draft | None = None
+        mx.eval(head.parameters())  # traced graphs capture them as they are
 
     def extend(self, features: TargetFeatures) -> None:
         rows = self.head.inputs(features.hidden, features.taps)
@@ -170,8 +186,10 @@ class EagleDrafter:
         self._known += rows.shape[0]
 
     def rewind(self, length: int) -> None:
+        self._queued = None  # a fused step nobody settled: its writes are past `_fed`
         if length >= self._known:
             return
+        self._ready = None
         if length >= self._fed:
             rows = mx.concatenate(self._pending)[: length - self._fed]
             self._pending = [rows] if rows.shape[0] else []
@@ -183,8 +201,11 @@ class EagleDrafter:
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft | None:
         committed = len(context) - 1
         k = min(k, self.max_draft)
+        ready, self._ready = self._ready, None
         if k <= 0 or self._known != committed:
             return None
+        if ready is not None and k == self._k and not self._pending:
+            return ready
         self.cache.truncate(self._fed)  # the last proposal's tree slots
         if self._pending:
             features = mx.concatenate(self._pending)  # (m, F)
@@ -195,115 +216,89 @@ class EagleDrafter:
             self._last, self._fed, self._pending = out[-1], committed, []
         if self._last is None:
             return None
-        return self._grow(committed, k)
+        self._k = k
+        return self._grow(k)
 
-    def _grow(self, committed: int, k: int) -> Draft:
+    def then(self) -> Then | None:
+        """The next proposal, of the last one's size, traced into the verify step of the
+        last one; None when the head cannot be traced. Fixed shapes: the accepted path's rows
+        (the verified tree's depth bound + 1), and the tree as `_grow` makes it."""
+        if not self.head.traceable or self._last is None or self._pending:
+            return None
+        head, embed, project, k = self.head, self._embed, self._project, self._k
+        top_k, depth = self._shape(k)
+        end = self._fed + bucket(k + 1) + depth * top_k  # the path has at most bucket rows
+        self.cache.reserve(end)
+        span = self.cache.span(end)
+
+        def trace(acceptance, hidden, taps, fed, *arrays):
+            view = cache_view(head, arrays, fed, span)
+            out = catch_up_and_grow(
+                head, embed, project, acceptance, hidden, taps, view, fed, top_k, depth, k
+            )
+            return (*out, *view.state)
+
+        key = ("eagle", id(head), top_k, depth, k, span)
+        return Then(key, (mx.array(self._fed, mx.int32), *self.cache.state), trace)
+
+    def received(self, outputs: Sequence[mx.array]) -> None:
+        """The fused step's lazy outputs (`Verified.then`)."""
+        layers = len(self.cache.state)
+        self.cache.set_arrays(outputs[len(outputs) - layers :])
+        last, *tree = outputs[: len(outputs) - layers]
+        self._queued = (last, self._draft(*tree))
+
+    def settle(self, accepted: int) -> None:
+        """The fused step accepted `accepted` drafts: the head has run over those positions
+        and the root's, and the queued draft follows them."""
+        last, draft = self._queued
+        self._queued = None
+        self._fed = self._known = self._fed + accepted + 1
+        self._last, self._ready = last, draft
+        self.cache.truncate(min(self.cache.offset, self._fed))
+        self.cache.advance(self._fed - self.cache.offset)
+
+    def _shape(self, k: int) -> tuple[int, int]:
+        """(top-k, levels) of a proposal of k nodes: deeper levels could not be among k."""
+        return min(self.settings.top_k, k), min(self.settings.depth, k - 1)
+
+    def _grow(self, k: int) -> Draft:
         """The best k nodes of an EAGLE-2 tree below the pending token.
 
         Fixed shapes: the levels and the selection are one compiled graph per (top-k, depth,
         k, span) whose inputs are the head's state at the last committed position, the first
-        tree slot and its position (arrays) and the head's cache, read over its leading span;
-        each level's mask is a bool visibility over the tree's own slots. No host sync."""
-        top_k = min(self.settings.top_k, k)
-        depth = min(self.settings.depth, k - 1)  # deeper levels could not be among k nodes
+        tree slot (an array) and the head's cache, read over its leading span; each level's
+        mask is a bool visibility over the tree's own slots. No host sync."""
+        top_k, depth = self._shape(k)
         end = self._fed + depth * top_k
         self.cache.reserve(end)
         span = self.cache.span(end)
         key = ("eagle", id(self.target), top_k, depth, k, span)
-        build = lambda: self._levels(top_k, depth, k, span)  # noqa: E731
+        head, embed, project = self.head, self._embed, self._project
+
+        def build() -> Callable:
+            def fn(last, start, *arrays):
+                view = cache_view(head, arrays, start, span)
+                out = grow(head, embed, project, last, view, start, top_k, depth, k)
+                return (*out, *view.state)
+
+            return fn
+
         fn = compiled(self.head, key, build, traced=self.head.traceable)
-        start, position = mx.array(self._fed, mx.int32), mx.array(committed, mx.int32)
-        tokens, *tree = fn(self._last, start, position, *self.cache.state)
+        out = fn(self._last, mx.array(self._fed, mx.int32), *self.cache.state)
         layers = len(self.cache.state)
-        tree, arrays = tree[: len(tree) - layers], tree[len(tree) - layers :]
-        self.cache.set_arrays(arrays)
+        self.cache.set_arrays(out[len(out) - layers :])
         self.cache.advance(depth * top_k)
-        if top_k == 1:  # a chain: its first k nodes are its best ones
+        return self._draft(*out[: len(out) - layers])
+
+    def _draft(self, tokens: mx.array, *tree: mx.array) -> Draft:
+        if not tree:  # a chain: its first k nodes are its best ones
             return Draft(tokens, Tree.chain(tokens.shape[0]))
-        return Draft(tokens, DeviceTree(k + 1, depth + 1, top_k, *tree))
-
-    def _levels(self, top_k: int, depth: int, k: int, span: int) -> Callable:
-        """The traced growth: (last, start, position, *cache) -> (tokens, the selected tree's
-        parent, depth and ancestor arrays (trees only), *cache)."""
-
-        def grow(last, start, position, *arrays):
-            cache = cache_view(self.head, arrays, start, span)
-            scores, ids = self._best(last[None], top_k)  # (1, top_k)
-            tokens, scores = ids[0], scores[0]  # the root's children
-            candidates = [(tokens, scores, mx.zeros((top_k,), dtype=mx.int32))]
-            frontier = mx.arange(top_k, dtype=mx.int32)  # candidate indices of the frontier
-            hidden = mx.broadcast_to(self.head.feedback(last), (top_k, last.shape[-1]))
-            seen = mx.eye(top_k, dtype=mx.bool_)  # (top_k, tree slots) ancestors among fed nodes
-            first = top_k  # index of the next level's first candidate
-            for level in range(depth):
-                cache.start = start + level * top_k
-                out = self.head(
-                    self._embed(tokens)[None],
-                    hidden[None],
-                    cache,
-                    from_target=False,
-                    positions=mx.broadcast_to(position + level, (top_k,)),
-                    mask=seen,
-                )[0]  # (top_k, h)
-                child_scores, child_ids = self._best(out, top_k)  # (top_k, top_k)
-                cumulative = (child_scores + scores[:, None]).reshape(-1)  # (top_k * top_k,)
-                parents = mx.repeat(frontier + 1, top_k)  # node ids: candidate index + 1
-                candidates.append((child_ids.reshape(-1), cumulative, parents))
-                if level == depth - 1:
-                    break
-                best = mx.argsort(-cumulative)[:top_k].astype(mx.int32)
-                rows = best // top_k
-                tokens, scores = child_ids.reshape(-1)[best], cumulative[best]
-                frontier, hidden = first + best, self.head.feedback(out)[rows]
-                seen = mx.concatenate([seen[rows], mx.eye(top_k, dtype=mx.bool_)], axis=1)
-                first += top_k * top_k
-            tokens, scores, parents = (mx.concatenate(c) for c in zip(*candidates, strict=True))
-            if top_k == 1:
-                return tokens[:k], *cache.state
-            levels = [mx.full((top_k,), 1, mx.int32)]
-            levels += [mx.full((top_k * top_k,), d + 2, mx.int32) for d in range(depth)]
-            tree, index = select(scores, parents, mx.concatenate(levels), k, depth + 1, top_k)
-            return (
-                tokens[index], tree.parent_index, tree.depth_index, tree.ancestors, *cache.state
-            )
-
-        return grow
+        top_k, depth = self._shape(self._k)
+        return Draft(tokens, DeviceTree(self._k + 1, depth + 1, top_k, *tree))
 
     def _embed(self, tokens: mx.array) -> mx.array:
         return self.target.model.embed_tokens(tokens)
 
-    def _best(self, out: mx.array, k: int) -> tuple[mx.array, mx.array]:
-        """(n, h) head outputs -> the k likeliest next tokens of each, best first: (n, k)
-        log-probabilities and (n, k) target ids."""
-        logits = self.head.logits(out, self.target).astype(mx.float32)  # the head's vocabulary
-        ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
-        scores = mx.take_along_axis(logits, ids, axis=-1)  # (n, k), normalised below
-        scores = scores - mx.logsumexp(logits, axis=-1, keepdims=True)
-        order = mx.argsort(-scores, axis=-1)
-        ids = mx.take_along_axis(ids, order, axis=-1).astype(mx.int32)
-        return mx.take_along_axis(scores, order, axis=-1), self.head.to_target(ids)
-
-
-def select(
-    scores: mx.array, parents: mx.array, depths: mx.array, k: int, depth: int, width: int
-) -> tuple[DeviceTree, mx.array]:
-    """EAGLE-2 on the device: the root and the k best-scoring of C candidates (scores are
-    cumulative draft log-probs, so no child outscores its parent; ties go to the earlier
-    candidate, so every kept node's ancestors are kept), as `Tree.from_scores` does on the
-    host. `parents` are node ids (candidate index + 1, 0 the root), `depths` the candidates'.
-    Returns the tree (its nodes in candidate order) and the kept candidates' indices (k,)."""
-    c = scores.shape[0]
-    index = mx.arange(c, dtype=mx.int32)
-    ahead = (scores[None, :] > scores[:, None]) | (
-        (scores[None, :] == scores[:, None]) & (index[None, :] < index[:, None])
-    )  # (C, C): [i, j] when j ranks before i
-    kept = mx.sum(ahead, axis=1) < k
-    order = mx.argsort(mx.where(kept, index, c + index))[:k].astype(mx.int32)  # ascending
-    renumber = mx.zeros((c + 1,), mx.int32).at[order + 1].add(mx.arange(1, k + 1, dtype=mx.int32))
-    parent_index = mx.concatenate([mx.zeros((1,), mx.int32), renumber[parents[order]]])
-    depth_index = mx.concatenate([mx.zeros((1,), mx.int32), depths[order]])
-    eye = mx.eye(k + 1, dtype=mx.bool_)
-    ancestors = eye
-    for _ in range(depth):  # a node's row is itself plus its parent's row
-        ancestors = eye | ancestors[parent_index]
-    return DeviceTree(k + 1, depth, width, parent_index, depth_index, ancestors), order
+    def _project(self, out: mx.array) -> mx.array:
+        return self.head.logits(out, self.target)
