@@ -312,18 +312,10 @@ class _Queue:
         offset = decoder.cache.offset
         then = None if draft is None or guide is not None else self._then()
         verified = verify(
-            decoder.model,
-            decoder.cache,
-            pending,
-            tree,
-            None if draft is None else draft.tokens,
-            None if draft is None else draft.logprobs,
-            self.sampling,
-            taps=decoder.taps,
-            typical=self.typical,
-            allowed=None if guide is None else guide.allowed,
-            then=then,
-        )
+            decoder.model, decoder.cache, pending, tree, None if draft is None else draft.tokens,
+            None if draft is None else draft.logprobs, self.sampling, taps=decoder.taps,
+            typical=self.typical, allowed=None if guide is None else guide.allowed, then=then,
+        )  # fmt: skip
         if then is not None:
             decoder.drafter.received(verified.then)
         acceptance = verified.acceptance
