@@ -26,7 +26,7 @@ import mlx.nn as nn
 
 from ..heads.eagle import Eagle1Head, Eagle3Head
 from ..heads.medusa import MedusaHeads
-from ..models.context import additive_mask
+from .ttt import unroll
 
 Batch = tuple[mx.array, mx.array, mx.array, mx.array, mx.array, mx.array]
 
@@ -81,16 +81,6 @@ def eagle1_loss(
     return _mean(v + p_weight * p, w), (mx.sum(hits), mx.sum(w))
 
 
-def ttt_mask(T: int, step: int) -> mx.array | None:
-    """Step `step`'s (T, (step + 1) T) mask: causal over the real prefix (step 0's keys), and
-    each earlier step's key at the query's own position."""
-    if step == 0:
-        return None
-    causal = mx.tril(mx.ones((T, T), dtype=mx.bool_))
-    eye = mx.eye(T, dtype=mx.bool_)
-    return additive_mask(mx.concatenate([causal] + [eye] * step, axis=1), mx.float32)
-
-
 def eagle3_loss(
     head: Eagle3Head, batch: Batch, embed: mx.array, t2d: mx.array, key: mx.array,
     steps: int = 7, decay: float = 0.8,
@@ -98,24 +88,18 @@ def eagle3_loss(
     """`t2d`: (V,) int32 each target id's draft id, -1 outside the draft vocabulary."""
     tokens, _, feats, top_ids, top_logits, counted = batch
     T = tokens.shape[1]
-    cache = head.make_cache()
-    hidden, total = feats, mx.array(0.0)
-    hits = count = mx.array(0.0)
-    for i in range(steps):
-        positions = mx.arange(T, dtype=mx.int32) + i
-        out = head(
-            embed[_shift(tokens, 1 + i)], hidden, cache, from_target=i == 0,
-            positions=positions, mask=ttt_mask(T, i),
-        )  # fmt: skip
+    total = hits = count = mx.array(0.0)
+    ids = t2d[_at(top_ids, counted, 1)]  # (N, k) draft ids, -1 outside
+    keep, target = ids[:, 0] >= 0, _at(top_logits, counted, 1)
+    embeds = [embed[_shift(tokens, 1 + i)] for i in range(steps)]
+    for i, out in enumerate(unroll(head, embeds, feats)):
         # Step i's position s - 2 - i predicts answer token s (the target's logits at s - 1).
         logits = head.draft_logits(_at(out, counted, 2 + i))  # (N, Vd)
-        ids = t2d[_at(top_ids, counted, 1)]  # (N, k) draft ids, -1 outside
-        w = _weights(counted, T, 2 + i) * (ids[:, 0] >= 0)
-        ce = _soft_ce(logits, mx.maximum(ids, 0), _at(top_logits, counted, 1), ids >= 0)
+        w = _weights(counted, T, 2 + i) * keep
+        ce = _soft_ce(logits, mx.maximum(ids, 0), target, ids >= 0)
         total = total + decay**i * _mean(ce, w)
         if i == 0:
             hits, count = mx.sum((mx.argmax(logits, axis=-1) == ids[:, 0]) * w), mx.sum(w)
-        hidden = head.feedback(out)
     return total, (hits, count)
 
 
