@@ -284,22 +284,3 @@ def test_saved_heads_have_the_official_keys_shapes_and_dtypes(tmp_path):
     a = dict(tree_flatten(load_eagle_heads(out).parameters()))
     b = dict(tree_flatten(heads["smollm2-eagle3"].parameters()))
     assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]) for k in a)
-
-
-def test_features_of_a_padded_group_equal_each_conversation_alone(tmp_path):
-    """Conversations of four lengths through the target together (right-padded) store what
-    one forward each stores: the pads are never seen under the causal mask."""
-    from mlx_speculate.train.data import Conversation
-    from mlx_speculate.train.features import make_features
-
-    model = tiny_model("llama", 0)
-    rng = np.random.default_rng(0)
-    talks = [Conversation(tuple(rng.integers(1, 100, n).tolist()), 2) for n in (5, 17, 9, 30)]
-    taps, width = (0, 1), 2 * model.args.hidden_size
-    alone = make_features(model, talks, tmp_path / "a", taps, width, 4, False, batch_tokens=1)
-    grouped = make_features(model, talks, tmp_path / "b", taps, width, 4, False)
-    assert np.array_equal(alone.starts, grouped.starts)
-    assert np.array_equal(alone.answer, grouped.answer) and alone.answer.sum() == 61 - 8
-    assert np.allclose(alone.features, grouped.features, atol=1e-3)
-    assert np.allclose(alone.top_logits, grouped.top_logits, atol=1e-3)
-    assert (alone.top_ids[:, 0] == grouped.top_ids[:, 0]).mean() > 0.99

@@ -11,14 +11,14 @@ kept logits):
 Disk: 5 + 2F + 6k bytes a token (SmolLM2, k 16: 1.25 KB for EAGLE-1/Medusa, 3.6 KB for EAGLE-3).
 
 `progress.json` counts the conversations written; it is replaced (atomically) only after the
-arrays are flushed, so a killed run redoes at most one group of conversations.
+arrays are flushed, so a killed run redoes at most one conversation.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,12 +70,9 @@ def make_features(
     width: int,
     top_k: int = 16,
     progress: bool = True,
-    batch_tokens: int = 2048,
 ) -> Features:
     """The feature cache in `folder` for `conversations`, resumed or made; `taps` empty means
-    the final states (`width` = hidden size), else the concatenated taps. Consecutive
-    conversations go through the target together, padded to the longest, while they fit
-    `batch_tokens` (one at least): one host sync per group."""
+    the final states (`width` = hidden size), else the concatenated taps."""
     folder.mkdir(parents=True, exist_ok=True)
     lengths = [len(c.tokens) for c in conversations]
     meta = {"conversations": len(lengths), "tokens": sum(lengths), "taps": list(taps),
@@ -110,43 +107,25 @@ def make_features(
 
     starts = arrays["starts"]
     with tqdm(total=len(lengths), initial=done, desc="features", disable=not progress) as bar:
-        for i, n in _groups(lengths, done, batch_tokens):
-            group = conversations[i : i + n]
-            T = max(len(c.tokens) for c in group)
-            # Right padding: under the causal mask no real token sees a pad.
-            tokens = mx.array([list(c.tokens) + [0] * (T - len(c.tokens)) for c in group])
-            out = model(tokens, taps=taps)
-            feats = mx.concatenate(out.taps, axis=-1) if taps else out.hidden  # (n, T, F)
-            logits = out.logits.astype(mx.float32)  # (n, T, V)
-            ids = mx.argpartition(-logits, kth=top_k - 1, axis=-1)[..., :top_k]
+        for i in range(done, len(lengths)):
+            c, rows = conversations[i], slice(int(starts[i]), int(starts[i + 1]))
+            out = model(mx.array([c.tokens]), taps=taps)
+            feats = mx.concatenate(out.taps, axis=-1) if taps else out.hidden  # (1, n, F)
+            logits = out.logits[0].astype(mx.float32)
+            ids = mx.argpartition(-logits, kth=top_k - 1, axis=-1)[:, :top_k]
             top = mx.take_along_axis(logits, ids, axis=-1)
             order = mx.argsort(-top, axis=-1)  # best first
-            feats = np.array(feats.astype(mx.float32))
-            ids = np.array(mx.take_along_axis(ids, order, axis=-1))
-            top = np.array(mx.take_along_axis(top, order, axis=-1))
-            for b, c in enumerate(group):
-                rows, m = slice(int(starts[i + b]), int(starts[i + b + 1])), len(c.tokens)
-                arrays["tokens"][rows] = c.tokens
-                arrays["answer"][rows] = np.arange(m) >= c.answer
-                arrays["features"][rows] = feats[b, :m]
-                arrays["top_ids"][rows] = ids[b, :m]
-                arrays["top_logits"][rows] = top[b, :m]
-            for a in arrays.values():
-                a.flush()
-            write_json(folder / PROGRESS, {"done": i + n})
-            bar.update(n)
+            arrays["tokens"][rows] = c.tokens
+            arrays["answer"][rows] = np.arange(len(c.tokens)) >= c.answer
+            arrays["features"][rows] = np.array(feats[0].astype(mx.float32))
+            arrays["top_ids"][rows] = np.array(mx.take_along_axis(ids, order, axis=-1))
+            arrays["top_logits"][rows] = np.array(mx.take_along_axis(top, order, axis=-1))
+            if (i + 1) % 16 == 0 or i + 1 == len(lengths):
+                for a in arrays.values():
+                    a.flush()
+                write_json(folder / PROGRESS, {"done": i + 1})
+            bar.update()
     return open_features(folder)
-
-
-def _groups(lengths: list[int], start: int, budget: int) -> Iterator[tuple[int, int]]:
-    """(first, count) of consecutive conversations from `start` whose padded size fits."""
-    i = start
-    while i < len(lengths):
-        n, longest = 1, lengths[i]
-        while i + n < len(lengths) and max(longest, lengths[i + n]) * (n + 1) <= budget:
-            longest, n = max(longest, lengths[i + n]), n + 1
-        yield i, n
-        i += n
 
 
 def open_features(folder: Path) -> Features:
