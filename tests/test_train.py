@@ -239,9 +239,9 @@ def test_a_sliding_window_model_batches_equal_lengths_only(tmp_path):
 
 
 def test_saved_heads_have_the_official_keys_shapes_and_dtypes(tmp_path):
-    """What the recipe writes for SmolLM2 matches, key for key, the heads the official trainer
-    made (../shared/eagle), and the speculators layout up to its `layers.0` prefix; the
-    package's loader reads it back."""
+    """What the recipe writes for SmolLM2 matches, key for key (shape and dtype: what a strict
+    torch load checks), the heads the official trainer made (../shared/eagle) and, for
+    EAGLE-3, what speculators' converter made of them; the package's loader reads both back."""
     from types import SimpleNamespace
 
     from mlx_speculate.heads.eagle import Eagle1Head, Eagle3Head, EagleConfig
@@ -267,6 +267,20 @@ def test_saved_heads_have_the_official_keys_shapes_and_dtypes(tmp_path):
         official = torch.load(eagle / name / "pytorch_model.bin", map_location="cpu")
         assert ours == layout(official), name
         assert load_eagle_heads(out).config.version == head.config.version
-    speculators = mx.load(str(eagle / "smollm2-eagle3-speculators" / "model.safetensors"))
-    renamed = {k.replace("midlayer.", "layers.0."): v for k, v in layout(official).items()}
-    assert layout(speculators) == renamed
+    shared = eagle / "smollm2-eagle3-speculators"
+    out = save_official(heads["smollm2-eagle3"], tmp_path / "speculators", layout="speculators")
+    assert layout(mx.load(str(out / "model.safetensors"))) == layout(
+        mx.load(str(shared / "model.safetensors"))
+    )
+    ours, theirs = (json.loads((f / "config.json").read_text()) for f in (out, shared))
+    assert ours.keys() <= theirs.keys()
+    mine, official_layer = ours["transformer_layer_config"], theirs["transformer_layer_config"]
+    for key in ("hidden_size", "num_key_value_heads", "head_dim", "intermediate_size"):
+        assert mine[key] == official_layer[key], key
+    assert mine["rope_parameters"]["rope_theta"] == official_layer["rope_parameters"]["rope_theta"]
+    for key in ("architectures", "speculators_model_type", "draft_vocab_size",
+                "eagle_aux_hidden_state_layer_ids", "norm_before_residual"):  # fmt: skip
+        assert ours[key] == theirs[key], key
+    a = dict(tree_flatten(load_eagle_heads(out).parameters()))
+    b = dict(tree_flatten(heads["smollm2-eagle3"].parameters()))
+    assert a.keys() == b.keys() and all(mx.array_equal(a[k], b[k]) for k in a)

@@ -124,10 +124,17 @@ class Eagle3Layer(nn.Module):
         self._norm_before_residual = norm_before_residual
 
     def __call__(self, embeds: mx.array, hidden: mx.array, ctx: ForwardContext) -> mx.array:
+        x, residual = self.mix(embeds, hidden)
+        return self.finish(residual + self.self_attn(x, ctx, 0))
+
+    def mix(self, embeds: mx.array, hidden: mx.array) -> tuple[mx.array, mx.array]:
+        """The attention's (B, L, 2h) input and the (B, L, h) residual."""
         normed = self.hidden_norm(hidden)
         residual = normed if self._norm_before_residual else hidden
-        x = mx.concatenate([self.input_layernorm(embeds), normed], axis=-1)  # (B, L, 2h)
-        h = residual + self.self_attn(x, ctx, 0)
+        return mx.concatenate([self.input_layernorm(embeds), normed], axis=-1), residual
+
+    def finish(self, h: mx.array) -> mx.array:
+        """The MLP block after attention."""
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -146,6 +153,10 @@ class EagleHead(nn.Module):
         self._rope = RotaryEmbedding(
             args.head_dim, args.rope_config(), args.max_position_embeddings
         )
+
+    @property
+    def rope(self) -> RotaryEmbedding:
+        return self._rope
 
     @property
     def num_layers(self) -> int:
@@ -295,10 +306,10 @@ class Eagle3Head(EagleHead):
         self, embeds: mx.array, hidden: mx.array, ctx: ForwardContext, from_target: bool
     ) -> mx.array:
         if from_target:
-            hidden = self._fuse(hidden)
+            hidden = self.fuse(hidden)
         return self.midlayer(embeds, hidden, ctx)
 
-    def _fuse(self, taps: mx.array) -> mx.array:
+    def fuse(self, taps: mx.array) -> mx.array:
         """(..., n * h) concatenated target states -> (..., h)."""
         if "norm_before_fc" in self.config.flags:
             taps = self.input_norm(taps)

@@ -10,7 +10,8 @@
   the layer config nested in `transformer_layer_config`, taps in
   `eagle_aux_hidden_state_layer_ids`, and its normalisation flags.
 - What `save_official` writes (trained heads): the SafeAILab layouts above, `config.json` +
-  `model.safetensors`, EAGLE-3 with `d2t` and `t2d` and its taps in the config.
+  `model.safetensors`, EAGLE-3 with `d2t` and `t2d` and its taps in the config; or the
+  speculators layout for EAGLE-3.
 - MLX (what `convert --eagle-path` writes, `eagle/` beside a converted model): `config.json` in
   `EagleConfig.to_json` form (+ mlx-lm's `quantization`) and `weights.safetensors`.
 
@@ -31,6 +32,7 @@ from mlx.utils import tree_flatten
 from ..atomic import move_into_place, staging_folder
 from ..checkpoint import load_into, read_weights, write_safetensors
 from ..models.base import CausalLM
+from ..models.rope import rope_both_forms
 from .eagle import HEADS, NORM_FLAGS, EagleConfig, EagleHead
 from .store import MLX_WEIGHTS, find_checkpoint, prepare, save_heads
 
@@ -153,11 +155,19 @@ def convert_eagle_heads(
 _ARCHITECTURES = {1: "LlamaForCausalLM", 3: "LlamaForCausalLMEagle3"}
 
 
-def save_official(head: EagleHead, out: str | Path) -> Path:
-    """Writes `head` into a new folder `out` in SafeAILab's layout (`cnets1` keys for EAGLE-1,
-    the native EAGLE-3 keys with `d2t` and `t2d`): what the official code, SpecForge and this
-    package's loaders read. Atomic: `out` appears whole or not at all."""
+LAYOUTS = ("official", "speculators")
+
+
+def save_official(head: EagleHead, out: str | Path, layout: str = "official") -> Path:
+    """Writes `head` into a new folder `out`: in SafeAILab's layout (`cnets1` keys for
+    EAGLE-1, the native EAGLE-3 keys with `d2t` and `t2d`), what the official code, SpecForge
+    and this package's loaders read; or (`layout="speculators"`, EAGLE-3) in the
+    vllm-project/speculators layout vLLM serves. Atomic: `out` appears whole or not at all."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is unknown (known: {', '.join(LAYOUTS)})")
     config = head.config
+    if layout == "speculators" and config.version != 3:
+        raise ValueError("the speculators layout holds EAGLE-3 heads only")
     weights = dict(tree_flatten(head.parameters()))
     raw = {**config.layer, "architectures": [_ARCHITECTURES[config.version]],
            "model_type": "llama", "bias": config.fc_bias,
@@ -170,6 +180,9 @@ def save_official(head: EagleHead, out: str | Path) -> Path:
         weights |= {"d2t": d2t, "t2d": t2d}
         raw |= {"draft_vocab_size": draft, **({} if config.taps is None else
                 {"eagle_aux_hidden_state_layer_ids": list(config.taps)})}  # fmt: skip
+    if layout == "speculators":
+        weights = {k.replace("midlayer.", "layers.0.", 1): v for k, v in weights.items()}
+        raw = _speculators_config(config, raw["draft_vocab_size"])
     out = Path(out)
     tmp = staging_folder(out)
     floats = {
@@ -179,3 +192,29 @@ def save_official(head: EagleHead, out: str | Path) -> Path:
     (tmp / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     move_into_place(tmp, out)
     return out
+
+
+def _speculators_config(config: EagleConfig, draft_vocab: int) -> dict[str, Any]:
+    """What speculators' own converter writes for a SafeAILab EAGLE-3 head (`Eagle3Speculator`,
+    the layer config nested with its rope in both forms)."""
+    layer = {**rope_both_forms(config.layer), "model_type": "llama", "num_hidden_layers": 1,
+             "dtype": "float32", "tie_word_embeddings": False}  # fmt: skip
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
+                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": None},
+        },  # fmt: skip
+        "transformer_layer_config": layer,
+        "draft_vocab_size": draft_vocab,
+        "eagle_aux_hidden_state_layer_ids": None if config.taps is None else list(config.taps),
+        "embed_requires_grad": False,
+        "target_hidden_size": None,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+        **{flag: flag in config.flags for flag in NORM_FLAGS},
+    }

@@ -70,13 +70,14 @@ class MedusaHeads(nn.Module):
 
     def __call__(self, hidden: mx.array, count: int | None = None) -> mx.array:
         """(..., hidden) -> (count, ..., V) logits of the first `count` heads (default: all)."""
-        outs = []
-        for head in self.heads[: count or self.num_heads]:
-            x = hidden
-            for layer in head:
-                x = layer(x)
-            outs.append(x)
-        return mx.stack(outs)
+        return mx.stack([self.head(k, hidden) for k in range(count or self.num_heads)])
+
+    def head(self, k: int, hidden: mx.array) -> mx.array:
+        """(..., hidden) -> (..., V) logits of head `k`."""
+        x = hidden
+        for layer in self.heads[k]:
+            x = layer(x)
+        return x
 
     def config(self) -> dict[str, Any]:
         return {

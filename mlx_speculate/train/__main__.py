@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from ..cli import INTERRUPTED, fail, non_negative_float, non_negative_int, positive_int, prog
+from ..heads.eagle_format import LAYOUTS
 from .loop import TrainConfig
 from .recipe import KINDS, Recipe, train_head
 
@@ -24,6 +25,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-prefix", type=non_negative_int, default=16,
                    help="self samples: tokens drawn at T=1 before answering")  # fmt: skip
     p.add_argument("--out", required=True, help="a new folder for the head (official layout)")
+    p.add_argument("--layout", choices=LAYOUTS, default="official",
+                   help="EAGLE-3: SafeAILab's keys or vllm-project/speculators'")  # fmt: skip
     p.add_argument("--cache", help="where stages are cached (default: OUT.cache)")
     p.add_argument("--max-tokens", type=positive_int, default=200, help="answer length")
     p.add_argument("--temperature", type=non_negative_float, default=0.0)
@@ -58,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             self_samples=args.self_samples, sample_prefix=args.sample_prefix, top_k=args.top_k,
             draft_vocab=args.draft_vocab,
             taps=None if args.taps is None else tuple(args.taps), ttt_steps=args.ttt_steps,
-            medusa_heads=args.medusa_heads, medusa_layers=args.medusa_layers, train=config,
+            medusa_heads=args.medusa_heads, medusa_layers=args.medusa_layers,
+            layout=args.layout, train=config,
         )  # fmt: skip
         result = train_head(args.kind, args.model, args.out, prompts=args.prompts,
                             cache=args.cache, recipe=recipe, progress=not args.quiet)  # fmt: skip

@@ -97,7 +97,10 @@ def _padded(n: int) -> int:
 
 
 def collate(data: Features, group: np.ndarray, budget: int) -> tuple[mx.array, ...]:
-    """(tokens, answer, features, top_ids, top_logits), zero-padded to (budget // T, T)."""
+    """(tokens, answer, features, top_ids, top_logits) zero-padded to (budget // T, T), and
+    `counted` (N,): the flat indices (b * T + s) of the answer tokens, -1 past them, N rounded
+    up to a multiple of 256 so that the compiled step sees a few shapes. The losses project
+    onto the vocabulary only there: padding and prompts cost no 49k-wide rows."""
     T = _padded(max(int(data.starts[i + 1] - data.starts[i]) for i in group))
     B = max(len(group), budget // T)
     out = []
@@ -107,9 +110,11 @@ def collate(data: Features, group: np.ndarray, budget: int) -> tuple[mx.array, .
         for b, i in enumerate(group):
             rows = data.rows(int(i))
             array[b, : rows.stop - rows.start] = source[rows]
-        out.append(mx.array(array.astype(np.float32) if name in ("features", "top_logits")
-                            else array))  # fmt: skip
-    return tuple(out)
+        out.append(array.astype(np.float32) if array.dtype == np.float16 else array)
+    counted = np.flatnonzero(out[1])
+    index = np.full(min(B * T, max(256, -(-len(counted) // 256) * 256)), -1, dtype=np.int32)
+    index[: len(counted)] = counted
+    return tuple(mx.array(a) for a in (*out, index))
 
 
 def train(

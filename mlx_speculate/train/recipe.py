@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..heads.eagle import Eagle1Head, Eagle3Head, EagleConfig
-from ..heads.eagle_format import save_official
+from ..heads.eagle_format import LAYOUTS, save_official
 from ..heads.medusa import MedusaHeads, save_medusa1
 from ..loading import load
 from ..models.base import CausalLM
@@ -46,6 +46,7 @@ class Recipe:
     ttt_steps: int = 7  # EAGLE-3's training-time test
     medusa_heads: int = 4
     medusa_layers: int = 1
+    layout: str = "official"  # EAGLE: SafeAILab's keys, or "speculators" (EAGLE-3, vLLM)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
@@ -53,6 +54,11 @@ class Recipe:
             raise ValueError(f"head kind {self.kind!r} is unknown (known: {', '.join(KINDS)})")
         if self.max_tokens < 1 or self.top_k < 1 or self.draft_vocab < 1 or self.ttt_steps < 1:
             raise ValueError("max_tokens, top_k, draft_vocab and ttt_steps must be >= 1")
+        if self.layout not in LAYOUTS or (self.layout == "speculators" and self.kind != "eagle3"):
+            raise ValueError(
+                f"layout {self.layout!r} is not one for {self.kind} heads "
+                f"(EAGLE: {', '.join(LAYOUTS)}; speculators: eagle3 only)"
+            )
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,7 @@ def train_head(
     if kind == "medusa":
         save_medusa1(head, out, str(target.origin.folder or ""))
     else:
-        save_official(head, out)
+        save_official(head, out, recipe.layout)
     seconds["train"] = time.perf_counter() - start
     (out / "training.json").write_text(
         json.dumps(
