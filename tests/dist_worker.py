@@ -20,11 +20,13 @@ from mlx_speculate.distributed import (  # noqa: E402
     init_group,
     shared_seed,
 )
+from mlx_speculate.drafters.eagle import EagleTree  # noqa: E402
 from mlx_speculate.drafters.lookup import LookupSpec  # noqa: E402
 from mlx_speculate.generation import stream_generate  # noqa: E402
+from mlx_speculate.heads.medusa import MedusaHeads  # noqa: E402
 from mlx_speculate.ranks import guarded  # noqa: E402
 from mlx_speculate.sampling import SamplingParams  # noqa: E402
-from tests.helpers import tiny_model  # noqa: E402
+from tests.helpers import random_eagle_head, tiny_model  # noqa: E402
 from tests.markov import StubTokenizer  # noqa: E402
 
 PROMPT = [5, 17, 3, 5, 17, 3, 44, 12, 5, 17, 3, 9]
@@ -32,7 +34,22 @@ METHODS = {
     "plain": {},
     "lookup": {"prompt_lookup": True, "num_draft_tokens": 3},
     "draft": {"num_draft_tokens": 3},  # the draft model is added below
+    "medusa": {"num_draft_tokens": 3},  # random heads of the family's sizes, added below
+    "eagle": {"eagle_tree": EagleTree(8, 2, 3), "num_draft_tokens": 7},
 }
+
+
+def heads(model) -> dict:
+    """Random Medusa and EAGLE-1 heads for `model`, the same on every rank (fixed seeds): they
+    are not sharded, and read the target's features after its all-sums."""
+    config = model.args
+    medusa = MedusaHeads(config.hidden_size, config.vocab_size, num_heads=2, num_layers=1)
+    mx.random.seed(7)
+    medusa.update(nn.utils.tree_map(lambda a: 0.1 * mx.random.normal(a.shape), medusa.parameters()))
+    return {
+        "medusa": {"medusa": medusa},
+        "eagle": {"eagle": random_eagle_head(vars(config), 1, seed=5)},
+    }
 
 
 def tokens(model, tokenizer, **options) -> list[int]:
@@ -46,9 +63,10 @@ def record(model, prefix: str, out: dict, draft, generations: bool, group) -> No
     if not generations:
         return
     tokenizer = StubTokenizer()
+    drafters = heads(model)
+    drafters["draft"] = {"draft_model": draft}
     for name, options in METHODS.items():
-        if name == "draft":
-            options = {**options, "draft_model": draft}
+        options = {**options, **drafters.get(name, {})}
         out[f"{prefix}{name}"] = np.array(tokens(model, tokenizer, **options))
     # No seed and no fixed draft length: rank 0's seed and rank 0's adaptive choices.
     sampling = SamplingParams(temperature=1.0, seed=shared_seed(None, group))

@@ -85,7 +85,7 @@ def assert_sharded_matches(results, families, generate=(), atol=2e-5) -> None:
             np.testing.assert_allclose(rank[f"{family}/sharded/logits"], single, atol=atol)
             taps = rank[f"{family}/single/taps"]
             np.testing.assert_allclose(rank[f"{family}/sharded/taps"], taps, atol=atol)
-        for method in ("plain", "lookup", "draft") if family in generate else ():
+        for method in ("plain", "lookup", "draft", "medusa", "eagle") if family in generate else ():
             for rank in results:
                 assert list(rank[f"{family}/sharded/{method}"]) == list(
                     rank[f"{family}/single/{method}"]
