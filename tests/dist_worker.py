@@ -23,11 +23,11 @@ from mlx_speculate.distributed import (  # noqa: E402
 from mlx_speculate.drafters.eagle import EagleTree  # noqa: E402
 from mlx_speculate.drafters.lookup import LookupSpec  # noqa: E402
 from mlx_speculate.generation import stream_generate  # noqa: E402
-from mlx_speculate.heads.medusa import MedusaHeads  # noqa: E402
 from mlx_speculate.ranks import guarded  # noqa: E402
 from mlx_speculate.sampling import SamplingParams  # noqa: E402
 from tests.helpers import random_eagle_head, tiny_model  # noqa: E402
 from tests.markov import StubTokenizer  # noqa: E402
+from tests.test_medusa import random_heads  # noqa: E402
 
 PROMPT = [5, 17, 3, 5, 17, 3, 44, 12, 5, 17, 3, 9]
 METHODS = {
@@ -43,9 +43,7 @@ def heads(model) -> dict:
     """Random Medusa and EAGLE-1 heads for `model`, the same on every rank (fixed seeds): they
     are not sharded, and read the target's features after its all-sums."""
     config = model.args
-    medusa = MedusaHeads(config.hidden_size, config.vocab_size, num_heads=2, num_layers=1)
-    mx.random.seed(7)
-    medusa.update(nn.utils.tree_map(lambda a: 0.1 * mx.random.normal(a.shape), medusa.parameters()))
+    medusa = random_heads(config.hidden_size, config.vocab_size, num_heads=2, seed=7)
     return {
         "medusa": {"medusa": medusa},
         "eagle": {"eagle": random_eagle_head(vars(config), 1, seed=5)},
