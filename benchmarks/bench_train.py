@@ -85,10 +85,12 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--max-steps", type=int)
     parser.add_argument("--batch-tokens", type=int, default=2048)
     parser.add_argument("--draft-vocab", type=int, default=4096)
     parser.add_argument("--sample-prefix", type=int, default=16)
+    parser.add_argument("--data-batch", type=int, default=32, help="prompts answered together")
     parser.add_argument("--work", type=Path, default=CACHE / "train-bench")
     parser.add_argument("--eval-prompts", type=int, default=10)
     parser.add_argument("--eval-tokens", type=int, default=128)
@@ -112,10 +114,11 @@ def main(argv=None) -> None:
         args.model = str(smollm2_folder())
     name = f"{Path(args.model).name}-{args.kind}"
     out = args.work / name
-    config = TrainConfig(epochs=args.epochs, learning_rate=args.lr, max_steps=args.max_steps,
-                         batch_tokens=args.batch_tokens)  # fmt: skip
+    config = TrainConfig(epochs=args.epochs, learning_rate=args.lr, warmup=args.warmup,
+                         max_steps=args.max_steps, batch_tokens=args.batch_tokens)  # fmt: skip
     recipe = Recipe(args.kind, max_tokens=args.max_tokens, self_samples=args.self_samples,
                     sample_prefix=args.sample_prefix, draft_vocab=args.draft_vocab,
+                    data_batch=args.data_batch,
                     train=config)  # fmt: skip
     if not out.exists():
         result = train_head(args.kind, args.model, out, recipe=recipe,

@@ -30,6 +30,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache", help="where stages are cached (default: OUT.cache)")
     p.add_argument("--max-tokens", type=positive_int, default=200, help="answer length")
     p.add_argument("--temperature", type=non_negative_float, default=0.0)
+    p.add_argument("--data-batch", type=positive_int, default=16,
+                   help="prompts answered together (32 is faster; self samples depend on it)")
     p.add_argument("--top-k", type=positive_int, default=16, help="target logits kept a token")
     p.add_argument("--draft-vocab", type=positive_int, default=32000, help="EAGLE-3")
     p.add_argument("--taps", type=int, nargs="+", help="EAGLE-3's target layers")
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         recipe = Recipe(
             args.kind, max_tokens=args.max_tokens, temperature=args.temperature,
             self_samples=args.self_samples, sample_prefix=args.sample_prefix, top_k=args.top_k,
+            data_batch=args.data_batch,
             draft_vocab=args.draft_vocab,
             taps=None if args.taps is None else tuple(args.taps), ttt_steps=args.ttt_steps,
             medusa_heads=args.medusa_heads, medusa_layers=args.medusa_layers,

@@ -128,7 +128,7 @@ def train(
 ) -> Progress:
     """Trains `head` on `data` (resuming from `folder/checkpoint`), leaves it holding the
     weights of its best held-out epoch; returns the run's record. `loss_fn(head, batch,
-    *frozen, key)` -> (loss, (hits, count))."""
+    *frozen, key)` -> (loss, (hits, count)), `key` None when evaluating."""
     train_rows, held_rows = split(data.conversations, config.holdout, config.seed)
     per_epoch = len(batches(data, train_rows, config.batch_tokens, None))
     total = config.max_steps or config.epochs * per_epoch
@@ -151,8 +151,8 @@ def train(
         optimizer.update(head, grads)
         return loss
 
-    def eval_fn(batch, key):
-        return loss_fn(head, batch, *frozen, key)
+    def eval_fn(batch):
+        return loss_fn(head, batch, *frozen, None)
 
     from tqdm import tqdm
 
@@ -200,10 +200,11 @@ def train(
 
 
 def evaluate(eval_fn: Callable, data: Features, rows: np.ndarray, budget: int) -> float:
-    """Top-1 accuracy of the first draft token over the held-out conversations (nan: none)."""
+    """Top-1 accuracy of the first draft token over the held-out conversations (nan: none),
+    without training noise."""
     hits = count = 0.0
     for group in batches(data, rows, budget, None):
-        _, (h, c) = eval_fn(collate(data, group, budget), mx.random.key(0))
+        _, (h, c) = eval_fn(collate(data, group, budget))
         hits, count = hits + h.item(), count + c.item()
     return hits / count if count else math.nan
 

@@ -63,13 +63,15 @@ def _mean(x: mx.array, weights: mx.array) -> mx.array:
 
 
 def eagle1_loss(
-    head: Eagle1Head, batch: Batch, embed: mx.array, lm_head: mx.array, key: mx.array,
+    head: Eagle1Head, batch: Batch, embed: mx.array, lm_head: mx.array, key: mx.array | None,
     noise: float = 0.2, p_weight: float = 0.1,
 ) -> tuple[mx.array, tuple[mx.array, mx.array]]:  # fmt: skip
+    """`key` None: no input noise (held-out evaluation, as the official test loader)."""
     tokens, _, feats, top_ids, top_logits, counted = batch
     T = tokens.shape[1]
-    # The official AddUniformNoise: (U(0,1) - 0.5) * std * 512 / length.
-    f = feats + (mx.random.uniform(shape=feats.shape, key=key) - 0.5) * noise * 512 / T
+    f = feats
+    if key is not None:  # the official AddUniformNoise: (U(0,1) - 0.5) * std * 512 / length
+        f = feats + (mx.random.uniform(shape=feats.shape, key=key) - 0.5) * noise * 512 / T
     out = head(embed[_shift(tokens, 1)], f, head.make_cache(), from_target=True)  # (B, T, h)
     # Position t = s - 2 predicts answer token s from the target's state and logits at s - 1.
     w, out = _weights(counted, T, 2), _at(out, counted, 2)  # (N,), (N, h)
@@ -82,7 +84,7 @@ def eagle1_loss(
 
 
 def eagle3_loss(
-    head: Eagle3Head, batch: Batch, embed: mx.array, t2d: mx.array, key: mx.array,
+    head: Eagle3Head, batch: Batch, embed: mx.array, t2d: mx.array, key: mx.array | None,
     steps: int = 7, decay: float = 0.8,
 ) -> tuple[mx.array, tuple[mx.array, mx.array]]:  # fmt: skip
     """`t2d`: (V,) int32 each target id's draft id, -1 outside the draft vocabulary."""

@@ -40,6 +40,7 @@ class Recipe:
     temperature: float = 0.0  # answers: greedy, or sampled
     self_samples: int = 0  # samples from BOS instead of prompts
     sample_prefix: int = 16  # self samples: tokens drawn at T=1 before answering at temperature
+    data_batch: int = 16  # prompts answered together (a self sample depends on its batch)
     top_k: int = 16  # target logits kept per token
     draft_vocab: int = 32000  # EAGLE-3: the most frequent answer tokens
     taps: tuple[int, ...] | None = None  # EAGLE-3 (None: layers 2, L//2, L-3)
@@ -52,8 +53,10 @@ class Recipe:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"head kind {self.kind!r} is unknown (known: {', '.join(KINDS)})")
-        if self.max_tokens < 1 or self.top_k < 1 or self.draft_vocab < 1 or self.ttt_steps < 1:
-            raise ValueError("max_tokens, top_k, draft_vocab and ttt_steps must be >= 1")
+        if min(self.max_tokens, self.top_k, self.draft_vocab, self.ttt_steps, self.data_batch) < 1:
+            raise ValueError(
+                "max_tokens, top_k, draft_vocab, ttt_steps and data_batch must be >= 1"
+            )
         if self.layout not in LAYOUTS or (self.layout == "speculators" and self.kind != "eagle3"):
             raise ValueError(
                 f"layout {self.layout!r} is not one for {self.kind} heads "
@@ -105,7 +108,7 @@ def train_head(
     data = make_data(target, tokenizer, cache, prompts=texts, self_samples=recipe.self_samples,
                      sample_prefix=recipe.sample_prefix, max_tokens=recipe.max_tokens,
                      temperature=recipe.temperature, seed=recipe.train.seed,
-                     progress=progress)  # fmt: skip
+                     batch=recipe.data_batch, progress=progress)  # fmt: skip
     seconds["data"] = time.perf_counter() - start
     start = time.perf_counter()
     width = target.args.hidden_size * max(1, len(taps))
