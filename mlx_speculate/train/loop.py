@@ -7,6 +7,10 @@ order is a seeded shuffle per epoch, the head's initialisation is seeded, and th
 each step is derived from its number, so a run resumed from a checkpoint continues exactly as
 the uninterrupted run would have.
 
+Many small steps learn faster than few large ones: on 128 SmolLM2 conversations (EAGLE-1, 3
+epochs, about 6 min each) held-out top-1 reached 25.4 % with 256-token batches at lr 1e-3,
+22.1 % with 512 (19.5 % at lr 3e-4, 19.1 % at 3e-3) and 10.8 % with 2,048 at 3e-4.
+
 `checkpoint/` (replaced atomically) holds the head's and the optimizer's state and where the
 run stands; a Ctrl-C saves one before it exits.
 """
@@ -36,11 +40,11 @@ CHECKPOINT = "checkpoint"
 @dataclass(frozen=True)
 class TrainConfig:
     epochs: int = 10
-    learning_rate: float = 3e-4
+    learning_rate: float = 1e-3
     warmup: int = 50  # steps
     weight_decay: float = 0.0
     clip: float = 0.5
-    batch_tokens: int = 2048
+    batch_tokens: int = 256  # about one conversation a step, as the official trainer's batch 1
     holdout: float = 0.05  # share of conversations held out
     patience: int = 2  # epochs without a better held-out accuracy before stopping
     save_every: int = 100  # steps
