@@ -96,7 +96,9 @@ def main(argv=None) -> None:
     parser.add_argument("--eval-tokens", type=int, default=128)
     parser.add_argument("--trees", nargs="+", default=["60,7,10"],
                         help="EAGLE trees: total,depth,top_k or chainK")  # fmt: skip
-    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=2,
+                        help="timed rounds after a warm-up; 0: one pass, for tau and equality "
+                        "only (no mlx-lm, tokens/s untimed)")  # fmt: skip
     add_blas_argument(parser)
     args = parser.parse_args(argv)
     blas = setup_blas(args.openblas)
@@ -153,9 +155,10 @@ def main(argv=None) -> None:
             "drafter": make_drafter(EagleSpec(heads=str(out), tree=tree), model),
             "policy": FixedPolicy(tree.total - 1),
         }
-    theirs = measure_mlx_lm(args.model, prompts, args.eval_tokens)
-    results = {k: [] for k in [*rows, "mlx-lm plain"]}
-    for round_ in range(args.runs + 1):  # round 0 warms up and is dropped
+    timed = args.runs > 0
+    theirs = measure_mlx_lm(args.model, prompts, args.eval_tokens) if timed else None
+    results = {k: [] for k in [*rows, "mlx-lm plain"] if timed or k != "mlx-lm plain"}
+    for round_ in range(args.runs + 1):  # round 0 warms up and is dropped (when timed)
         for key in results:
             if key == "mlx-lm plain":
                 results[key].append(theirs())
@@ -163,10 +166,12 @@ def main(argv=None) -> None:
                 kwargs = rows[key]
                 results[key].append(measure(model, tokenizer, prompts, args.eval_tokens, **kwargs))
             print(f"  round {round_} {key}: {results[key][-1][0]:.1f} tok/s", flush=True)
-    plain = median([r[0] for r in results["plain"][1:]])
+    first = 1 if timed else 0
+    plain = median([r[0] for r in results["plain"][first:]])
     print(f"\n{'method':<22} {'tok/s':>8} {'tau':>6} {'vs plain':>9}  equal to plain")
     for key, values in results.items():
-        tps, tau = median([v[0] for v in values[1:]]), median([v[1] for v in values[1:]])
+        kept = values[first:]
+        tps, tau = median([v[0] for v in kept]), median([v[1] for v in kept])
         outputs = values[-1][2]
         same = "-" if not outputs or key == "plain" else outputs == results["plain"][-1][2]
         print(f"{key:<22} {tps:>8.1f} {tau:>6.2f} {tps / plain:>8.2f}x  {same}")
