@@ -157,7 +157,8 @@ def main(argv=None) -> None:
         }
     timed = args.runs > 0
     theirs = measure_mlx_lm(args.model, prompts, args.eval_tokens) if timed else None
-    results = {k: [] for k in [*rows, "mlx-lm plain"] if timed or k != "mlx-lm plain"}
+    keys = [*rows, "mlx-lm plain"] if timed else [*rows]
+    results = {k: [] for k in keys}
     for round_ in range(args.runs + 1):  # round 0 warms up and is dropped (when timed)
         for key in results:
             if key == "mlx-lm plain":

@@ -126,7 +126,6 @@ def test_a_ctrl_c_resumes_to_the_same_weights(data_cache, tmp_path, monkeypatch)
     assert all(mx.array_equal(a[k], b[k]) for k in a)
 
 
-
 def test_held_out_accuracy_reads_the_features_without_training_noise(data_cache, tmp_path):
     """As the official test loader: the uniform feature noise is for training steps only."""
     from mlx_speculate.train.features import open_features
@@ -135,8 +134,9 @@ def test_held_out_accuracy_reads_the_features_without_training_noise(data_cache,
 
     model, _ = load(STORIES)
     features = open_features(data_cache / "features-final")
-    config = recipe("eagle1", epochs=1).train
-    head, loss_fn, frozen = build("eagle1", model, features, recipe("eagle1"), ())
+    short = recipe("eagle1", epochs=1)
+    config = short.train
+    head, loss_fn, frozen = build("eagle1", model, features, short, ())
     batch = loop.collate(features, np.arange(2), config.batch_tokens)
     clean = loss_fn(head, batch, *frozen, None)[0].item()
     assert clean == eagle1_loss(head, batch, *frozen, mx.random.key(0), noise=0.0)[0].item()
@@ -151,6 +151,7 @@ def test_held_out_accuracy_reads_the_features_without_training_noise(data_cache,
     held = loop.split(features.conversations, config.holdout, config.seed)[1]
     evaluations = len(loop.batches(features, held, config.batch_tokens, None))
     assert keys[-evaluations:] == [None] * evaluations and keys[0] is not None
+
 
 @pytest.mark.parametrize(
     ("content", "suffix", "expected"),

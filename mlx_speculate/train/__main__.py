@@ -12,6 +12,7 @@ from .recipe import KINDS, Recipe, train_head
 
 
 def parser() -> argparse.ArgumentParser:
+    """The flags of `Recipe` and `TrainConfig`, with their defaults."""
     p = argparse.ArgumentParser(
         prog=prog("mlx_speculate.train"),
         description="Train a draft head from the target's own answers (resumable: run the "
@@ -22,30 +23,32 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", help="JSON/JSONL: strings, ShareGPT or `messages` items")
     p.add_argument("--self-samples", type=positive_int, default=0,
                    help="train on N samples from BOS (models without a chat template)")  # fmt: skip
-    p.add_argument("--sample-prefix", type=non_negative_int, default=16,
+    p.add_argument("--sample-prefix", type=non_negative_int, default=Recipe.sample_prefix,
                    help="self samples: tokens drawn at T=1 before answering")  # fmt: skip
     p.add_argument("--out", required=True, help="a new folder for the head (official layout)")
-    p.add_argument("--layout", choices=LAYOUTS, default="official",
+    p.add_argument("--layout", choices=LAYOUTS, default=Recipe.layout,
                    help="EAGLE-3: SafeAILab's keys or vllm-project/speculators'")  # fmt: skip
     p.add_argument("--cache", help="where stages are cached (default: OUT.cache)")
-    p.add_argument("--max-tokens", type=positive_int, default=200, help="answer length")
-    p.add_argument("--temperature", type=non_negative_float, default=0.0)
-    p.add_argument("--data-batch", type=positive_int, default=16,
+    p.add_argument("--max-tokens", type=positive_int, default=Recipe.max_tokens,
+                   help="answer length")  # fmt: skip
+    p.add_argument("--temperature", type=non_negative_float, default=Recipe.temperature)
+    p.add_argument("--data-batch", type=positive_int, default=Recipe.data_batch,
                    help="prompts answered together (32 is faster; self samples depend on it)")
-    p.add_argument("--top-k", type=positive_int, default=16, help="target logits kept a token")
-    p.add_argument("--draft-vocab", type=positive_int, default=32000, help="EAGLE-3")
+    p.add_argument("--top-k", type=positive_int, default=Recipe.top_k,
+                   help="target logits kept a token")  # fmt: skip
+    p.add_argument("--draft-vocab", type=positive_int, default=Recipe.draft_vocab, help="EAGLE-3")
     p.add_argument("--taps", type=int, nargs="+", help="EAGLE-3's target layers")
-    p.add_argument("--ttt-steps", type=positive_int, default=7, help="EAGLE-3")
-    p.add_argument("--medusa-heads", type=positive_int, default=4)
-    p.add_argument("--medusa-layers", type=positive_int, default=1)
-    p.add_argument("--epochs", type=positive_int, default=10)
-    p.add_argument("--lr", type=non_negative_float, default=1e-3)
-    p.add_argument("--warmup", type=positive_int, default=50)
-    p.add_argument("--batch-tokens", type=positive_int, default=256)
-    p.add_argument("--holdout", type=non_negative_float, default=0.05)
-    p.add_argument("--patience", type=positive_int, default=2)
+    p.add_argument("--ttt-steps", type=positive_int, default=Recipe.ttt_steps, help="EAGLE-3")
+    p.add_argument("--medusa-heads", type=positive_int, default=Recipe.medusa_heads)
+    p.add_argument("--medusa-layers", type=positive_int, default=Recipe.medusa_layers)
+    p.add_argument("--epochs", type=positive_int, default=TrainConfig.epochs)
+    p.add_argument("--lr", type=non_negative_float, default=TrainConfig.learning_rate)
+    p.add_argument("--warmup", type=positive_int, default=TrainConfig.warmup)
+    p.add_argument("--batch-tokens", type=positive_int, default=TrainConfig.batch_tokens)
+    p.add_argument("--holdout", type=non_negative_float, default=TrainConfig.holdout)
+    p.add_argument("--patience", type=positive_int, default=TrainConfig.patience)
     p.add_argument("--max-steps", type=positive_int)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
