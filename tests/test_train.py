@@ -196,6 +196,12 @@ def test_bad_input_is_one_line_with_exit_2(data_cache, tmp_path, capsys):
     assert "feature cache" in err and "corrupt" in err and err.count("\n") == 1
 
 
+def test_a_recipe_setting_below_one_is_a_one_line_error():
+    for setting in ("max_tokens", "top_k", "draft_vocab", "ttt_steps", "data_batch"):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            Recipe("eagle1", **{setting: 0})
+
+
 class ChatStub:
     """A tokenizer whose chat template makes `length` tokens of any prompt."""
 
