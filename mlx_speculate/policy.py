@@ -4,6 +4,9 @@ tokens per second under measured costs (calibrate.py) and the acceptance seen so
 from __future__ import annotations
 
 import logging
+import weakref
+from collections import deque
+from statistics import median
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -54,13 +57,62 @@ def candidate_lengths(max_k: int) -> tuple[int, ...]:
 
 PRIOR = 2.0  # weight, in steps, of the prior behind each estimate
 PROBE_BUDGET = 0.02  # share of plain decoding time that re-checking a switched-off drafter costs
+SEEN = 9  # recent step times whose median prices a size: a compile or a pause is one outlier
+TRUSTED = 3  # steps at a size before their times replace its calibrated price
+
+
+class Prices:
+    """Seconds a step drafting k costs, for each of `sizes`: first as calibrated (`StepCosts`),
+    then as decoding pays them, which is more than the calibration sees (a fused EAGLE step
+    also runs the head over the accepted path and grows the next tree; a drafter back from
+    plain steps catches up first) or less (a plain step overlaps the one before). A size with
+    `TRUSTED` recent steps costs their median; any other drafting size its calibrated cost
+    plus the median amount by which recent drafting steps exceeded theirs. The first drafting
+    step after plain ones prices the catch-up instead (its time over its size's price; a
+    median, so a graph traced for a new context span is one outlier). A property of the
+    machine, model and drafter, unlike acceptance: `default_policy` shares one between the
+    generations of a drafter."""
+
+    def __init__(self, costs: StepCosts, sizes: tuple[int, ...]):
+        self.costs = costs
+        self.calibrated = {k: costs.step(k) for k in sizes}
+        # Read every step (a tiny model's step takes a few milliseconds): kept up to date in
+        # `observe` rather than computed when read.
+        self.step = dict(self.calibrated)
+        self._seen: dict[int, deque[float]] = {}  # k -> recent wall times of steps drafting k
+        self._excess: deque[float] = deque(maxlen=SEEN)  # drafting steps: seen - calibrated
+        self._catch_ups: deque[float] = deque(maxlen=SEEN)
+        self.catch_up = costs.catch_up  # a drafting step's extra cost after plain ones
+
+    def observe(self, drafted: int, seconds: float, after_plain: bool = False) -> None:
+        """Corrects the prices with one step's wall time (0: not timed); `after_plain`: the
+        step before it drafted nothing."""
+        if seconds <= 0 or drafted not in self.calibrated:
+            return
+        if drafted and after_plain:
+            self._catch_ups.append(max(0.0, seconds - self.step[drafted]))
+            self.catch_up = median(self._catch_ups)
+            return
+        seen = self._seen.setdefault(drafted, deque(maxlen=SEEN))
+        seen.append(seconds)
+        if len(seen) >= TRUSTED:
+            self.step[drafted] = median(seen)
+        if not drafted:
+            return
+        self._excess.append(seconds - self.calibrated[drafted])
+        excess = median(self._excess)
+        for k, calibrated in self.calibrated.items():
+            if k and len(self._seen.get(k, ())) < TRUSTED:
+                # A calibration that overprices stays a floor at half its cost.
+                self.step[k] = max(calibrated + excess, calibrated / 2)
 
 
 class AdaptivePolicy:
     """Chooses the draft length k (0: plain decoding) with the most expected tokens per second,
-    E(k) / costs.step(k): the costs are measured once per machine and model (`StepCosts`, from
-    calibrate.py: draft cost plus one target forward over k + 1 rows), so no step is spent
-    timing; only acceptance is learned, from every step's outcome.
+    E(k) / price(k). The prices (`Prices`) start from the costs measured once per machine and
+    model (`StepCosts`, from calibrate.py: draft cost plus one target forward over k + 1
+    rows), so no step is spent timing, and follow the wall times of the steps decoding pays;
+    acceptance is learned from every step's outcome.
 
     E(k), the tokens a step of k drafts yields: per draft depth d, the chance q_d that the d-th
     token passes once the ones before it did (decayed counts, behind a prior of the depth
@@ -81,7 +133,12 @@ class AdaptivePolicy:
     """
 
     def __init__(
-        self, costs: StepCosts, max_k: int = 8, decay: float = 0.95, explore_every: int = 32
+        self,
+        costs: StepCosts,
+        max_k: int = 8,
+        decay: float = 0.95,
+        explore_every: int = 32,
+        prices: Prices | None = None,
     ):
         if max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {max_k}")
@@ -97,9 +154,13 @@ class AdaptivePolicy:
         self._until_explore = explore_every
         self._gap = 0  # plain steps between re-checks while switched off
         self.drafting: bool | None = None  # whether the last choice drafted (None: none yet)
-        # Looked up every step (a tiny model's step takes a few milliseconds): computed once.
-        self._step = {k: costs.step(k) for k in self.sizes}
-        self._useful = [k for k in self.sizes if k and (k + 1) * self._step[0] > self._step[k]]
+        self._last: int | None = None  # the last observed step's draft length
+        self.prices = prices or Prices(costs, self.sizes)
+        self._step = self.prices.step  # kept current by the prices
+        # Judged on the calibration: prices from a slow moment must not rule drafting out
+        # for good (re-checks go to these sizes).
+        calibrated = self.prices.calibrated
+        self._useful = [k for k in self.sizes if k and (k + 1) * calibrated[0] > calibrated[k]]
         if not self._useful and max_k:
             log.info("drafting off: even if every draft passed it would not pay here")
 
@@ -156,6 +217,10 @@ class AdaptivePolicy:
             return self._plan.pop(0)
         if not self._useful:
             return 0
+        if self.drafting is False and self._until_explore > 1:
+            # Off until the next re-check: without drafts acceptance stays as it was.
+            self._until_explore -= 1
+            return 0
         best = self.best()
         if self.drafting is not False and best == 0:
             if self.drafting:
@@ -166,7 +231,7 @@ class AdaptivePolicy:
             self._gap = self._probe_gap()
             # Never drafted yet: check the prior against two real steps at once, unless the
             # check costs a catch-up (a draft model would first prefill the whole prompt).
-            first = self.drafting is None and not self.costs.catch_up
+            first = self.drafting is None and not self.prices.catch_up
             self._until_explore = 1 if first else self._gap
         elif self.drafting is False and best > 0:
             log.info("drafting on: acceptance %.0f%%", 100 * self.acceptance)
@@ -187,11 +252,13 @@ class AdaptivePolicy:
 
     def _probe_gap(self) -> int:
         """Plain steps between re-checks, so that they cost at most PROBE_BUDGET."""
-        plain = self.costs.step(0)
-        extra = 2 * (self.costs.step(self._useful[0]) - plain) + self.costs.catch_up
+        plain = self._step[0]
+        extra = 2 * max(0.0, self._step[self._useful[0]] - plain) + self.prices.catch_up
         return max(self.explore_every, round(extra / (PROBE_BUDGET * plain)))
 
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:
+        self.prices.observe(drafted, seconds, self._last == 0)
+        self._last = drafted
         if drafted == 0:
             return
         tokens, steps = self._yield.get(drafted, (0.0, 0.0))
@@ -221,4 +288,12 @@ def default_policy(
     from .calibrate import load_costs
 
     sizes = candidate_lengths(drafter.max_draft)
-    return AdaptivePolicy(load_costs(target, drafter, sizes, decide=decide), drafter.max_draft)
+    costs = load_costs(target, drafter, sizes, decide=decide)
+    prices = _PRICES.get(drafter)
+    if prices is None or prices.costs != costs:
+        prices = _PRICES[drafter] = Prices(costs, sizes)
+    return AdaptivePolicy(costs, drafter.max_draft, prices=prices)
+
+
+# What each drafter's steps have cost so far, carried from one generation to the next.
+_PRICES: weakref.WeakKeyDictionary[Drafter, Prices] = weakref.WeakKeyDictionary()

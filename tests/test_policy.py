@@ -1,5 +1,5 @@
 """Draft-length policies on synthetic cost curves and simulated acceptance (no models, no
-clocks: the adaptive policy reads calibrated costs, never step times)."""
+clocks: the simulated steps report the time their curve gives)."""
 
 import logging
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mlx_speculate.calibrate import StepCosts
-from mlx_speculate.policy import AdaptivePolicy, FixedPolicy, candidate_lengths
+from mlx_speculate.policy import AdaptivePolicy, FixedPolicy, candidate_lengths, default_policy
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -30,9 +30,10 @@ def chain_tokens(alpha, k):
 
 
 def run(policy, costs, alpha, steps, seed=0, tokens=None):
-    """Simulates `steps` steps; returns (choices, tokens per second relative to plain). A
-    drafting step after plain ones pays the catch-up. `tokens(k)` (trees) replaces the chain's
-    per-token acceptance with a yield curve."""
+    """Simulates `steps` steps that cost what `costs` says (whatever the policy was calibrated
+    with); returns (choices, tokens per second relative to plain). A drafting step after plain
+    ones pays the catch-up. `tokens(k)` (trees) replaces the chain's per-token acceptance with
+    a yield curve."""
     rng = np.random.default_rng(seed)
     choices, total, seconds, skipped = [], 0.0, 0.0, 0
     for i in range(steps):
@@ -194,3 +195,58 @@ def test_first_check_waits_where_it_costs_a_catch_up():
     assert AdaptivePolicy(cheap, 8).best() == AdaptivePolicy(dear, 8).best() == 0
     assert run(AdaptivePolicy(cheap, 8), cheap, 0.0, 4)[0][:2] == [1, 1]
     assert set(run(AdaptivePolicy(dear, 8), dear, 0.0, 30)[0]) == {0}
+
+
+# Calibrated on a CPU with some batching gain, where one draft at 60% acceptance would pay a
+# little; decoding pays more per drafting step (a fused EAGLE step's head and next tree).
+CALIBRATED = curve(lambda r: 0.01 * (0.5 + 0.5 * r))
+PAID = curve(lambda r: 0.01 * (0.5 + 0.5 * r), lambda k: 0.012)
+
+
+def test_step_times_correct_a_calibration_that_underprices_drafting():
+    assert AdaptivePolicy(CALIBRATED, 8).best(0.6) == 1
+    policy = AdaptivePolicy(CALIBRATED, 8)
+    choices, speed = run(policy, PAID, 0.6, 1000)
+    assert choices[100:].count(0) >= 0.95 * 900
+    assert speed >= 0.97
+    assert policy.best(0.6) == 0
+    # Where drafting still pays at the price paid, it goes on.
+    choices, speed = run(AdaptivePolicy(CALIBRATED, 8), PAID, 0.95, 1000)
+    assert np.mean(choices[100:]) > 2
+    assert speed >= 0.95 * best_rate(PAID, lambda k: chain_tokens(0.95, k), candidate_lengths(8))
+
+
+def test_a_slow_step_is_one_outlier():
+    # A graph traced for a new shape costs 50 steps once; the choice stays.
+    policy = AdaptivePolicy(METAL, 32)
+    run(policy, METAL, 0.8, 200)
+    best = policy.best()
+    policy.observe(best, 3, 50 * METAL.step(best))
+    assert policy.best() == best
+
+
+def test_catch_up_learned_from_step_times():
+    # Calibrated without a catch-up (an EAGLE head's features wait lazily), a drafter whose
+    # first step after plain ones costs five forwards, at 5% acceptance: re-checks are spaced
+    # for what they cost.
+    calibrated = curve(lambda r: 0.01 * (0.5 + 0.5 * r), lambda k: 0.001 * k)
+    paid = curve(lambda r: 0.01 * (0.5 + 0.5 * r), lambda k: 0.001 * k, catch_up=0.05)
+    policy = AdaptivePolicy(calibrated, 8)
+    _, speed = run(policy, paid, 0.05, 2000)
+    assert policy.prices.catch_up == pytest.approx(0.05)
+    assert speed >= 0.97
+
+
+def test_prices_carry_over_between_generations_of_a_drafter(monkeypatch):
+    monkeypatch.setattr("mlx_speculate.calibrate.load_costs", lambda *a, **k: CALIBRATED)
+
+    class Drafter:
+        max_draft = 8
+
+    drafter = Drafter()
+    first = default_policy(drafter, None)
+    run(first, PAID, 0.6, 100)
+    again = default_policy(drafter, None)
+    assert again is not first and again.prices is first.prices
+    assert again.best(0.6) == 0  # priced as paid, where the calibration alone says 1
+    assert default_policy(Drafter(), None).prices is not first.prices
