@@ -44,7 +44,7 @@ def cases(names: list[str]):
     """(label, model folder, prompt text, chat?, {method: stream_generate keywords})."""
     from mlx_speculate.default_model import default_model_path
 
-    eagle = SHARED / "eagle" / "smollm2-eagle1"
+    eagle1, eagle3 = SHARED / "eagle" / "smollm2-eagle1", SHARED / "eagle" / "smollm2-eagle3"
     for name in names:
         if name == "stories":
             folder = SHARED / "models" / "stories260K-llama"
@@ -60,7 +60,8 @@ def cases(names: list[str]):
             methods = {
                 "prompt lookup (trees, the default)": {"prompt_lookup": True},
                 "prompt lookup chain": {"prompt_lookup": True, "lookup_branches": 1},
-                "EAGLE-1 adaptive": {"eagle": str(eagle)},
+                "EAGLE-1 adaptive": {"eagle": str(eagle1)},
+                "EAGLE-3 adaptive": {"eagle": str(eagle3)},
             }
             if name == "smollm2-f32":
                 methods["draft model (its 4-bit copy)"] = {"draft_model": str(q4)}

@@ -84,6 +84,10 @@ class Prices:
         self._catch_ups: deque[float] = deque(maxlen=SEEN)
         self.catch_up = costs.catch_up  # a drafting step's extra cost after plain ones
 
+    def trusted(self, k: int) -> bool:
+        """Whether the price of k comes from steps decoding paid."""
+        return len(self._seen.get(k, ())) >= TRUSTED
+
     def observe(self, drafted: int, seconds: float, after_plain: bool = False) -> None:
         """Corrects the prices with one step's wall time (0: not timed); `after_plain`: the
         step before it drafted nothing."""
@@ -102,7 +106,7 @@ class Prices:
         self._excess.append(seconds - self.calibrated[drafted])
         excess = median(self._excess)
         for k, calibrated in self.calibrated.items():
-            if k and len(self._seen.get(k, ())) < TRUSTED:
+            if k and not self.trusted(k):
                 # A calibration that overprices stays a floor at half its cost.
                 self.step[k] = max(calibrated + excess, calibrated / 2)
 
@@ -112,7 +116,9 @@ class AdaptivePolicy:
     E(k) / price(k). The prices (`Prices`) start from the costs measured once per machine and
     model (`StepCosts`, from calibrate.py: draft cost plus one target forward over k + 1
     rows), so no step is spent timing, and follow the wall times of the steps decoding pays;
-    acceptance is learned from every step's outcome.
+    acceptance is learned from every step's outcome. Prices that have no plain step's time yet
+    get `TRUSTED` plain steps first: every draft length is weighed against plain decoding, and a
+    calibrated one-row forward is not what a plain step costs (it overlaps the one before).
 
     E(k), the tokens a step of k drafts yields: per draft depth d, the chance q_d that the d-th
     token passes once the ones before it did (decayed counts, behind a prior of the depth
@@ -156,6 +162,7 @@ class AdaptivePolicy:
         self.drafting: bool | None = None  # whether the last choice drafted (None: none yet)
         self._last: int | None = None  # the last observed step's draft length
         self.prices = prices or Prices(costs, self.sizes)
+        self._timing = 0 if self.prices.trusted(0) else TRUSTED  # plain steps to time first
         self._step = self.prices.step  # kept current by the prices
         # Judged on the calibration: prices from a slow moment must not rule drafting out
         # for good (re-checks go to these sizes).
@@ -216,6 +223,9 @@ class AdaptivePolicy:
         if self._plan:
             return self._plan.pop(0)
         if not self._useful:
+            return 0
+        if self._timing:
+            self._timing -= 1
             return 0
         if self.drafting is False and self._until_explore > 1:
             # Off until the next re-check: without drafts acceptance stays as it was.

@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 from mlx_speculate.calibrate import StepCosts
-from mlx_speculate.policy import AdaptivePolicy, FixedPolicy, candidate_lengths, default_policy
+from mlx_speculate.policy import (
+    TRUSTED,
+    AdaptivePolicy,
+    FixedPolicy,
+    candidate_lengths,
+    default_policy,
+)
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -193,7 +199,8 @@ def test_first_check_waits_where_it_costs_a_catch_up():
     verify = lambda r: 0.01 * (0.2 + 0.8 * r)  # noqa: E731
     cheap, dear = curve(verify), curve(verify, lambda k: 0.002 * k, catch_up=0.05)
     assert AdaptivePolicy(cheap, 8).best() == AdaptivePolicy(dear, 8).best() == 0
-    assert run(AdaptivePolicy(cheap, 8), cheap, 0.0, 4)[0][:2] == [1, 1]
+    choices = run(AdaptivePolicy(cheap, 8), cheap, 0.0, TRUSTED + 2)[0]
+    assert choices == [0] * TRUSTED + [1, 1]  # after timing plain steps
     assert set(run(AdaptivePolicy(dear, 8), dear, 0.0, 30)[0]) == {0}
 
 
@@ -250,3 +257,15 @@ def test_prices_carry_over_between_generations_of_a_drafter(monkeypatch):
     assert again is not first and again.prices is first.prices
     assert again.best(0.6) == 0  # priced as paid, where the calibration alone says 1
     assert default_policy(Drafter(), None).prices is not first.prices
+
+
+def test_plain_steps_are_timed_before_drafting():
+    # A plain step overlaps the one before and costs 0.7 of the calibrated one-row forward:
+    # at 60% acceptance one draft pays against the calibration, not against plain decoding.
+    paid = curve(lambda r: 0.007 if r == 1 else 0.01 * (0.5 + 0.5 * r))
+    assert AdaptivePolicy(CALIBRATED, 8).best(0.6) == 1
+    policy = AdaptivePolicy(CALIBRATED, 8)
+    choices, speed = run(policy, paid, 0.6, 1000)
+    assert choices[:TRUSTED] == [0] * TRUSTED
+    assert choices[100:].count(0) >= 0.95 * 900
+    assert speed >= 0.97
