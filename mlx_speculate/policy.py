@@ -94,8 +94,8 @@ class Prices:
         if seconds <= 0 or drafted not in self.calibrated:
             return
         if drafted and after_plain:
-            self._catch_ups.append(max(0.0, seconds - self.step[drafted]))
-            self.catch_up = median(self._catch_ups)
+            self._catch_ups.append(seconds - self.step[drafted])  # noise either way
+            self.catch_up = max(0.0, median(self._catch_ups))
             return
         seen = self._seen.setdefault(drafted, deque(maxlen=SEEN))
         seen.append(seconds)
@@ -240,8 +240,9 @@ class AdaptivePolicy:
                 )
             self._gap = self._probe_gap()
             # Never drafted yet: check the prior against two real steps at once, unless the
-            # check costs a catch-up (a draft model would first prefill the whole prompt).
-            first = self.drafting is None and not self.prices.catch_up
+            # check costs a catch-up of more than a step (a draft model would first prefill
+            # the whole prompt).
+            first = self.drafting is None and self.prices.catch_up <= self._step[0]
             self._until_explore = 1 if first else self._gap
         elif self.drafting is False and best > 0:
             log.info("drafting on: acceptance %.0f%%", 100 * self.acceptance)
@@ -292,7 +293,7 @@ def default_policy(
     """A fixed draft length when one is asked for, else the adaptive policy up to the
     drafter's own cap (`Drafter.max_draft`), on the costs calibrated for `target` and
     `drafter` on this machine (measured now if not cached: a few seconds; `decide` as
-    `calibrate.load_costs`'s)."""
+    `calibrate.load_costs`'s), priced as the drafter's last generations paid."""
     if num_draft_tokens is not None:
         return FixedPolicy(num_draft_tokens)
     from .calibrate import load_costs

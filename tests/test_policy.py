@@ -11,6 +11,7 @@ from mlx_speculate.policy import (
     TRUSTED,
     AdaptivePolicy,
     FixedPolicy,
+    Prices,
     candidate_lengths,
     default_policy,
 )
@@ -269,3 +270,16 @@ def test_plain_steps_are_timed_before_drafting():
     assert choices[:TRUSTED] == [0] * TRUSTED
     assert choices[100:].count(0) >= 0.95 * 900
     assert speed >= 0.97
+
+
+def test_step_time_noise_is_no_catch_up():
+    # A drafter without a catch-up (prompt lookup) whose steps after plain ones vary by 10%:
+    # a later generation still checks its prior at once.
+    costs = curve(lambda r: 0.01 * (0.2 + 0.8 * r))
+    prices = Prices(costs, candidate_lengths(8))
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        prices.observe(0, costs.step(0) * (1 + 0.1 * rng.standard_normal()))
+        prices.observe(1, costs.step(1) * (1 + 0.1 * rng.standard_normal()), after_plain=True)
+    assert prices.catch_up < 0.1 * costs.step(0)
+    assert run(AdaptivePolicy(costs, 8, prices=prices), costs, 0.0, 2)[0] == [1, 1]
