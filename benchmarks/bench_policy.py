@@ -99,7 +99,10 @@ def main(argv=None) -> None:
     n = args.max_tokens
 
     def run(prompt, spec=None, k=None):
-        """A closure timing one generation; the adaptive policy is built (calibrated) now."""
+        """A closure timing one generation; the adaptive policy is built (calibrated) now. The
+        spec is resolved once: heads named by a folder would be loaded again by every fresh
+        drafter, and their graphs traced again."""
+        spec = None if spec is None else spec.resolve(model)
         drafter = None if spec is None else make_drafter(spec, model, tokenizer)
         if drafter is not None and k is None:
             default_policy(drafter, model)  # calibrates once; fresh drafters per run below
