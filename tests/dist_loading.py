@@ -47,6 +47,8 @@ def main() -> None:
             if rank == 1 and spec.get("fault") == "exit":
                 os._exit(0)  # a rank that stops without a word: its sockets close
             if rank == 1 and spec.get("fault") == "hang":
+                # Hung where its own watchdog cannot see (else the two watchdogs race).
+                watchdog.pause()
                 time.sleep(600)
             tokens = []
             for response in stream_generate(model, tokenizer, [1, 2, 3], max_tokens=8):
