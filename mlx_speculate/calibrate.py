@@ -131,10 +131,15 @@ def target_key(model: CausalLM) -> dict[str, Any]:
     }
 
 
-def drafter_key(drafter: Drafter) -> str:
+def drafter_weights(drafter: Drafter) -> list:
+    """The modules a drafter drafts with (none for prompt lookup)."""
     modules = [getattr(drafter, a, None) for a in ("model", "head", "heads")]
+    return [m for m in modules if m is not None]
+
+
+def drafter_key(drafter: Drafter) -> str:
     parts = [type(drafter).__name__, str(drafter.max_draft)]
-    parts += [json.dumps(fingerprint(m), sort_keys=True) for m in modules if m is not None]
+    parts += [json.dumps(fingerprint(m), sort_keys=True) for m in drafter_weights(drafter)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

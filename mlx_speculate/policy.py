@@ -4,10 +4,11 @@ tokens per second under measured costs (calibrate.py) and the acceptance seen so
 from __future__ import annotations
 
 import logging
-import weakref
 from collections import deque
 from statistics import median
 from typing import TYPE_CHECKING, Protocol
+
+from .memo import Table, per_model
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -71,7 +72,7 @@ class Prices:
     step after plain ones prices the catch-up instead (its time over its size's price; a
     median, so a graph traced for a new context span is one outlier). A property of the
     machine, model and drafter, unlike acceptance: `default_policy` shares one between the
-    generations of a drafter."""
+    generations of a drafter, and between drafters over the same weights."""
 
     def __init__(self, costs: StepCosts, sizes: tuple[int, ...]):
         self.costs = costs
@@ -296,15 +297,19 @@ def default_policy(
     `calibrate.load_costs`'s), priced as the drafter's last generations paid."""
     if num_draft_tokens is not None:
         return FixedPolicy(num_draft_tokens)
-    from .calibrate import load_costs
+    from .calibrate import drafter_weights, load_costs
 
     sizes = candidate_lengths(drafter.max_draft)
     costs = load_costs(target, drafter, sizes, decide=decide)
-    prices = _PRICES.get(drafter)
-    if prices is None or prices.costs != costs:
-        prices = _PRICES[drafter] = Prices(costs, sizes)
-    return AdaptivePolicy(costs, drafter.max_draft, prices=prices)
+    # Drafters over the same weights share prices: `stream_generate(eagle="folder")` makes a
+    # drafter per call over the head the folder loaded once (memo.py). Lookup has no weights.
+    owner = next(iter(drafter_weights(drafter)), drafter)
+    held = per_model(_PRICES, owner, (type(drafter).__name__, drafter.max_draft), lambda: [])
+    if not held or held[0].costs != costs:
+        held[:] = [Prices(costs, sizes)]
+    return AdaptivePolicy(costs, drafter.max_draft, prices=held[0])
 
 
-# What each drafter's steps have cost so far, carried from one generation to the next.
-_PRICES: weakref.WeakKeyDictionary[Drafter, Prices] = weakref.WeakKeyDictionary()
+# What the steps of each drafter (or its weights) have cost so far, carried from one
+# generation to the next.
+_PRICES: Table = {}

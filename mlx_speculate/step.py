@@ -16,13 +16,13 @@ same step uncompiled, with the offset known on the host.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
 from .cache import KVCache
+from .memo import Table, per_model
 from .models.base import CausalLM
 from .models.context import additive_mask
 from .models.rope import LENGTH_DEPENDENT
@@ -40,7 +40,7 @@ EXACT_CHAIN = 8
 
 # Compiled functions per model (keyed by id, dropped with the model), so that every decoder of
 # one model (a server's sessions, repeated generate calls) shares the traced graphs.
-_COMPILED: dict[int, dict[tuple, Callable]] = {}
+_COMPILED: Table = {}
 
 
 def bucket(n: int) -> int:
@@ -64,11 +64,8 @@ def compilable(model) -> bool:
 def compiled(model, key: tuple, build: Callable[[], Callable], traced: bool = True) -> Callable:
     """The function `build()` makes for `model` and `key`, under `mx.compile` (the random state
     passed through) unless `traced` is False or the model is not `compilable`; built once."""
-    table = _COMPILED.get(id(model))
-    if table is None:
-        table = _COMPILED[id(model)] = {}
-        weakref.finalize(model, _COMPILED.pop, id(model), None)
-    if key not in table:
+
+    def make() -> Callable:
         fn = build()
         if traced and compilable(model):
             # The graph captures the weights as they are: a lazy one (random, quantized or
@@ -76,8 +73,9 @@ def compiled(model, key: tuple, build: Callable[[], Callable], traced: bool = Tr
             mx.eval(model.parameters())
             state = mx.random.state
             fn = mx.compile(fn, inputs=state, outputs=state)
-        table[key] = fn
-    return table[key]
+        return fn
+
+    return per_model(_COMPILED, model, key, make)
 
 
 @dataclass(frozen=True)

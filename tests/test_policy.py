@@ -3,6 +3,7 @@ clocks: the simulated steps report the time their curve gives)."""
 
 import logging
 
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -258,6 +259,13 @@ def test_prices_carry_over_between_generations_of_a_drafter(monkeypatch):
     assert again is not first and again.prices is first.prices
     assert again.best(0.6) == 0  # priced as paid, where the calibration alone says 1
     assert default_policy(Drafter(), None).prices is not first.prices
+    # Drafters over the same weights (a heads folder loaded once) share them; others do not.
+    head, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    shared = [Drafter(), Drafter(), Drafter()]
+    for d, h in zip(shared, (head, head, other), strict=True):
+        d.head = h
+    assert default_policy(shared[0], None).prices is default_policy(shared[1], None).prices
+    assert default_policy(shared[2], None).prices is not default_policy(shared[0], None).prices
 
 
 def test_plain_steps_are_timed_before_drafting():

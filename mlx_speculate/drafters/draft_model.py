@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from ..loading import token_count
+from ..memo import from_folder
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
 from ..step import compilable, decode, decode_at
@@ -104,7 +105,7 @@ class DraftModelSpec(DrafterSpec):
             return self
         from ..loading import load
 
-        model, loaded = load(self.model)
+        model, loaded = from_folder(target, "draft", self.model, lambda: load(self.model))
         return replace(self, model=model, tokenizer=self.tokenizer or loaded)
 
     def build(self, target: CausalLM, tokenizer=None) -> DraftModelDrafter:

@@ -29,6 +29,7 @@ import mlx.core as mx
 from ..cli import bounded, non_negative_int, positive_int
 from ..heads.eagle import EagleHead
 from ..heads.eagle_format import EAGLE_DIR, load_eagle_heads
+from ..memo import from_folder
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
 from ..step import Then, bucket, cache_view, compiled
@@ -142,7 +143,10 @@ class EagleSpec(DrafterSpec):
             heads = target.origin.folder / EAGLE_DIR
         if not isinstance(heads, str | Path):
             raise ValueError(f"EAGLE heads must be a folder or an EagleHead, got {heads!r}")
-        return replace(self, heads=load_eagle_heads(heads, target))
+        path = heads
+        return replace(
+            self, heads=from_folder(target, "eagle", path, lambda: load_eagle_heads(path, target))
+        )
 
     def build(self, target: CausalLM, tokenizer=None) -> EagleDrafter:
         heads = self.resolve(target).heads

@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..heads.medusa import DEFAULT_TREE, MEDUSA_TREES, MedusaHeads, load_medusa_heads, medusa_tree
+from ..memo import from_folder
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
 from ..step import compiled
@@ -110,12 +111,12 @@ class MedusaSpec(DrafterSpec):
                     "Medusa heads beside the model need a model loaded from a folder; "
                     "name the heads folder instead"
                 )
-            heads = load_medusa_heads(target.origin.folder, target)
-        elif isinstance(heads, str | Path):
-            heads = load_medusa_heads(heads, target)
-        else:
+            heads = target.origin.folder
+        elif not isinstance(heads, str | Path):
             raise ValueError(f"Medusa heads must be a folder or MedusaHeads, got {heads!r}")
-        return replace(self, heads=heads)
+        path = heads
+        loaded = from_folder(target, "medusa", path, lambda: load_medusa_heads(path, target))
+        return replace(self, heads=loaded)
 
     def build(self, target: CausalLM, tokenizer=None) -> MedusaDrafter:
         heads = self.resolve(target).heads
