@@ -99,10 +99,9 @@ def main(argv=None) -> None:
     n = args.max_tokens
 
     def run(prompt, spec=None, k=None):
-        """A closure timing one generation; the adaptive policy is built (calibrated) now. The
-        spec is resolved once: heads named by a folder would be loaded again by every fresh
-        drafter, and their graphs traced again."""
-        spec = None if spec is None else spec.resolve(model)
+        """A closure timing one generation; the adaptive policy is built (calibrated) now. Each
+        run gets a fresh drafter, as `stream_generate(..., eagle="folder")` does: over the same
+        loaded head (memo.py), whose step prices it shares."""
         drafter = None if spec is None else make_drafter(spec, model, tokenizer)
         if drafter is not None and k is None:
             default_policy(drafter, model)  # calibrates once; fresh drafters per run below
