@@ -7,7 +7,9 @@ tau (tokens per verify forward) and the ratio to our plain decoding.
 
 Writes OUT.md and OUT.png (matplotlib: `pip install mlx_speculate[bench]`). Tokens/s are
 medians over interleaved rounds (the first warms up, and calibrates the adaptive policy, and is
-dropped); greedy decoding, so every method emits the same tokens as plain decoding.
+dropped); greedy decoding, so every method emits the same tokens as plain decoding. mlx-lm
+computes in our dtype: by default it keeps the checkpoint's float16 scales, and on a CPU a
+one-token forward of the 4-bit SmolLM2 then takes 6.9 s against 0.2 s in float32.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ def measure(label, folder, text, chat, methods, runs, max_tokens) -> list[tuple]
 
     model, tokenizer = load(folder)
     their_model, their_tokenizer = mlx_lm.load(str(folder))
+    their_model.set_dtype(model.compute_dtype)  # same weights, same arithmetic
     prompt = apply_chat_template(tokenizer, text) if chat else plain_tokens(tokenizer, [text])
     rows = {
         "plain": lambda: ours(model, tokenizer, prompt, max_tokens),
