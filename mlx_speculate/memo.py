@@ -38,5 +38,5 @@ def _signature(path: str | Path) -> tuple:
         return (str(path),)  # a hub id: the snapshot it names does not change under us
     p = p.resolve()
     files = sorted(p.iterdir()) if p.is_dir() else [p]
-    stats = [(f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.is_file()]
-    return (str(p), *stats)
+    stats = [(f.name, f.stat()) for f in files if f.is_file()]
+    return (str(p), *((name, st.st_mtime_ns, st.st_size) for name, st in stats))

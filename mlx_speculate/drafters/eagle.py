@@ -143,10 +143,8 @@ class EagleSpec(DrafterSpec):
             heads = target.origin.folder / EAGLE_DIR
         if not isinstance(heads, str | Path):
             raise ValueError(f"EAGLE heads must be a folder or an EagleHead, got {heads!r}")
-        path = heads
-        return replace(
-            self, heads=from_folder(target, "eagle", path, lambda: load_eagle_heads(path, target))
-        )
+        loaded = from_folder(target, "eagle", heads, lambda: load_eagle_heads(heads, target))
+        return replace(self, heads=loaded)
 
     def build(self, target: CausalLM, tokenizer=None) -> EagleDrafter:
         heads = self.resolve(target).heads

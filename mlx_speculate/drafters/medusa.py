@@ -114,8 +114,7 @@ class MedusaSpec(DrafterSpec):
             heads = target.origin.folder
         elif not isinstance(heads, str | Path):
             raise ValueError(f"Medusa heads must be a folder or MedusaHeads, got {heads!r}")
-        path = heads
-        loaded = from_folder(target, "medusa", path, lambda: load_medusa_heads(path, target))
+        loaded = from_folder(target, "medusa", heads, lambda: load_medusa_heads(heads, target))
         return replace(self, heads=loaded)
 
     def build(self, target: CausalLM, tokenizer=None) -> MedusaDrafter:

@@ -36,8 +36,8 @@ from .features import Features
 
 CHECKPOINT = "checkpoint"
 # Vocabulary rows a batch's answer count is rounded up to. On a CPU the 49k-wide softmax is
-# most of a step (MLX's exp: ~28 ns an element), so rounding to 256 cost a third of it; the
-# step is traced once per (T, rows) shape either way.
+# most of a step (MLX's exp: ~28 ns an element): rounding to 256 made SmolLM2 EAGLE-1 steps
+# 0.93 s against 0.77 s at 32. The step is traced once per (T, rows) shape either way.
 ROWS = 32
 
 
