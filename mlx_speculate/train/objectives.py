@@ -50,12 +50,32 @@ def _weights(counted: mx.array, T: int, back: int) -> mx.array:
     return ((counted >= 0) & (counted % T >= back)).astype(mx.float32)
 
 
+@mx.custom_function
+def _logsumexp_keeping_softmax(z: mx.array) -> tuple[mx.array, mx.array]:
+    """(logsumexp, softmax) over the last axis, in one exp pass. The backward pass reuses the
+    softmax where MLX's own logsumexp computes exp again: on a CPU the vocabulary-wide exp is
+    most of a training step (SmolLM2 EAGLE-1, 224 rows: 0.60-0.69 s -> 0.46-0.50 s)."""
+    m = mx.max(z, axis=-1, keepdims=True)
+    e = mx.exp(z - m)
+    s = mx.sum(e, axis=-1, keepdims=True)
+    return (m + mx.log(s))[..., 0], e / s
+
+
+@_logsumexp_keeping_softmax.vjp
+def _logsumexp_vjp(primals, cotangents, outputs):
+    return (cotangents[0][..., None] * outputs[1],)  # the softmax output is never differentiated
+
+
+def _logsumexp(z: mx.array) -> mx.array:
+    return _logsumexp_keeping_softmax(z)[0]
+
+
 def _soft_ce(logits: mx.array, ids: mx.array, top_logits: mx.array, keep: mx.array) -> mx.array:
     """Per row -sum_j p_j log q(ids_j): p the target's softmax over its kept logits (`keep`
     False drops an entry), q the head's distribution. (N, V) logits -> (N,)."""
     p = mx.softmax(mx.where(keep, top_logits, -1e9), axis=-1)
     picked = mx.take_along_axis(logits, ids, axis=-1)  # (N, k)
-    return mx.logsumexp(logits, axis=-1) - mx.sum(p * picked, axis=-1)
+    return _logsumexp(logits) - mx.sum(p * picked, axis=-1)
 
 
 def _mean(x: mx.array, weights: mx.array) -> mx.array:
@@ -117,7 +137,8 @@ def medusa_loss(
         # Head j at position s - 2 - j predicts answer token s.
         logits = heads.head(j, _at(feats, counted, 2 + j))  # (N, V)
         w = _weights(counted, T, 2 + j)
-        total = total + _mean(nn.losses.cross_entropy(logits, labels, reduction="none"), w)
+        ce = _logsumexp(logits) - mx.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
+        total = total + _mean(ce, w)
         if j == 0:
             hits, count = mx.sum((mx.argmax(logits, axis=-1) == labels) * w), mx.sum(w)
     return total, (hits, count)
