@@ -8,8 +8,8 @@ token).
 
 Fixed shapes: `write` puts keys at an array start (`mx.slice_update`) and returns the whole
 storage, so a forward's graph depends on the capacity alone, not on the offset; attention reads
-the capacity under a mask of the valid slots (models/base.py). A compiled step reuses its graph
-until the capacity grows (`reserve`).
+the leading `span` slots under a mask of the valid ones (models/context.py). A compiled step
+reuses its graph until the capacity grows (`reserve`).
 """
 
 from __future__ import annotations
