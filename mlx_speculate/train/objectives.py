@@ -54,7 +54,8 @@ def _weights(counted: mx.array, T: int, back: int) -> mx.array:
 def _logsumexp_keeping_softmax(z: mx.array) -> tuple[mx.array, mx.array]:
     """(logsumexp, softmax) over the last axis, in one exp pass. The backward pass reuses the
     softmax where MLX's own logsumexp computes exp again: on a CPU the vocabulary-wide exp is
-    most of a training step (SmolLM2 EAGLE-1, 224 rows: 0.60-0.69 s -> 0.46-0.50 s)."""
+    most of a training step (SmolLM2 EAGLE-1, 224 rows, the lm_head projection and this loss
+    forward and backward: 0.60-0.69 s -> 0.46-0.50 s; a whole step 0.70 -> 0.57 s)."""
     m = mx.max(z, axis=-1, keepdims=True)
     e = mx.exp(z - m)
     s = mx.sum(e, axis=-1, keepdims=True)
