@@ -39,7 +39,7 @@ class KVCache:
         return max(self.capacity, -(-length // self.step) * self.step)
 
     def span(self, end: int) -> int:
-        """The leading slots a compiled step that writes below slot `end` attends to: the first
+        """The leading slots a forward that writes below slot `end` attends to: the first
         of 64, 96, 128, 192, 256, ... (powers of two and 1.5 times them) that holds `end`,
         within the capacity. Attention over unused slots still costs its softmax (on a CPU,
         most of a wide verify), and two sizes an octave keep the traced graphs few."""

@@ -1,7 +1,7 @@
 """The per-forward context every layer reads: slot start, rotary positions, one rotation
 table per forward, and the attention mask over the cache's attended span (causal, tree or
 sliding window), built on the device from the slot start so that shapes depend on
-(L, capacity) alone."""
+(L, span) alone."""
 
 from __future__ import annotations
 
@@ -89,18 +89,18 @@ def build_context(
         causal_mask = "causal" if mask is None and length > 1 else mask
         return ForwardContext(None, start, end, positions, seq_len, causal_mask, None, sliding)
     if cache is None:
-        capacity = length
+        span = length
     elif end is not None:  # a host offset: attention reads the leading slots up to `end`
-        capacity = cache.span(end)
+        span = cache.span(end)
     else:  # a compiled step's view reads its leading `attended` slots (KVCache.span)
-        capacity = cache.attended or cache.capacity
-    slots = mx.arange(capacity, dtype=mx.int32)
+        span = cache.attended or cache.capacity
+    slots = mx.arange(span, dtype=mx.int32)
     rel = slots - start  # (C,) index among the new tokens; < 0 for committed slots
     rows = mx.arange(length, dtype=mx.int32)
     causal = rel[None, :] <= rows[:, None]  # (L, C): committed slots and earlier new ones
     if mask is None or mask.dtype != mx.bool_:
         allowed = causal
-        additive = None if mask is None else _to_capacity(mask.astype(dtype), capacity, offset)
+        additive = None if mask is None else _to_span(mask.astype(dtype), span, offset)
     else:
         m = mask.shape[-1]  # the last m slots up to the new ones (m >= L)
         near = rel + (m - length)  # index among them; < 0 for the older, committed slots
@@ -119,16 +119,14 @@ def build_context(
             window_mask = mx.minimum(window_mask, additive)
     if additive is None:
         additive = additive_mask(allowed, dtype)
-    span = None if cache is None else capacity
-    return ForwardContext(
-        cache, start, end, positions, seq_len, additive, window_mask, sliding, span
-    )
+    return ForwardContext(cache, start, end, positions, seq_len, additive, window_mask, sliding,
+                          None if cache is None else span)  # fmt: skip
 
 
-def _to_capacity(mask: mx.array, capacity: int, offset: int | None) -> mx.array:
-    """An additive (..., L, offset + L) mask padded to (..., L, capacity) with hidden slots."""
+def _to_span(mask: mx.array, span: int, offset: int | None) -> mx.array:
+    """An additive (..., L, offset + L) mask padded to (..., L, span) with hidden slots."""
     if offset is None:
         raise ValueError("an additive mask over cached + new keys needs the cache's host offset")
-    pad = capacity - mask.shape[-1]
+    pad = span - mask.shape[-1]
     hidden = mx.full((*mask.shape[:-1], pad), mx.finfo(mask.dtype).min, dtype=mask.dtype)
     return mx.concatenate([mask, hidden], axis=-1)
