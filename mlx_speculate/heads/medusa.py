@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten
 
 from ..atomic import move_into_place, staging_folder
 from ..checkpoint import load_into, read_weights, write_safetensors
+from ..fast_exp import silu
 from ..models.base import CausalLM
 from ..tree import Tree
 from .store import MLX_WEIGHTS, find_checkpoint, prepare, save_heads
@@ -41,7 +42,7 @@ class ResBlock(nn.Module):
         self.linear = nn.Linear(hidden_size, hidden_size, bias=True)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return x + nn.silu(self.linear(x))
+        return x + silu(self.linear(x))
 
 
 class MedusaHeads(nn.Module):

@@ -31,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cache import KVCache
+from .attention import scaled_dot_product_attention
 from .context import ForwardContext, build_context
 from .rope import RotaryEmbedding, native, rope_parameters
 from .stage import WHOLE, Stage
@@ -144,7 +145,7 @@ def attend(
         if ctx.span is not None and ctx.span < keys.shape[2]:
             keys, values = keys[..., : ctx.span, :], values[..., : ctx.span, :]
     mask = ctx.window_mask if ctx.window_mask is not None and ctx.sliding[layer] else ctx.mask
-    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    out = scaled_dot_product_attention(queries, keys, values, scale, mask)
     return out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, H * D)
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..fast_exp import silu
 from .base import BaseModelArgs, CausalLM, TransformerBlock, attend
 from .context import ForwardContext
 
@@ -53,7 +54,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=args.mlp_bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Model(CausalLM):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..fast_exp import silu
 from .base import BaseModelArgs, CausalLM, TransformerBlock, attend
 from .context import ForwardContext
 
@@ -51,7 +52,7 @@ class MLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(nn.silu(gate) * up)
+        return self.down_proj(silu(gate) * up)
 
 
 class Model(CausalLM):

@@ -1,0 +1,88 @@
+"""exp and SiLU in the elementwise ops that `mx.compile` fuses into one kernel.
+
+MLX's x86 CPU build evaluates `exp` (so `sigmoid`, `silu` and `softmax`) one element at a time
+through libm calls: about 25 ns an element on a 2-core EPYC, where numpy takes 3. This is the
+same kind of algorithm (Cephes' expf: e^x = 2^k e^r, 2^k by shifting k into a float's exponent,
+a polynomial for e^r), written as ops a compiled graph fuses: a vocabulary-wide training loss's
+exp over 224 x 49,152 elements takes 50 instead of 260 ms, and SiLU of a (180, 1536) MLP
+activation 1.2 instead of 8 ms. It computes in float32 and returns the input's dtype; on Metal
+both versions are bound by memory traffic.
+
+Compiled for each input shape (the exponent's bit cast has no shapeless form): a new shape
+costs one trace of a few ms; inside a compiled graph they are traced inline.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+# e^r on [-ln2 / 2, ln2 / 2] (Cephes expf), highest power first; ln 2 = _LN2_HI + _LN2_LO.
+_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+         5.0000001201e-1)  # fmt: skip
+_LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4
+_ROUND = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds a float32 to an integer
+
+
+@mx.compile
+def exp(x: mx.array) -> mx.array:
+    """e^x elementwise (relative error 1.2e-7); saturates at e^88, 0 below e^-88. It has no
+    gradient (MLX's bit cast has none): a function differentiated through it states its own
+    vjp, as the training losses' logsumexp and `silu` do."""
+    # Past +-88 the exponent no longer fits a float32.
+    x32 = mx.clip(x.astype(mx.float32), -88.0, 88.0)
+    k = (x32 * 1.4426950408889634 + _ROUND) - _ROUND  # nearest integer to x / ln 2, no libm
+    r = x32 - k * _LN2_HI - k * _LN2_LO  # exact in two steps (Cody-Waite)
+    p = mx.array(_POLY[0], mx.float32)
+    for c in _POLY[1:]:
+        p = p * r + c
+    p = p * r * r + r + 1.0
+    two_k = mx.view((k.astype(mx.int32) + 127) << 23, mx.float32)
+    return (p * two_k).astype(x.dtype)
+
+
+@mx.compile
+def _silu(x: mx.array) -> mx.array:
+    y = x.astype(mx.float32)
+    return (y / (1.0 + exp(-y))).astype(x.dtype)
+
+
+@mx.compile
+def _silu_grad(x: mx.array, cotangent: mx.array) -> mx.array:
+    y = x.astype(mx.float32)
+    s = 1.0 / (1.0 + exp(-y))
+    return (cotangent * s * (1.0 + y * (1.0 - s))).astype(x.dtype)
+
+
+@mx.custom_function
+def silu(x: mx.array) -> mx.array:
+    """x * sigmoid(x), as `nn.silu`."""
+    return _silu(x)
+
+
+@silu.vjp
+def _silu_vjp(x, cotangent, output):  # one input, one output: arrays, not tuples
+    return (_silu_grad(x, cotangent),)
+
+
+@mx.compile
+def _softmax(x: mx.array) -> mx.array:
+    y = x.astype(mx.float32)
+    e = exp(y - mx.max(y, axis=-1, keepdims=True))
+    return (e / mx.sum(e, axis=-1, keepdims=True)).astype(x.dtype)
+
+
+@mx.compile
+def _softmax_grad(p: mx.array, cotangent: mx.array) -> mx.array:
+    q, c = p.astype(mx.float32), cotangent.astype(mx.float32)
+    return (q * (c - mx.sum(c * q, axis=-1, keepdims=True))).astype(p.dtype)
+
+
+@mx.custom_function
+def softmax(x: mx.array) -> mx.array:
+    """Softmax over the last axis, computed in float32 (as MLX's precise softmax)."""
+    return _softmax(x)
+
+
+@softmax.vjp
+def _softmax_vjp(x, cotangent, output):
+    return (_softmax_grad(output, cotangent),)

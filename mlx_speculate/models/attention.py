@@ -1,0 +1,32 @@
+"""Scaled dot-product attention: MLX's fused kernel where the device has one (Metal, CUDA); on
+the CPU, where MLX computes it op by op with its scalar exp, the same ops with `fast_exp`'s
+softmax. Both group the query heads that share a key-value head into one matmul.
+
+Measured on a 2-core EPYC, SmolLM2 float32 whole forwards: a batch-64 decode step at offset 150
+490 -> 375 ms, a 180-token prefill 604 -> 500 ms (one layer's decode attention 7.6 -> 5.2 ms).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from ..fast_exp import softmax
+
+
+def scaled_dot_product_attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | str | None
+) -> mx.array:
+    """(B, H, L, D) queries over (B, Hk, S, D) keys and values; `mask` additive, broadcasting
+    to (B, H, L, S), or "causal" (the L queries are the last L of the S positions)."""
+    if mx.default_device() != mx.cpu:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    B, H, L, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    grouped = (q * mx.array(scale, q.dtype)).reshape(B, Hk, H // Hk * L, D)
+    scores = (grouped @ k.swapaxes(-1, -2)).reshape(B, H, L, S)
+    if isinstance(mask, str):
+        visible = mx.arange(S)[None] <= mx.arange(S - L, S)[:, None]
+        scores = mx.where(visible, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    elif mask is not None:
+        scores = scores + mask
+    return (softmax(scores).reshape(B, Hk, H // Hk * L, S) @ v).reshape(B, H, L, D)
