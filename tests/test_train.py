@@ -153,6 +153,32 @@ def test_held_out_accuracy_reads_the_features_without_training_noise(data_cache,
     assert keys[-evaluations:] == [None] * evaluations and keys[0] is not None
 
 
+def test_features_keep_the_targets_top_k_from_the_token_before_the_answer(tmp_path):
+    """Stage 2 stores the target's k likeliest next tokens, best first, at each position whose
+    next token the target wrote; the prompt's rows before that stay zero (no loss reads them)."""
+    from mlx_speculate.train.data import Conversation
+    from mlx_speculate.train.features import make_features
+
+    model, _ = load(str(require(STORIES, "it ships beside the development checkout")))
+    rng = np.random.default_rng(0)
+    conversations = [
+        Conversation(tuple(int(t) for t in rng.integers(1, 512, n)), answer)
+        for n, answer in ((40, 12), (25, 1), (30, 29))
+    ]
+    features = make_features(model, conversations, tmp_path, (), model.args.hidden_size, 5,
+                             progress=False)  # fmt: skip
+    for i, c in enumerate(conversations):
+        rows, first = features.rows(i), c.answer - 1
+        logits = np.array(model(mx.array([c.tokens])).logits[0, first:])
+        best = -np.sort(-logits, axis=-1)[:, :5]
+        ids, top = features.top_ids[rows][first:], features.top_logits[rows][first:]
+        np.testing.assert_allclose(top, best, rtol=2e-3, atol=2e-3)  # stored as float16
+        np.testing.assert_allclose(np.take_along_axis(logits, ids, axis=-1), best, atol=1e-5)
+        assert not features.top_ids[rows][:first].any()
+        assert not features.top_logits[rows][:first].any()
+        assert list(features.answer[rows]) == [0] * c.answer + [1] * (len(c.tokens) - c.answer)
+
+
 def test_the_loss_logsumexp_keeps_mlx_values_and_gradients():
     """The losses' logsumexp reuses its forward softmax in the backward pass; value and
     gradient equal MLX's own, compiled or not, on wide rows with large logits."""

@@ -7,7 +7,8 @@ kept logits):
 - `features.npy` float16 (N, F): what `head.inputs` reads (EAGLE-1, Medusa: the final state,
   F = h; EAGLE-3: the states entering its tapped layers, F = taps x h),
 - `top_ids.npy` int32 (N, k), `top_logits.npy` float16 (N, k): the target's k likeliest next
-  tokens and their logits (the distribution losses compare against, renormalised over them).
+  tokens and their logits (the distribution losses compare against, renormalised over them),
+  from the token before the answer on (0 before: no loss reads them).
 Disk: 5 + 2F + 6k bytes a token (SmolLM2, k 16: 1.25 KB for EAGLE-1/Medusa, 3.6 KB for EAGLE-3).
 
 `progress.json` counts the conversations written; it is replaced (atomically) only after the
@@ -111,15 +112,24 @@ def make_features(
             c, rows = conversations[i], slice(int(starts[i]), int(starts[i + 1]))
             out = model(mx.array([c.tokens]), taps=taps)
             feats = mx.concatenate(out.taps, axis=-1) if taps else out.hidden  # (1, n, F)
-            logits = out.logits[0].astype(mx.float32)
+            # Only the positions before answer tokens have a distribution that a loss reads:
+            # the 49k-wide projection and its top-k skip the prompt (a quarter of SmolLM2's).
+            first = max(c.answer - 1, 0)
+            logits = model.project(out.hidden[0, first:]).astype(mx.float32)
             ids = mx.argpartition(-logits, kth=top_k - 1, axis=-1)[:, :top_k]
             top = mx.take_along_axis(logits, ids, axis=-1)
             order = mx.argsort(-top, axis=-1)  # best first
             arrays["tokens"][rows] = c.tokens
             arrays["answer"][rows] = np.arange(len(c.tokens)) >= c.answer
             arrays["features"][rows] = np.array(feats[0].astype(mx.float32))
-            arrays["top_ids"][rows] = np.array(mx.take_along_axis(ids, order, axis=-1))
-            arrays["top_logits"][rows] = np.array(mx.take_along_axis(top, order, axis=-1))
+            head = slice(rows.start, rows.start + first)
+            arrays["top_ids"][head], arrays["top_logits"][head] = 0, 0
+            arrays["top_ids"][rows.start + first : rows.stop] = np.array(
+                mx.take_along_axis(ids, order, axis=-1)
+            )
+            arrays["top_logits"][rows.start + first : rows.stop] = np.array(
+                mx.take_along_axis(top, order, axis=-1)
+            )
             if (i + 1) % 16 == 0 or i + 1 == len(lengths):
                 for a in arrays.values():
                     a.flush()

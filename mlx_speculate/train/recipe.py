@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..device import roomy_cache
 from ..heads.eagle import Eagle1Head, Eagle3Head, EagleConfig
 from ..heads.eagle_format import LAYOUTS, save_official
 from ..heads.medusa import MedusaHeads, save_medusa1
@@ -104,27 +105,28 @@ def train_head(
         target, tokenizer = load(model)
     taps = _taps(kind, target, recipe.taps)
     seconds: dict[str, float] = {}
-    start = time.perf_counter()
-    data = make_data(target, tokenizer, cache, prompts=texts, self_samples=recipe.self_samples,
-                     sample_prefix=recipe.sample_prefix, max_tokens=recipe.max_tokens,
-                     temperature=recipe.temperature, seed=recipe.train.seed,
-                     batch=recipe.data_batch, progress=progress)  # fmt: skip
-    seconds["data"] = time.perf_counter() - start
-    start = time.perf_counter()
-    width = target.args.hidden_size * max(1, len(taps))
-    what = "taps-" + "-".join(map(str, taps)) if taps else "final"
-    features = make_features(target, data, cache / f"features-{what}", taps, width,
-                             recipe.top_k, progress)  # fmt: skip
-    seconds["features"] = time.perf_counter() - start
-    start = time.perf_counter()
-    head, loss_fn, frozen = build(kind, target, features, recipe, taps)
-    state = train(head, loss_fn, frozen, features, cache / f"train-{kind}", recipe.train,
-                  progress)  # fmt: skip
-    if kind == "medusa":
-        save_medusa1(head, out, str(target.origin.folder or ""))
-    else:
-        save_official(head, out, recipe.layout)
-    seconds["train"] = time.perf_counter() - start
+    with roomy_cache():  # the stages' vocabulary-wide arrays outgrow MLX's CPU buffer cache
+        start = time.perf_counter()
+        data = make_data(target, tokenizer, cache, prompts=texts, self_samples=recipe.self_samples,
+                         sample_prefix=recipe.sample_prefix, max_tokens=recipe.max_tokens,
+                         temperature=recipe.temperature, seed=recipe.train.seed,
+                         batch=recipe.data_batch, progress=progress)  # fmt: skip
+        seconds["data"] = time.perf_counter() - start
+        start = time.perf_counter()
+        width = target.args.hidden_size * max(1, len(taps))
+        what = "taps-" + "-".join(map(str, taps)) if taps else "final"
+        features = make_features(target, data, cache / f"features-{what}", taps, width,
+                                 recipe.top_k, progress)  # fmt: skip
+        seconds["features"] = time.perf_counter() - start
+        start = time.perf_counter()
+        head, loss_fn, frozen = build(kind, target, features, recipe, taps)
+        state = train(head, loss_fn, frozen, features, cache / f"train-{kind}", recipe.train,
+                      progress)  # fmt: skip
+        if kind == "medusa":
+            save_medusa1(head, out, str(target.origin.folder or ""))
+        else:
+            save_official(head, out, recipe.layout)
+        seconds["train"] = time.perf_counter() - start
     (out / "training.json").write_text(
         json.dumps(
             {"recipe": asdict(recipe), "seconds": seconds, "history": state.history},
