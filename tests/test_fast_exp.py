@@ -42,7 +42,7 @@ def test_silu_matches_float64_and_nn_silu_gradients():
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_half_precision_inputs_keep_their_dtype(dtype):
-    x = mx.array(np.linspace(-10, 10, 101).astype(np.float32)).astype(dtype)
+    x = mx.array(np.linspace(-10, 10, 8192).astype(np.float32)).astype(dtype)  # the fused path
     for ours, theirs in ((exp, mx.exp), (silu, nn.silu)):
         got = ours(x)
         assert got.dtype == dtype
@@ -76,15 +76,18 @@ def test_softmax_matches_mlx_in_float32():
 @pytest.mark.parametrize("L", [1, 5])
 @pytest.mark.parametrize("mask", [None, "causal", "additive"])
 def test_cpu_attention_equals_mlx_fused_attention(L, mask):
-    """The CPU path (grouped matmuls, this softmax) against mx.fast's, GQA 6 query heads on 2."""
-    from mlx_speculate.models.attention import scaled_dot_product_attention
+    """The CPU path (grouped matmuls, this softmax) against mx.fast's, GQA 6 query heads on 2,
+    with enough keys that the CPU takes it."""
+    from mlx_speculate.models.attention import MIN_SCORES, scaled_dot_product_attention
 
+    S = 1024
+    assert 2 * 6 * L * S >= MIN_SCORES
     keys = [mx.random.key(i) for i in range(4)]
     q = mx.random.normal((2, 6, L, 16), key=keys[0])
-    k, v = (mx.random.normal((2, 2, 9, 16), key=key) for key in keys[1:3])
+    k, v = (mx.random.normal((2, 2, S, 16), key=key) for key in keys[1:3])
     if mask == "additive":
-        visible = mx.random.uniform(shape=(2, 1, L, 9), key=keys[3]) > 0.3
-        mask = mx.where(visible | (mx.arange(9) == 8), 0.0, mx.finfo(mx.float32).min)
+        visible = mx.random.uniform(shape=(2, 1, L, S), key=keys[3]) > 0.3
+        mask = mx.where(visible | (mx.arange(S) == S - 1), 0.0, mx.finfo(mx.float32).min)
     if mask == "causal" and L == 1:
         mask = None
     w = mx.random.normal((2, 6, L, 16), key=mx.random.key(5))
