@@ -12,6 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..fast_exp import softmax
+from .context import additive_mask
 
 # Below this many scores there is little exp to save (8,192 x 25 ns = 0.2 ms), and MLX's own
 # path runs fewer ops: a tiny model decoding one sequence (stories260K: 8 x 1 x ~100 scores a
@@ -31,8 +32,7 @@ def scaled_dot_product_attention(
     grouped = (q * mx.array(scale, q.dtype)).reshape(B, Hk, H // Hk * L, D)
     scores = (grouped @ k.swapaxes(-1, -2)).reshape(B, H, L, S)
     if isinstance(mask, str):
-        visible = mx.arange(S)[None] <= mx.arange(S - L, S)[:, None]
-        scores = mx.where(visible, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-    elif mask is not None:
+        mask = additive_mask(mx.arange(S)[None] <= mx.arange(S - L, S)[:, None], scores.dtype)
+    if mask is not None:
         scores = scores + mask
     return (softmax(scores).reshape(B, Hk, H // Hk * L, S) @ v).reshape(B, H, L, D)

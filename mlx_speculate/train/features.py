@@ -122,14 +122,11 @@ def make_features(
             arrays["tokens"][rows] = c.tokens
             arrays["answer"][rows] = np.arange(len(c.tokens)) >= c.answer
             arrays["features"][rows] = np.array(feats[0].astype(mx.float32))
-            head = slice(rows.start, rows.start + first)
-            arrays["top_ids"][head], arrays["top_logits"][head] = 0, 0
-            arrays["top_ids"][rows.start + first : rows.stop] = np.array(
-                mx.take_along_axis(ids, order, axis=-1)
-            )
-            arrays["top_logits"][rows.start + first : rows.stop] = np.array(
-                mx.take_along_axis(top, order, axis=-1)
-            )
+            split = rows.start + first
+            prompt, after = slice(rows.start, split), slice(split, rows.stop)
+            arrays["top_ids"][prompt], arrays["top_logits"][prompt] = 0, 0
+            arrays["top_ids"][after] = np.array(mx.take_along_axis(ids, order, axis=-1))
+            arrays["top_logits"][after] = np.array(mx.take_along_axis(top, order, axis=-1))
             if (i + 1) % 16 == 0 or i + 1 == len(lengths):
                 for a in arrays.values():
                     a.flush()
