@@ -15,7 +15,9 @@ A plain step after a plain one is queued on its lazy token before it is read, an
 model's chain step on its lazy accepted count (`_Queue.follow`, when the worst case fits); its
 `settle` tells the drafter the count once read. An EAGLE step is fused (`step.Then`): its
 compiled verify graph also runs the head over the accepted path, grows the next tree and
-compacts the path's keys, so a step is one call and one sync; `settle` again.
+compacts the path's keys, so a step is one call and one sync; the next fused step is queued
+on its lazy count the same way (its tree, root slot and the head's path start wait on it),
+so that building and dispatching it overlaps this one's tail; `settle` again.
 """
 
 from __future__ import annotations
@@ -213,8 +215,9 @@ class Decoder:
                 if k == 0:
                     upcoming = queue(step.acceptance.tokens[:1], 0)
             elif step.draft is not None:
-                # A chain step: the next chain and its verify are queued on this one's lazy
-                # count, so that building them overlaps this verify (room for the worst case).
+                # A chain step or a fused EAGLE one: the next draft and its verify are queued
+                # on this one's lazy count, so that building them overlaps this verify (room
+                # for the worst case).
                 k = policy.choose()
                 if 0 < k <= self.room() - step.tree.num_nodes:
                     upcoming = queue.follow(step, k)
@@ -321,7 +324,8 @@ class _Queue:
         acceptance = verified.acceptance
         mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
         features = TargetFeatures(verified.hidden, verified.taps)
-        chain = None if draft is None or guide is not None or not self._follows() else draft
+        follows = draft is not None and guide is None and self._follows(then is not None)
+        chain = draft if follows else None
         return _Pending(
             offset, tree, acceptance, verified.logits, features, guide,
             None if chain is None else chain.tokens, then is not None,
@@ -342,20 +346,23 @@ class _Queue:
         fits = hasattr(drafter, "then") and isinstance(self.decoder.model, CausalLM)
         return drafter.then() if fits and not self.typical else None
 
-    def _follows(self) -> bool:
-        """Whether a chain can be queued on the last one's lazy count: the drafter continues
-        chains (`follow`) and the target's step is compiled, so the root slot may be lazy."""
-        decoder = self.decoder
+    def _follows(self, fused: bool) -> bool:
+        """Whether a step can be queued on the last one's lazy count: the drafter continues
+        its drafts (`follow`), the target's step is compiled, so the root slot may be lazy,
+        and a drafter that fuses its drafts into steps (EAGLE) fused this one."""
+        drafter, model = self.decoder.drafter, self.decoder.model
         return (
-            hasattr(decoder.drafter, "follow")  # and `settle`
-            and isinstance(decoder.model, CausalLM)
-            and compilable(decoder.model)
+            hasattr(drafter, "follow")  # and `settle`
+            and isinstance(model, CausalLM)
+            and compilable(model)
+            and (fused or not hasattr(drafter, "then"))
         )
 
     def follow(self, step: _Pending, k: int) -> _Pending | None:
-        """The step after chain step `step`, queued before `step` is read: its pending token,
-        root slot and draft are lazy in `step`'s accepted count. None when the drafter cannot
-        follow (the loop then proposes once the count is read)."""
+        """The step after `step`, queued before `step` is read: its pending token, root slot
+        and draft (a draft model's next chain, or the tree EAGLE grew inside `step`) are lazy
+        in `step`'s accepted count; an EAGLE step is fused again. None when the drafter
+        cannot follow (the loop then proposes once the count is read)."""
         with mx.stream(GENERATION_STREAM):
             decoder, acceptance = self.decoder, step.acceptance
             accepted = acceptance.num_accepted
@@ -363,18 +370,23 @@ class _Queue:
             draft = decoder.drafter.follow(step.draft, accepted, pending, k, self.sampling)
             if draft is None:
                 return None
+            then = self._then()
             last = decoder.cache.offset if step.offset is None else step.offset
             at = ((last + 1 + accepted).astype(mx.int32), last + step.tree.num_nodes)
             verified = verify(
                 decoder.model, decoder.cache, pending, draft.tree, draft.tokens,
                 draft.logprobs, self.sampling, taps=decoder.taps, typical=self.typical, at=at,
+                then=then,
             )  # fmt: skip
+            if then is not None:
+                decoder.drafter.received(verified.then)
             acceptance = verified.acceptance
             mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
             features = TargetFeatures(verified.hidden, verified.taps)
             return _Pending(
-                None, draft.tree, acceptance, verified.logits, features, draft=draft.tokens
-            )
+                None, draft.tree, acceptance, verified.logits, features,
+                draft=draft.tokens, fused=then is not None,
+            )  # fmt: skip
 
     def accept(
         self, tree: Tree, tokens: mx.array, logits: mx.array, draft: Draft | None

@@ -199,11 +199,14 @@ def random_eagle_head(target: dict[str, Any], version: int, seed: int = 0, **kwa
     return build_eagle(config, random_eagle_weights(config, seed))
 
 
-def leading_tokens(decoder, prompt, sampling, policy, count: int) -> list[int]:
-    """The first `count` tokens of one generation after `prompt` (the decoder reused)."""
+def leading_tokens(
+    decoder, prompt, sampling, policy, count: int, max_tokens: int = 8
+) -> list[int]:
+    """The first `count` tokens of one generation of up to `max_tokens` after `prompt` (the
+    decoder reused)."""
     decoder.prefill(prompt)
     tokens = []
-    for step in decoder.steps(sampling, policy, max_tokens=8):
+    for step in decoder.steps(sampling, policy, max_tokens=max_tokens):
         tokens.extend(step.tokens)
         if len(tokens) >= count:
             break

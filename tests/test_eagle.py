@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_speculate import decode as decoding
 from mlx_speculate import step
 from mlx_speculate.cache import KVCache
 from mlx_speculate.decode import Decoder
@@ -248,24 +249,64 @@ def test_a_step_is_one_compiled_graph_and_one_sync(monkeypatch, settings):
     assert len(grows) == 1
     assert sum(syncs) == len(steps)
     fused = [key for key in step._COMPILED[id(target)] if key[-1][:2] == ("eagle", id(head))]
-    assert len({key[-1][-1] for key in fused}) == len(fused) <= 2  # head spans 64 and 96
+    spans = {(key[-2], key[-1][-1]) for key in fused}  # (the target's span, the head's)
+    # Both span 64 then 96; a step queued on the last one's count (a host bound on its
+    # root) reaches the target's next span a step early.
+    assert len(spans) == len(fused) <= 3 and {s for pair in spans for s in pair} <= {64, 96}
+
+
+@pytest.mark.parametrize("settings", [EagleTree(16, 4, 4), EagleTree.chain(3)], ids=["tree", "k3"])
+def test_a_step_queued_on_the_last_count_drafts_as_after_the_read(monkeypatch, settings):
+    """A fused step queued before the last one is read (`follow`: its root slot and the
+    head's path start lazy in that count) drafts the very tokens a step proposed after the
+    read does, step for step, and the output is plain greedy's."""
+    target, head = target_and_head("llama", 3)
+    reference = greedy_reference(target, PROMPT, 40)
+    verify = decoding.verify
+
+    def drafts(follows: bool) -> tuple[list, int]:
+        """The draft tokens of every verify, and how many steps were queued by `follow`."""
+        drafter, verified, followed = EagleDrafter(head, target, (1, 2, 4), settings), [], []
+        follow = drafter.follow if follows else lambda *args: None
+        monkeypatch.setattr(drafter, "follow", lambda *a: followed.append(d := follow(*a)) or d)
+        monkeypatch.setattr(
+            decoding, "verify", lambda *a, **k: verified.append(a[4]) or verify(*a, **k)
+        )
+        tokens, _, _ = decode(target, PROMPT, 40, drafter, FixedPolicy(settings.total - 1))
+        assert tokens == reference
+        queued = len(followed) - followed.count(None)
+        return [None if d is None else d.tolist() for d in verified], queued
+
+    queued, followed = drafts(True)
+    read_first, _ = drafts(False)
+    assert followed >= len(queued) // 3
+    # The followed run queued one more step before the last was read, which ended it.
+    assert queued[: len(read_first)] == read_first
 
 
 def test_fused_sampling_follows_the_target():
     """Fused tree steps on a compiled target stay lossless when sampling: the third token's
-    frequencies over many seeded generations match the target's exact marginal. Its step's
-    tree was grown inside the step before, from the path that step accepted."""
+    frequencies over many seeded generations match the target's exact marginal. It comes
+    from the first verify step or from the one queued on its lazy count (`follow`), whose
+    tree was grown inside the first from the path it accepted, and whose root slot and
+    path start wait on that count."""
     vocab, prompt, temperature = 13, [1, 5, 9], 0.5
     config = tiny_config("llama", vocab_size=vocab)
     target = tiny_model("llama", seed=0, vocab_size=vocab)
     head = random_eagle_head(config, 1, 3)
-    drafter = EagleDrafter(head, target, (), EagleTree(4, 1, 2))
-    decoder = Decoder(target, drafter)
+    followed = []
+
+    class Counting(EagleDrafter):
+        def follow(self, *args):
+            draft = super().follow(*args)
+            followed.append(draft is not None)
+            return draft
+
+    decoder = Decoder(target, Counting(head, target, (), EagleTree(4, 1, 2)))
     sampling = SamplingParams(temperature=temperature)
     mx.random.seed(0)
-    n, thirds, fused = 1500, [], 0
+    n, thirds = 1500, []
     for _ in range(n):
-        thirds.append(leading_tokens(decoder, prompt, sampling, FixedPolicy(3), 3)[2])
-        fused += drafter._ready is not None  # the next tree was grown inside the step
-    assert fused > 0.9 * n
+        thirds.append(leading_tokens(decoder, prompt, sampling, FixedPolicy(3), 3, 16)[2])
+    assert sum(followed) > 0.9 * n  # the second verify step was queued on the first's count
     assert_follows_marginal(target, prompt, temperature, 2, thirds)

@@ -160,9 +160,11 @@ class EagleDrafter:
     A step can be fused (`then`): the verify step's graph runs the head over the accepted
     path and grows the next tree from its end (eagle_grow.catch_up_and_grow), so a step is
     one compiled call and one host sync; `settle` then takes the accepted count, and the
-    next `propose` of the same size returns that tree. Otherwise (the first step, a plain
-    step between, another size) `propose` runs the head over the positions it has not seen,
-    then grows the tree in a compiled graph of its own."""
+    next `propose` of the same size returns that tree. The next fused step can also be
+    queued before that count is read (`follow`): its tree and the slot its path starts at
+    are lazy in it. Otherwise (the first step, a plain step between, another size)
+    `propose` runs the head over the positions it has not seen, then grows the tree in a
+    compiled graph of its own."""
 
     def __init__(self, head: EagleHead, target: CausalLM, taps: tuple[int, ...], tree: EagleTree):
         self.head = head
@@ -176,10 +178,13 @@ class EagleDrafter:
         self._known = 0  # committed positions whose features it has: fed + pending
         self._last: mx.array | None = None  # (h,) the head's output at position _fed - 1
         self._k = 0  # the size of the last proposal
-        # A fused step's lazy outputs (last, draft), until `settle`; then the draft, for the
-        # next proposal of `_k` nodes at `_known` committed positions.
-        self._queued: tuple[mx.array, Draft] | None = None
+        # Fused steps not yet settled, oldest first: their lazy outputs (last, draft). After
+        # `settle`, the draft of the last one, for the next proposal of `_k` nodes at `_known`
+        # committed positions.
+        self._queued: list[tuple[mx.array, Draft]] = []
         self._ready: Draft | None = None
+        # After `follow`: the slot the next `then`'s path starts at (lazy), and a host bound.
+        self._start: tuple[mx.array, int] | None = None
         mx.eval(head.parameters())  # traced graphs capture them as they are
 
     def extend(self, features: TargetFeatures) -> None:
@@ -188,7 +193,7 @@ class EagleDrafter:
         self._known += rows.shape[0]
 
     def rewind(self, length: int) -> None:
-        self._queued = None  # a fused step nobody settled: its writes are past `_fed`
+        self._queued, self._start = [], None  # fused steps nobody settled wrote past `_fed`
         if length >= self._known:
             return
         self._ready = None
@@ -223,13 +228,19 @@ class EagleDrafter:
 
     def then(self) -> Then | None:
         """The next proposal, of the last one's size, traced into the verify step of the
-        last one; None when the head cannot be traced. Fixed shapes: the accepted path's rows
-        (the verified tree's depth bound + 1), and the tree as `_grow` makes it."""
-        if not self.head.traceable or self._last is None or self._pending:
+        last one (or, after `follow`, of the step queued on its count); None when the head
+        cannot be traced. Fixed shapes: the accepted path's rows (the verified tree's depth
+        bound + 1), and the tree as `_grow` makes it; the path's first slot is an input."""
+        start, self._start = self._start, None
+        if not self.head.traceable or self._pending:
             return None
+        if start is None:
+            if self._last is None or self._queued:
+                return None
+            start = (mx.array(self._fed, mx.int32), self._fed)
         head, embed, project, k = self.head, self._embed, self._project, self._k
         top_k, depth = self._shape(k)
-        end = self._fed + bucket(k + 1) + depth * top_k  # the path has at most bucket rows
+        end = start[1] + bucket(k + 1) + depth * top_k  # the path has at most bucket rows
         self.cache.reserve(end)
         span = self.cache.span(end)
 
@@ -241,22 +252,43 @@ class EagleDrafter:
             return (*out, *view.state)
 
         key = ("eagle", id(head), top_k, depth, k, span)
-        return Then(key, (mx.array(self._fed, mx.int32), *self.cache.state), trace)
+        return Then(key, (start[0], *self.cache.state), trace)
 
     def received(self, outputs: Sequence[mx.array]) -> None:
         """The fused step's lazy outputs (`Verified.then`)."""
         layers = len(self.cache.state)
         self.cache.set_arrays(outputs[len(outputs) - layers :])
         last, *tree = outputs[: len(outputs) - layers]
-        self._queued = (last, self._draft(*tree))
+        self._queued.append((last, self._draft(*tree)))
+
+    def follow(
+        self,
+        drafted: mx.array,
+        accepted: mx.array,
+        pending: mx.array,
+        k: int,
+        sampling: SamplingParams,
+    ) -> Draft | None:
+        """The tree the fused step being verified grew, for the step queued on the count of
+        drafts it `accepted` (an int32 scalar) before that count is read: the next `then`
+        runs the head over a path from the slot after them. None unless exactly that step
+        is unsettled and the next is fused and of its size."""
+        if min(k, self.max_draft) != self._k or len(self._queued) != 1:
+            return None
+        if not self.head.traceable or self._pending:
+            return None
+        # Every step before that one is settled: its path starts at `_fed`, and the next
+        # after its accepted drafts and root (at most k + 1 slots).
+        self._start = (self._fed + 1 + accepted, self._fed + self._k + 1)
+        return self._queued[0][1]
 
     def settle(self, accepted: int) -> None:
-        """The fused step accepted `accepted` drafts: the head has run over those positions
-        and the root's, and the queued draft follows them."""
-        last, draft = self._queued
-        self._queued = None
+        """The oldest fused step accepted `accepted` drafts: the head has run over those
+        positions and the root's, and its draft follows them (unless a step queued on this
+        one's count took it already)."""
+        last, draft = self._queued.pop(0)
         self._fed = self._known = self._fed + accepted + 1
-        self._last, self._ready = last, draft
+        self._last, self._ready = last, None if self._queued else draft
         self.cache.truncate(min(self.cache.offset, self._fed))
         self.cache.advance(self._fed - self.cache.offset)
 
