@@ -324,8 +324,7 @@ class _Queue:
         acceptance = verified.acceptance
         mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
         features = TargetFeatures(verified.hidden, verified.taps)
-        follows = draft is not None and guide is None and self._follows(then is not None)
-        chain = draft if follows else None
+        chain = None if draft is None or guide is not None or not self._follows() else draft
         return _Pending(
             offset, tree, acceptance, verified.logits, features, guide,
             None if chain is None else chain.tokens, then is not None,
@@ -346,16 +345,15 @@ class _Queue:
         fits = hasattr(drafter, "then") and isinstance(self.decoder.model, CausalLM)
         return drafter.then() if fits and not self.typical else None
 
-    def _follows(self, fused: bool) -> bool:
+    def _follows(self) -> bool:
         """Whether a step can be queued on the last one's lazy count: the drafter continues
-        its drafts (`follow`), the target's step is compiled, so the root slot may be lazy,
-        and a drafter that fuses its drafts into steps (EAGLE) fused this one."""
-        drafter, model = self.decoder.drafter, self.decoder.model
+        its drafts (`follow`; EAGLE only a fused step's) and the target's step is compiled,
+        so the root slot may be lazy."""
+        decoder = self.decoder
         return (
-            hasattr(drafter, "follow")  # and `settle`
-            and isinstance(model, CausalLM)
-            and compilable(model)
-            and (fused or not hasattr(drafter, "then"))
+            hasattr(decoder.drafter, "follow")  # and `settle`
+            and isinstance(decoder.model, CausalLM)
+            and compilable(decoder.model)
         )
 
     def follow(self, step: _Pending, k: int) -> _Pending | None:
