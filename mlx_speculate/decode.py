@@ -16,8 +16,7 @@ model's chain step on its lazy accepted count (`_Queue.follow`, when the worst c
 `settle` tells the drafter the count once read. An EAGLE step is fused (`step.Then`): its
 compiled verify graph also runs the head over the accepted path, grows the next tree and
 compacts the path's keys, so a step is one call and one sync; the next fused step is queued
-on its lazy count the same way (its tree, root slot and the head's path start wait on it),
-so that building and dispatching it overlaps this one's tail; `settle` again.
+on its lazy count too (tree, root slot and the head's path start wait on it); `settle` again.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from .models.base import CausalLM
 from .policy import FixedPolicy, Policy
 from .quantized_prefill import prefilling
 from .sampling import SamplingParams, log_probs
-from .step import Then, compilable, verify
+from .step import Then, Verified, compilable, verify
 from .tree import ROOT, Tree
 from .verify import Acceptance, greedy_accept, rejection_accept, typical_accept
 
@@ -215,9 +214,8 @@ class Decoder:
                 if k == 0:
                     upcoming = queue(step.acceptance.tokens[:1], 0)
             elif step.draft is not None:
-                # A chain step or a fused EAGLE one: the next draft and its verify are queued
-                # on this one's lazy count, so that building them overlaps this verify (room
-                # for the worst case).
+                # A chain or fused EAGLE step: the next draft and verify are queued on its lazy
+                # count, so that building them overlaps this verify (room for the worst case).
                 k = policy.choose()
                 if 0 < k <= self.room() - step.tree.num_nodes:
                     upcoming = queue.follow(step, k)
@@ -314,21 +312,28 @@ class _Queue:
         tree = ROOT if draft is None else draft.tree
         offset = decoder.cache.offset
         then = None if draft is None or guide is not None else self._then()
+        allowed = None if guide is None else guide.allowed
+        verified = self._verify(pending, tree, draft, allowed=allowed, then=then)
+        chain = None if draft is None or guide is not None or not self._follows() else draft
+        return _Pending(
+            offset, tree, verified.acceptance, verified.logits,
+            TargetFeatures(verified.hidden, verified.taps), guide,
+            None if chain is None else chain.tokens, then is not None,
+        )  # fmt: skip
+
+    def _verify(self, pending, tree, draft, allowed=None, at=None, then=None) -> Verified:
+        """`step.verify` of `draft`, scheduled; a fused step's next draft goes to the drafter."""
+        decoder = self.decoder
         verified = verify(
             decoder.model, decoder.cache, pending, tree, None if draft is None else draft.tokens,
             None if draft is None else draft.logprobs, self.sampling, taps=decoder.taps,
-            typical=self.typical, allowed=None if guide is None else guide.allowed, then=then,
+            typical=self.typical, allowed=allowed, at=at, then=then,
         )  # fmt: skip
         if then is not None:
             decoder.drafter.received(verified.then)
         acceptance = verified.acceptance
         mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
-        features = TargetFeatures(verified.hidden, verified.taps)
-        chain = None if draft is None or guide is not None or not self._follows() else draft
-        return _Pending(
-            offset, tree, acceptance, verified.logits, features, guide,
-            None if chain is None else chain.tokens, then is not None,
-        )  # fmt: skip
+        return verified
 
     def _propose(self, k: int) -> Draft | None:
         """The drafter's draft of up to `k` tokens, cut to what the step may use."""
@@ -347,8 +352,7 @@ class _Queue:
 
     def _follows(self) -> bool:
         """Whether a step can be queued on the last one's lazy count: the drafter continues
-        its drafts (`follow`; EAGLE only a fused step's) and the target's step is compiled,
-        so the root slot may be lazy."""
+        drafts (`follow`) and the target's step is compiled, so the root slot may be lazy."""
         decoder = self.decoder
         return (
             hasattr(decoder.drafter, "follow")  # and `settle`
@@ -358,9 +362,8 @@ class _Queue:
 
     def follow(self, step: _Pending, k: int) -> _Pending | None:
         """The step after `step`, queued before `step` is read: its pending token, root slot
-        and draft (a draft model's next chain, or the tree EAGLE grew inside `step`) are lazy
-        in `step`'s accepted count; an EAGLE step is fused again. None when the drafter
-        cannot follow (the loop then proposes once the count is read)."""
+        and draft (a draft model's next chain, or the tree EAGLE grew in `step`, fused again)
+        are lazy in its accepted count. None when the drafter cannot follow."""
         with mx.stream(GENERATION_STREAM):
             decoder, acceptance = self.decoder, step.acceptance
             accepted = acceptance.num_accepted
@@ -371,20 +374,10 @@ class _Queue:
             then = self._then()
             last = decoder.cache.offset if step.offset is None else step.offset
             at = ((last + 1 + accepted).astype(mx.int32), last + step.tree.num_nodes)
-            verified = verify(
-                decoder.model, decoder.cache, pending, draft.tree, draft.tokens,
-                draft.logprobs, self.sampling, taps=decoder.taps, typical=self.typical, at=at,
-                then=then,
-            )  # fmt: skip
-            if then is not None:
-                decoder.drafter.received(verified.then)
-            acceptance = verified.acceptance
-            mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
+            verified = self._verify(pending, draft.tree, draft, at=at, then=then)
             features = TargetFeatures(verified.hidden, verified.taps)
-            return _Pending(
-                None, draft.tree, acceptance, verified.logits, features,
-                draft=draft.tokens, fused=then is not None,
-            )  # fmt: skip
+            return _Pending(None, draft.tree, verified.acceptance, verified.logits, features,
+                            draft=draft.tokens, fused=then is not None)  # fmt: skip
 
     def accept(
         self, tree: Tree, tokens: mx.array, logits: mx.array, draft: Draft | None
