@@ -30,6 +30,7 @@ from ..models import llama, qwen2
 from ..models.base import CausalLM
 from ..models.context import ForwardContext, build_context
 from ..models.rope import RotaryEmbedding
+from .linear import batch_weights
 
 # Speculators' normalisation options for EAGLE-3 (all off in SafeAILab's heads).
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
@@ -250,6 +251,7 @@ class Eagle1Head(EagleHead):
         self.layers = [
             Eagle1Layer(args, self._rope, first=i == 0) for i in range(args.num_hidden_layers)
         ]
+        batch_weights(self)
 
     @property
     def num_layers(self) -> int:
@@ -297,6 +299,7 @@ class Eagle3Head(EagleHead):
         self.lm_head = nn.Linear(h, vocab, bias=False)
         if config.draft_vocab_size not in (None, args.vocab_size):
             self.d2t = mx.zeros((vocab,), dtype=mx.int64)
+        batch_weights(self)
 
     @property
     def num_layers(self) -> int:
