@@ -244,8 +244,9 @@ class Decoder:
         acceptance = step.acceptance
         mx.eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
         n = acceptance.num_accepted.item()
-        tokens = acceptance.tokens[: n + 1].tolist()
-        path = acceptance.path[: n + 1].tolist()
+        # Sliced on the host: a lazy slice would be evaluated behind the step queued next.
+        tokens = acceptance.tokens.tolist()[: n + 1]
+        path = acceptance.path.tolist()[: n + 1]
         root = step.offset
         if root is None:  # queued before the step ahead was read, which ended at the offset
             root = self.cache.offset
