@@ -36,7 +36,7 @@ from .models.base import CausalLM
 from .policy import FixedPolicy, Policy
 from .quantized_prefill import prefilling
 from .sampling import SamplingParams, log_probs
-from .step import Then, Verified, compilable, verify
+from .step import Then, Verified, built, compilable, verify
 from .tree import ROOT, Tree
 from .verify import Acceptance, greedy_accept, rejection_accept, typical_accept
 
@@ -57,6 +57,7 @@ class Step:
     seconds: float
     verified: bool = True  # False: no verify forward (the first token, a forced ending)
     forced: tuple[bool, ...] = ()  # per token, under a grammar: it forced the token
+    traced: bool = False  # a graph was traced in its time, so it prices nothing
 
     @property
     def accepted(self) -> int:
@@ -92,13 +93,11 @@ class Decoder:
         self.cache: KVCache = model.make_cache()
         self.taps = drafter.taps if drafter is not None else ()
         self.context: list[int] = []
-        self._clock = 0.0  # when the last step finished
+        self._clock = (0.0, 0)  # when the last step finished, and graphs built by then
         self._limit = 0  # last context length the current generation may reach
         self._prompt_logits: mx.array | None = None  # (1, V) after the prompt, until read
 
-    def prefill(
-        self, prompt: Sequence[int], cancelled: Callable[[], bool] | None = None
-    ) -> int:
+    def prefill(self, prompt: Sequence[int], cancelled: Callable[[], bool] | None = None) -> int:
         """Runs the prompt into the cache (its features into the drafter), keeping the logits
         of its last position for the first token; returns how many prompt tokens were already
         cached from the previous context (all but the last may be).
@@ -159,9 +158,7 @@ class Decoder:
         vocab = self.model.args.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(
-                f"token id {bad} is outside the model's vocabulary (0 to {vocab - 1})"
-            )
+            raise ValueError(f"token id {bad} is outside the model's vocabulary (0 to {vocab - 1})")
         return ids
 
     def room(self) -> int:
@@ -199,7 +196,7 @@ class Decoder:
         if sampling.seed is not None:
             mx.random.seed(sampling.seed)  # the one generator every draw comes from
         self._limit = len(self.context) - 1 + (max_tokens or self.max_context + 1)
-        self._clock = time.perf_counter()
+        self._clock = (time.perf_counter(), built())
         queue = _Queue(self, sampling, typical_acceptance, constraint)
         guide = None if constraint is None else constraint.first()
         logits, self._prompt_logits = masked(self._prompt_logits, guide), None
@@ -223,14 +220,15 @@ class Decoder:
             if constraint is not None:
                 constraint.commit(result.tokens)
             if result.verified:
-                policy.observe(result.drafted, result.accepted, result.seconds)
+                seconds = 0.0 if result.traced else result.seconds  # a trace prices nothing
+                policy.observe(result.drafted, result.accepted, seconds)
             yield result
             if self.room() < 0:
                 return
             if constraint is not None and (ending := constraint.ending(self.room())):
                 self.context.extend(ending)  # no forward: the cache stays behind the context
                 rows = points(mx.array(ending), self.model.args.vocab_size)
-                seconds = time.perf_counter() - self._clock
+                seconds = time.perf_counter() - self._clock[0]
                 yield Step(ending, 0, rows, seconds, False, (True,) * len(ending))
                 return
             if upcoming is None:
@@ -264,15 +262,16 @@ class Decoder:
             self.drafter.rewind(len(self.context) - 1)
             self.drafter.extend(step.features.rows(rows))
         # Wall time since the previous step finished: what the step cost the stream, also
-        # when it overlapped the one before.
-        now = time.perf_counter()
-        seconds, self._clock = now - self._clock, now
+        # when it overlapped the one before; traced, when a graph was built meanwhile.
+        now = (time.perf_counter(), built())
+        seconds, traced = now[0] - self._clock[0], now[1] != self._clock[1]
+        self._clock = now
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         verified = step.features is not None
         guide = step.guide
         drafted = step.tree.num_nodes - 1 if guide is None else guide.drafted
         forced = () if guide is None else tuple(guide.forced[i] for i in path)
-        return Step(tuple(tokens), drafted, logprobs, seconds, verified, forced)
+        return Step(tuple(tokens), drafted, logprobs, seconds, verified, forced, traced)
 
 
 class _Queue:

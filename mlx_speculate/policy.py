@@ -69,8 +69,8 @@ class Prices:
     plain steps catches up first) or less (a plain step overlaps the one before). A size with
     `TRUSTED` recent steps costs their median; any other drafting size its calibrated cost
     plus the median amount by which recent drafting steps exceeded theirs. The first drafting
-    step after plain ones prices the catch-up instead (its time over its size's price; a
-    median, so a graph traced for a new context span is one outlier). A property of the
+    step after plain ones prices the catch-up instead (its time over its size's price, a
+    median). A step that traced a graph comes with no time (`decode.Step.traced`). A property of the
     machine, model and drafter, unlike acceptance: `default_policy` shares one between the
     generations of a drafter, and between drafters over the same weights."""
 

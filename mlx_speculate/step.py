@@ -41,6 +41,9 @@ EXACT_CHAIN = 8
 # Compiled functions per model (keyed by id, dropped with the model), so that every decoder of
 # one model (a server's sessions, repeated generate calls) shares the traced graphs.
 _COMPILED: Table = {}
+# Graphs built so far, each traced on its first call: a step that paid for a trace tells
+# nothing of what its size costs (decode.Step.traced).
+_built = 0
 
 
 def bucket(n: int) -> int:
@@ -52,6 +55,11 @@ def verify_rows(tree: Tree | DeviceTree) -> int:
     """The rows a verify step of `tree` runs: a short chain's own node count, else its bucket."""
     n = tree.num_nodes
     return n if tree.is_chain and n <= EXACT_CHAIN else bucket(n)
+
+
+def built() -> int:
+    """How many graphs `compiled` has built."""
+    return _built
 
 
 def compilable(model) -> bool:
@@ -66,6 +74,8 @@ def compiled(model, key: tuple, build: Callable[[], Callable], traced: bool = Tr
     passed through) unless `traced` is False or the model is not `compilable`; built once."""
 
     def make() -> Callable:
+        global _built
+        _built += 1
         fn = build()
         if traced and compilable(model):
             # The graph captures the weights as they are: a lazy one (random, quantized or

@@ -225,3 +225,32 @@ def test_followed_chains_sample_the_target():
         fourths.append(leading_tokens(decoder, prompt, sampling, FixedPolicy(1), 4)[3])
     assert sum(a > 0 for a in settled) > 0.2 * n  # followed steps after an accepted draft
     assert_follows_marginal(target, prompt, temperature, 3, fourths)
+
+
+def test_a_step_that_traced_a_graph_prices_nothing():
+    """A step during which a graph was built (a new size or attention span: its first call
+    traces it) says so, and the policy sees no time for it: a trace costs many steps, and a
+    size tried rarely would be priced by it. Steps that reuse their graphs are timed."""
+    model = tiny_model("llama", seed=0, max_position_embeddings=1024)
+    draft = tiny_model("llama", seed=7, num_hidden_layers=1, max_position_embeddings=1024)
+    step._COMPILED.pop(id(model), None)
+    step._COMPILED.pop(id(draft), None)
+
+    class Recorder(FixedPolicy):
+        def observe(self, drafted, accepted, seconds):
+            observed.append(seconds)
+
+    observed = []
+    decoder = Decoder(model, DraftModelDrafter(draft, model.args.vocab_size))
+    decoder.prefill(list(range(1, 9)))
+    steps = []
+    for s in decoder.steps(SamplingParams(), Recorder(3), max_tokens=90):
+        before = step.built()
+        steps.append(s)
+        assert step.built() == before  # reading a step builds nothing
+    verified = [s for s in steps if s.verified]
+    assert verified[0].traced  # the first step traced its graphs
+    assert any(s.traced for s in verified[1:])  # a later attention span traced another
+    assert sum(not s.traced for s in verified) > len(verified) // 2
+    assert observed == [0.0 if s.traced else s.seconds for s in verified]
+    assert all(s.seconds > 0 for s in verified)
