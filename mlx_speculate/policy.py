@@ -60,6 +60,7 @@ PRIOR = 2.0  # weight, in steps, of the prior behind each estimate
 PROBE_BUDGET = 0.02  # share of plain decoding time that re-checking a switched-off drafter costs
 SEEN = 9  # recent step times whose median prices a size: a compile or a pause is one outlier
 TRUSTED = 3  # steps at a size before their times replace its calibrated price
+SWITCH_GAIN = 0.05  # how much faster another drafting size must look to move to it
 
 
 class Prices:
@@ -70,9 +71,14 @@ class Prices:
     `TRUSTED` recent steps costs their median; any other drafting size its calibrated cost
     plus the median amount by which recent drafting steps exceeded theirs. The first drafting
     step after plain ones prices the catch-up instead (its time over its size's price, a
-    median). A step that traced a graph comes with no time (`decode.Step.traced`). A property of the
-    machine, model and drafter, unlike acceptance: `default_policy` shares one between the
-    generations of a drafter, and between drafters over the same weights."""
+    median). A drafting step of another size than the step before it prices nothing:
+    a drafter that prepares its next draft inside a step (a fused EAGLE step grows the next
+    tree) or queues it on the last step's count does neither across a change of size, so that
+    step pays an extra call the size's steady steps do not (stories260K, EAGLE chain of 3:
+    about 2.8 ms against 1.5); nor does a generation's first step. A step that traced a graph
+    comes with no time (`decode.Step.traced`). A property of the machine, model and drafter,
+    unlike acceptance: `default_policy` shares one between the generations of a drafter, and
+    between drafters over the same weights."""
 
     def __init__(self, costs: StepCosts, sizes: tuple[int, ...]):
         self.costs = costs
@@ -89,10 +95,12 @@ class Prices:
         """Whether the price of k comes from steps decoding paid."""
         return len(self._seen.get(k, ())) >= TRUSTED
 
-    def observe(self, drafted: int, seconds: float, after_plain: bool = False) -> None:
+    def observe(
+        self, drafted: int, seconds: float, after_plain: bool = False, switched: bool = False
+    ) -> None:
         """Corrects the prices with one step's wall time (0: not timed); `after_plain`: the
-        step before it drafted nothing."""
-        if seconds <= 0 or drafted not in self.calibrated:
+        step before it drafted nothing; `switched`: it drafted another size (or came first)."""
+        if seconds <= 0 or drafted not in self.calibrated or (switched and not after_plain):
             return
         if drafted and after_plain:
             self._catch_ups.append(seconds - self.step[drafted])  # noise either way
@@ -129,8 +137,10 @@ class AdaptivePolicy:
     than a chain of k, by an amount that depends on k. A larger tree holds the smaller one
     (its best nodes by probability), so E never falls with k.
 
-    Exploration: while drafting, every `explore_every` steps one step tries each neighbouring
-    size (a tree's yield at a size is only known by trying it). Switched off (best k = 0, or
+    While drafting, the size held changes (to another size or to plain decoding) only for one
+    `SWITCH_GAIN` faster. Exploration: every `explore_every` steps two steps try each neighbouring
+    size (a tree's yield at a size is only known by trying it; the first step at a size is
+    not priced, see `Prices`). Switched off (best k = 0, or
     drafting could not pay even if every draft passed), a drafter is re-checked with two steps
     of the cheapest draft that could pay, at gaps that keep that check (and a draft model's
     catch-up on the skipped tokens) within `PROBE_BUDGET` of plain decoding time, doubling
@@ -160,8 +170,10 @@ class AdaptivePolicy:
         self._plan: list[int] = []
         self._until_explore = explore_every
         self._gap = 0  # plain steps between re-checks while switched off
+        self._checking = False  # a re-check's steps are planned: judge them next
         self.drafting: bool | None = None  # whether the last choice drafted (None: none yet)
         self._last: int | None = None  # the last observed step's draft length
+        self._held = 0  # the drafting size chosen last (exploration aside)
         self.prices = prices or Prices(costs, self.sizes)
         self._timing = 0 if self.prices.trusted(0) else TRUSTED  # plain steps to time first
         self._step = self.prices.step  # kept current by the prices
@@ -217,7 +229,9 @@ class AdaptivePolicy:
 
     def best(self, acceptance: float | None = None) -> int:
         """The k with the most expected tokens per second (ties: the smaller k)."""
-        rates = self.rates(acceptance)
+        return self._best(self.rates(acceptance))
+
+    def _best(self, rates: dict[int, float]) -> int:
         return max(self.sizes, key=lambda k: (rates[k], -k))
 
     def choose(self) -> int:
@@ -232,7 +246,11 @@ class AdaptivePolicy:
             # Off until the next re-check: without drafts acceptance stays as it was.
             self._until_explore -= 1
             return 0
-        best = self.best()
+        best = self._held = self._hold(self.rates())
+        checked, self._checking = self._checking, False
+        if checked and best == 0:  # the re-check did not pay: off until the next one
+            self._until_explore = self._gap
+            return 0
         if self.drafting is not False and best == 0:
             if self.drafting:
                 log.info(
@@ -254,13 +272,23 @@ class AdaptivePolicy:
             return best
         if best == 0:  # re-check: two steps, the first of which may pay a catch-up
             self._gap = min(2 * self._gap, 8 * self._probe_gap())
-            self._until_explore = self._gap
+            self._until_explore, self._checking = 1, True  # judged right after
             self._plan = [self._useful[0]]
             return self._useful[0]
         self._until_explore = self.explore_every
         i = self.sizes.index(best)
-        self._plan = [k for k in self.sizes[i + 1 : i + 2] + self.sizes[i - 1 : i] if k]
+        around = self.sizes[i + 1 : i + 2] + self.sizes[i - 1 : i]
+        self._plan = [k for k in around if k for _ in range(2)]  # the second step is priced
         return self._plan.pop(0) if self._plan else best
+
+    def _hold(self, rates: dict[int, float]) -> int:
+        """The best k, unless a drafting size is held and the best is not `SWITCH_GAIN`
+        faster: estimates of nearby sizes are close and noisy, and the first step at another
+        size pays for its own draft (`Prices`), or a catch-up when drafting resumes."""
+        best, held = self._best(rates), self._held
+        if not held or rates[best] > (1 + SWITCH_GAIN) * rates[held]:
+            return best
+        return held
 
     def _probe_gap(self) -> int:
         """Plain steps between re-checks, so that they cost at most PROBE_BUDGET."""
@@ -269,7 +297,8 @@ class AdaptivePolicy:
         return max(self.explore_every, round(extra / (PROBE_BUDGET * plain)))
 
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:
-        self.prices.observe(drafted, seconds, self._last == 0)
+        switched = drafted > 0 and drafted != self._last  # or the generation's first step
+        self.prices.observe(drafted, seconds, self._last == 0, switched)
         self._last = drafted
         if drafted == 0:
             return

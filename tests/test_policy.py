@@ -268,6 +268,34 @@ def test_prices_carry_over_between_generations_of_a_drafter(monkeypatch):
     assert default_policy(shared[2], None).prices is not default_policy(shared[0], None).prices
 
 
+def test_the_first_step_at_another_size_prices_nothing():
+    # A drafter that grows its next draft inside a step (a fused EAGLE step) or queues it on
+    # the last step's count pays a call of its own for the first step at another size (here
+    # 1.2 plain steps). Priced by those steps, explored sizes looked dear and the calibrated
+    # best (4, where 8 pays most) stayed chosen.
+    calibrated = curve(lambda r: 0.01, lambda k: 0.004 * k)
+    paid = curve(lambda r: 0.01, lambda k: 0.001 * k)
+    policy = AdaptivePolicy(calibrated, 8)
+    assert policy.best(0.9) == 4
+    rng = np.random.default_rng(0)
+    last, tokens, seconds = None, 0, 0.0
+    for _ in range(1500):
+        k = policy.choose()
+        accepted = 0
+        while accepted < k and rng.random() < 0.9:
+            accepted += 1
+        step = paid.step(k) + (0.012 if k and k != last else 0.0)
+        policy.observe(k, accepted, step)
+        last, tokens, seconds = k, tokens + accepted + 1, seconds + step
+    sizes = candidate_lengths(8)
+    trusted = [k for k in sizes if policy.prices.trusted(k)]
+    assert len(trusted) >= 5
+    for k in trusted:
+        assert policy.prices.step[k] == pytest.approx(paid.step(k))
+    best = best_rate(paid, lambda k: chain_tokens(0.9, k), sizes)
+    assert tokens / seconds * paid.step(0) >= 0.85 * best  # 0.58-0.79 priced by switches
+
+
 def test_plain_steps_are_timed_before_drafting():
     # A plain step overlaps the one before and costs 0.7 of the calibrated one-row forward:
     # at 60% acceptance one draft pays against the calibration, not against plain decoding.
