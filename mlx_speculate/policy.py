@@ -140,13 +140,13 @@ class AdaptivePolicy:
     While drafting, the size held changes (to another size or to plain decoding) only for one
     `SWITCH_GAIN` faster. Exploration: every `explore_every` steps two steps try each neighbouring
     size (a tree's yield at a size is only known by trying it; the first step at a size is
-    not priced, see `Prices`). Switched off (best k = 0, or
-    drafting could not pay even if every draft passed), a drafter is re-checked with two steps
-    of the cheapest draft that could pay, at gaps that keep that check (and a draft model's
-    catch-up on the skipped tokens) within `PROBE_BUDGET` of plain decoding time, doubling
-    while it stays off; where the prior says drafting does not pay, the first check comes at
-    once for drafters with no catch-up and after one gap for the others. Switching off and on
-    again is logged (`--verbose` shows it).
+    not priced, see `Prices`). Switched off (best k = 0, or drafting could not pay even if
+    every draft passed), a drafter is re-checked with two steps of the cheapest draft that
+    could pay (judged as soon as they are read), at gaps that keep that check (and a draft
+    model's catch-up on the skipped tokens) within `PROBE_BUDGET` of plain decoding time,
+    doubling while it stays off; where the prior says drafting does not pay, the first check
+    comes at once for drafters with no catch-up and after one gap for the others. Switching
+    off and on again is logged (`--verbose` shows it).
     """
 
     def __init__(
