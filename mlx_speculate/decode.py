@@ -32,11 +32,12 @@ from .cache import KVCache
 from .constraint import CHAIN_DRAFTERS, Constraint, Guide, masked, points
 from .device import GENERATION_STREAM
 from .drafters.base import Draft, Drafter, TargetFeatures
+from .graphs import built, compilable
 from .models.base import CausalLM
 from .policy import FixedPolicy, Policy
 from .quantized_prefill import prefilling
 from .sampling import SamplingParams, log_probs
-from .step import Then, Verified, built, compilable, verify
+from .step import Then, Verified, verify
 from .tree import ROOT, Tree
 from .verify import Acceptance, greedy_accept, rejection_accept, typical_accept
 
@@ -123,9 +124,7 @@ class Decoder:
         with mx.stream(GENERATION_STREAM):
             for start in range(kept, len(prompt), PREFILL_STEP):
                 if cancelled is not None and cancelled():
-                    raise PrefillCancelled(
-                        f"cancelled after {start} of {len(prompt)} prompt tokens"
-                    )
+                    raise PrefillCancelled(f"cancelled at {start} of {len(prompt)} prompt tokens")
                 chunk = prompt[start : start + PREFILL_STEP]
                 with prefilling():  # a head drafter's own prompt forward (in extend) too
                     out = self.model(mx.array([chunk]), self.cache, taps=self.taps)
@@ -262,15 +261,15 @@ class Decoder:
             self.drafter.rewind(len(self.context) - 1)
             self.drafter.extend(step.features.rows(rows))
         # Wall time since the previous step finished: what the step cost the stream, also
-        # when it overlapped the one before; traced, when a graph was built meanwhile.
+        # when it overlapped the one before; traced, when a graph was traced meanwhile.
         now = (time.perf_counter(), built())
         seconds, traced = now[0] - self._clock[0], now[1] != self._clock[1]
         self._clock = now
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        verified = step.features is not None
         guide = step.guide
         drafted = step.tree.num_nodes - 1 if guide is None else guide.drafted
         forced = () if guide is None else tuple(guide.forced[i] for i in path)
+        verified = step.features is not None  # else the first token or a forced ending
         return Step(tuple(tokens), drafted, logprobs, seconds, verified, forced, traced)
 
 

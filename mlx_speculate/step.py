@@ -22,10 +22,9 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from .cache import KVCache
-from .memo import Table, per_model
+from .graphs import compiled
 from .models.base import CausalLM
 from .models.context import additive_mask
-from .models.rope import LENGTH_DEPENDENT
 from .sampling import SamplingParams, log_probs, pick
 from .tree import DeviceTree, PaddedTree, Tree
 from .verify import Acceptance, greedy_accept, rejection_accept, typical_accept
@@ -38,13 +37,6 @@ BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 # the padding rows of a bucket (k = 4: 8 rows for 5) cost a third of the step.
 EXACT_CHAIN = 8
 
-# Compiled functions per model (keyed by id, dropped with the model), so that every decoder of
-# one model (a server's sessions, repeated generate calls) shares the traced graphs.
-_COMPILED: Table = {}
-# Graphs built so far, each traced on its first call: a step that paid for a trace tells
-# nothing of what its size costs (decode.Step.traced).
-_built = 0
-
 
 def bucket(n: int) -> int:
     """The rows a forward of n tokens is padded to."""
@@ -55,37 +47,6 @@ def verify_rows(tree: Tree | DeviceTree) -> int:
     """The rows a verify step of `tree` runs: a short chain's own node count, else its bucket."""
     n = tree.num_nodes
     return n if tree.is_chain and n <= EXACT_CHAIN else bucket(n)
-
-
-def built() -> int:
-    """How many graphs `compiled` has built."""
-    return _built
-
-
-def compilable(model) -> bool:
-    """Whether a forward's graph can be independent of the host offset."""
-    if not isinstance(model, CausalLM):
-        return True
-    return model.args.rope_config()["rope_type"] not in LENGTH_DEPENDENT
-
-
-def compiled(model, key: tuple, build: Callable[[], Callable], traced: bool = True) -> Callable:
-    """The function `build()` makes for `model` and `key`, under `mx.compile` (the random state
-    passed through) unless `traced` is False or the model is not `compilable`; built once."""
-
-    def make() -> Callable:
-        global _built
-        _built += 1
-        fn = build()
-        if traced and compilable(model):
-            # The graph captures the weights as they are: a lazy one (random, quantized or
-            # cast in memory, loaded lazily) would be computed again inside every call.
-            mx.eval(model.parameters())
-            state = mx.random.state
-            fn = mx.compile(fn, inputs=state, outputs=state)
-        return fn
-
-    return per_model(_COMPILED, model, key, make)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlx_speculate import decode as decoding
-from mlx_speculate import step
+from mlx_speculate import graphs
 from mlx_speculate.cache import KVCache
 from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters import EagleSpec, EagleTree, TargetFeatures, eagle_grow, make_drafter
@@ -226,7 +226,7 @@ def test_a_step_is_one_compiled_graph_and_one_sync(monkeypatch, settings):
     the next tree are traced into the verify graph, one per (tree, span), and each step reads
     the host once. Greedy output stays plain greedy's."""
     target, head = target_and_head("llama", 3)
-    step._COMPILED.pop(id(target), None)
+    graphs._COMPILED.pop(id(target), None)
     reference = greedy_reference(target, PROMPT, 30)
     drafter = EagleDrafter(head, target, (1, 2, 4), settings)
     grows = []
@@ -248,7 +248,7 @@ def test_a_step_is_one_compiled_graph_and_one_sync(monkeypatch, settings):
     assert tokens[:30] == reference
     assert len(grows) == 1
     assert sum(syncs) == len(steps)
-    fused = [key for key in step._COMPILED[id(target)] if key[-1][:2] == ("eagle", id(head))]
+    fused = [key for key in graphs._COMPILED[id(target)] if key[-1][:2] == ("eagle", id(head))]
     spans = {(key[-2], key[-1][-1]) for key in fused}  # (the target's span, the head's)
     # Both span 64 then 96; a step queued on the last one's count (a host bound on its
     # root) reaches the target's next span a step early.

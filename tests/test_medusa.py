@@ -95,14 +95,14 @@ def test_candidates_are_top_k_along_the_tree():
 def test_each_tree_size_is_one_compiled_graph():
     """Proposals of one tree size reuse one compiled graph of the heads, across new hidden
     states; another size traces its own."""
-    from mlx_speculate import step
+    from mlx_speculate import graphs
 
     heads = random_heads(16, 40, num_heads=4, seed=1)
     drafter = MedusaDrafter(heads, "mc_sim_7b_63")
     for seed, k in ((2, 10), (3, 10), (4, 20)):
         drafter.extend(TargetFeatures(mx.random.normal((1, 16), key=mx.random.key(seed))))
         mx.eval(drafter.propose([1], k, GREEDY).tokens)
-    assert sorted(key[0] for key in step._COMPILED[id(heads)]) == ["medusa", "medusa"]
+    assert sorted(key[0] for key in graphs._COMPILED[id(heads)]) == ["medusa", "medusa"]
 
 
 def test_tree_size_follows_the_published_order():

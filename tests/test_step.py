@@ -5,7 +5,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_speculate import step
+from mlx_speculate import graphs, step
 from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
 from mlx_speculate.policy import FixedPolicy
@@ -84,9 +84,9 @@ def test_one_graph_serves_every_offset():
     """Plain greedy steps at 40 offsets trace the verify graph once (plus the decode graph
     of nothing: plain decoding has no drafter)."""
     model = tiny_model("llama", seed=0)
-    step._COMPILED.pop(id(model), None)
+    graphs._COMPILED.pop(id(model), None)
     decode(model, [1, 5, 9], 40)
-    assert len(step._COMPILED[id(model)]) == 1
+    assert len(graphs._COMPILED[id(model)]) == 1
 
 
 def test_lazy_weights_are_computed_once():
@@ -113,7 +113,7 @@ def test_drafts_of_nearby_sizes_share_a_graph():
     and so do trees of one bucket whose depth and width round up to the same powers of two:
     the adaptive policy and lookup trees vary both, and each trace costs several steps."""
     model = tiny_model("llama", seed=0)
-    step._COMPILED.pop(id(model), None)
+    graphs._COMPILED.pop(id(model), None)
     cache = model.make_cache()
     model(mx.array([[1, 5, 9]]), cache)
     trees = [Tree.chain(k) for k in (9, 10, 11)]
@@ -123,7 +123,7 @@ def test_drafts_of_nearby_sizes_share_a_graph():
         out = step.verify(model, cache, mx.array([9]), tree, drafts, None, SamplingParams())
         mx.eval(out.acceptance.tokens)
         cache.truncate(3)
-    assert len(step._COMPILED[id(model)]) == 2
+    assert len(graphs._COMPILED[id(model)]) == 2
 
 
 def test_steps_across_attention_spans_equal_plain_decoding():
@@ -132,10 +132,10 @@ def test_steps_across_attention_spans_equal_plain_decoding():
     traces its own graphs and the tokens stay those of one-token eager forwards."""
     model = tiny_model("llama", seed=0, max_position_embeddings=1024)
     draft = tiny_model("llama", seed=7, num_hidden_layers=1, max_position_embeddings=1024)
-    step._COMPILED.pop(id(model), None)
+    graphs._COMPILED.pop(id(model), None)
     tokens, _, decoder = decode(model, [1, 5, 9], 270, DraftModelDrafter(draft, 97), FixedPolicy(3))
     assert tokens == greedy_reference(model, [1, 5, 9], 270)
-    spans = {key[-1] for key in step._COMPILED[id(model)]}
+    spans = {key[-1] for key in graphs._COMPILED[id(model)]}
     assert spans == {64, 96, 128, 192, 256, 384}
     assert decoder.cache.capacity == 512
 
@@ -227,14 +227,27 @@ def test_followed_chains_sample_the_target():
     assert_follows_marginal(target, prompt, temperature, 3, fourths)
 
 
+def test_a_call_with_new_input_shapes_counts_as_a_trace():
+    """mx.compile traces a function again when an input's shape changes (a cache's storage
+    grew), which costs what a first call does: `built()` counts both."""
+    model = tiny_model("llama", seed=0)
+    fn = graphs.compiled(model, ("shapes",), lambda: lambda x: (x + 1,))
+    before = graphs.built()
+    fn(mx.zeros((2,)))
+    fn(mx.ones((2,)))
+    assert graphs.built() == before + 1
+    fn(mx.zeros((3,)))
+    assert graphs.built() == before + 2
+
+
 def test_a_step_that_traced_a_graph_prices_nothing():
     """A step during which a graph was built (a new size or attention span: its first call
     traces it) says so, and the policy sees no time for it: a trace costs many steps, and a
     size tried rarely would be priced by it. Steps that reuse their graphs are timed."""
     model = tiny_model("llama", seed=0, max_position_embeddings=1024)
     draft = tiny_model("llama", seed=7, num_hidden_layers=1, max_position_embeddings=1024)
-    step._COMPILED.pop(id(model), None)
-    step._COMPILED.pop(id(draft), None)
+    graphs._COMPILED.pop(id(model), None)
+    graphs._COMPILED.pop(id(draft), None)
 
     class Recorder(FixedPolicy):
         def observe(self, drafted, accepted, seconds):
@@ -245,9 +258,9 @@ def test_a_step_that_traced_a_graph_prices_nothing():
     decoder.prefill(list(range(1, 9)))
     steps = []
     for s in decoder.steps(SamplingParams(), Recorder(3), max_tokens=90):
-        before = step.built()
+        before = graphs.built()
         steps.append(s)
-        assert step.built() == before  # reading a step builds nothing
+        assert graphs.built() == before  # reading a step builds nothing
     verified = [s for s in steps if s.verified]
     assert verified[0].traced  # the first step traced its graphs
     assert any(s.traced for s in verified[1:])  # a later attention span traced another

@@ -10,11 +10,12 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 
+from ..graphs import compilable
 from ..loading import token_count
 from ..memo import from_folder
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
-from ..step import compilable, decode, decode_at
+from ..step import decode, decode_at
 from ..tree import Tree
 from .base import MAX_DRAFT, Draft, DrafterSpec, TargetFeatures
 

@@ -27,12 +27,13 @@ from typing import Any, ClassVar
 import mlx.core as mx
 
 from ..cli import bounded, non_negative_int, positive_int
+from ..graphs import compiled
 from ..heads.eagle import EagleHead
 from ..heads.eagle_format import EAGLE_DIR, load_eagle_heads
 from ..memo import from_folder
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
-from ..step import Then, bucket, cache_view, compiled
+from ..step import Then, bucket, cache_view
 from ..tree import DeviceTree, Tree
 from .base import Draft, DrafterSpec, TargetFeatures
 from .eagle_grow import catch_up_and_grow, grow

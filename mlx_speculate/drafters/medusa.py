@@ -21,11 +21,11 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import numpy as np
 
+from ..graphs import compiled
 from ..heads.medusa import DEFAULT_TREE, MEDUSA_TREES, MedusaHeads, load_medusa_heads, medusa_tree
 from ..memo import from_folder
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
-from ..step import compiled
 from ..tree import Tree
 from .base import Draft, DrafterSpec, TargetFeatures
 
