@@ -61,6 +61,7 @@ PROBE_BUDGET = 0.02  # share of plain decoding time that re-checking a switched-
 SEEN = 9  # recent step times whose median prices a size: a compile or a pause is one outlier
 TRUSTED = 3  # steps at a size before their times replace its calibrated price
 SWITCH_GAIN = 0.05  # how much faster another drafting size must look to move to it
+CARRIED = 8.0  # steps' weight of a drafter's last generation in the next one's acceptance
 
 
 class Prices:
@@ -71,14 +72,14 @@ class Prices:
     `TRUSTED` recent steps costs their median; any other drafting size its calibrated cost
     plus the median amount by which recent drafting steps exceeded theirs. The first drafting
     step after plain ones prices the catch-up instead (its time over its size's price, a
-    median). A drafting step of another size than the step before it prices nothing:
-    a drafter that prepares its next draft inside a step (a fused EAGLE step grows the next
-    tree) or queues it on the last step's count does neither across a change of size, so that
-    step pays an extra call the size's steady steps do not (stories260K, EAGLE chain of 3:
-    about 2.8 ms against 1.5); nor does a generation's first step. A step that traced a graph
-    comes with no time (`decode.Step.traced`). A property of the machine, model and drafter,
-    unlike acceptance: `default_policy` shares one between the generations of a drafter, and
-    between drafters over the same weights."""
+    median). Otherwise only a step between two steps of its own size is priced: a step's wall
+    time also holds the building of the step queued after it, which a step before another
+    size does not queue (it reads in about 0.1 ms on stories260K), and the first step at
+    another size builds its own draft (a fused EAGLE step grows only the next tree of its own
+    size: 4-13 ms there against 1.5-2.5 for steady steps). A generation's first step is
+    beside nothing. A step that traced a graph comes with no time (`decode.Step.traced`). A
+    property of the machine, model and drafter, unlike acceptance: `default_policy` shares
+    one between the generations of a drafter, and between drafters over the same weights."""
 
     def __init__(self, costs: StepCosts, sizes: tuple[int, ...]):
         self.costs = costs
@@ -99,7 +100,8 @@ class Prices:
         self, drafted: int, seconds: float, after_plain: bool = False, switched: bool = False
     ) -> None:
         """Corrects the prices with one step's wall time (0: not timed); `after_plain`: the
-        step before it drafted nothing; `switched`: it drafted another size (or came first)."""
+        step before it drafted nothing; `switched`: a step beside it has another size (or it
+        came first)."""
         if seconds <= 0 or drafted not in self.calibrated or (switched and not after_plain):
             return
         if drafted and after_plain:
@@ -138,15 +140,16 @@ class AdaptivePolicy:
     (its best nodes by probability), so E never falls with k.
 
     While drafting, the size held changes (to another size or to plain decoding) only for one
-    `SWITCH_GAIN` faster. Exploration: every `explore_every` steps two steps try each neighbouring
-    size (a tree's yield at a size is only known by trying it; the first step at a size is
-    not priced, see `Prices`). Switched off (best k = 0, or drafting could not pay even if
-    every draft passed), a drafter is re-checked with two steps of the cheapest draft that
-    could pay (judged as soon as they are read), at gaps that keep that check (and a draft
-    model's catch-up on the skipped tokens) within `PROBE_BUDGET` of plain decoding time,
-    doubling while it stays off; where the prior says drafting does not pay, the first check
-    comes at once for drafters with no catch-up and after one gap for the others. Switching
-    off and on again is logged (`--verbose` shows it).
+    `SWITCH_GAIN` faster. Exploration: every `explore_every` steps three steps try a
+    neighbouring size, the one above and the one below in turn (a tree's yield at a size is
+    only known by trying it; only the middle step is priced, see `Prices`). Switched off
+    (best k = 0, or drafting could not pay even if every draft passed), a drafter is
+    re-checked with three steps of the cheapest draft that could pay (judged as soon as they
+    are read), at gaps that keep that check (and a draft model's catch-up on the skipped
+    tokens) within `PROBE_BUDGET` of plain decoding time, doubling while it stays off;
+    where the prior says drafting does not pay, the first check comes at once for drafters
+    with no catch-up and after one gap for the others. Switching off and on again is logged
+    (`--verbose` shows it).
     """
 
     def __init__(
@@ -156,6 +159,7 @@ class AdaptivePolicy:
         decay: float = 0.95,
         explore_every: int = 32,
         prices: Prices | None = None,
+        before: AdaptivePolicy | None = None,
     ):
         if max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {max_k}")
@@ -167,6 +171,8 @@ class AdaptivePolicy:
         self._passed = [0.0] * max_k  # decayed passes of the token at depth d + 1 ...
         self._tried = [0.0] * max_k  # ... and how often it was verified after its parent passed
         self._yield: dict[int, list[float]] = {}  # trees: k -> [decayed tokens, steps]
+        if before is not None and before.max_k == max_k:
+            self._carry(before)
         self._plan: list[int] = []
         self._until_explore = explore_every
         self._gap = 0  # plain steps between re-checks while switched off
@@ -174,8 +180,11 @@ class AdaptivePolicy:
         self.drafting: bool | None = None  # whether the last choice drafted (None: none yet)
         self._last: int | None = None  # the last observed step's draft length
         self._held = 0  # the drafting size chosen last (exploration aside)
+        self._next: int | None = None  # the last choice: the step after the one observed
+        self._up = False  # the last exploration tried the size above
         self.prices = prices or Prices(costs, self.sizes)
-        self._timing = 0 if self.prices.trusted(0) else TRUSTED  # plain steps to time first
+        # Plain steps to time first: the first and last of them are beside other sizes.
+        self._timing = 0 if self.prices.trusted(0) else TRUSTED + 2
         self._step = self.prices.step  # kept current by the prices
         # Judged on the calibration: prices from a slow moment must not rule drafting out
         # for good (re-checks go to these sizes).
@@ -183,6 +192,19 @@ class AdaptivePolicy:
         self._useful = [k for k in self.sizes if k and (k + 1) * calibrated[0] > calibrated[k]]
         if not self._useful and max_k:
             log.info("drafting off: even if every draft passed it would not pay here")
+
+    def _carry(self, before: AdaptivePolicy) -> None:
+        """Acceptance as the drafter's last generation left it, worth at most `CARRIED`
+        steps: it depends on the prompt, but says more of the next one than the prior of 1/2
+        (an EAGLE head passing 80 % looked like a coin to each new generation, and stories of
+        256 tokens ended before a re-check)."""
+        tried = before._tried[0] if before._tried else 0.0
+        scale = min(1.0, CARRIED / tried) if tried else 0.0
+        self._passed = [scale * p for p in before._passed]
+        self._tried = [scale * t for t in before._tried]
+        for k, (tokens, steps) in before._yield.items():
+            kept = min(1.0, CARRIED / steps) if steps else 0.0
+            self._yield[k] = [kept * tokens, kept * steps]
 
     @property
     def acceptance(self) -> float:
@@ -235,6 +257,10 @@ class AdaptivePolicy:
         return max(self.sizes, key=lambda k: (rates[k], -k))
 
     def choose(self) -> int:
+        self._next = self._choose()
+        return self._next
+
+    def _choose(self) -> int:
         if self._plan:
             return self._plan.pop(0)
         if not self._useful:
@@ -270,15 +296,17 @@ class AdaptivePolicy:
         self._until_explore -= 1
         if self._until_explore > 0:
             return best
-        if best == 0:  # re-check: two steps, the first of which may pay a catch-up
+        if best == 0:  # re-check: three steps, the first may pay a catch-up, the second priced
             self._gap = min(2 * self._gap, 8 * self._probe_gap())
             self._until_explore, self._checking = 1, True  # judged right after
-            self._plan = [self._useful[0]]
+            self._plan = [self._useful[0]] * 2
             return self._useful[0]
         self._until_explore = self.explore_every
         i = self.sizes.index(best)
-        around = self.sizes[i + 1 : i + 2] + self.sizes[i - 1 : i]
-        self._plan = [k for k in around if k for _ in range(2)]  # the second step is priced
+        self._up = not self._up  # one neighbour a time, above and below in turn
+        around = [k for k in self.sizes[i + 1 : i + 2] + self.sizes[i - 1 : i] if k]
+        around = around[::-1] if not self._up else around
+        self._plan = around[:1] * 3  # its middle step is priced
         return self._plan.pop(0) if self._plan else best
 
     def _hold(self, rates: dict[int, float]) -> int:
@@ -293,11 +321,12 @@ class AdaptivePolicy:
     def _probe_gap(self) -> int:
         """Plain steps between re-checks, so that they cost at most PROBE_BUDGET."""
         plain = self._step[0]
-        extra = 2 * max(0.0, self._step[self._useful[0]] - plain) + self.prices.catch_up
+        extra = 3 * max(0.0, self._step[self._useful[0]] - plain) + self.prices.catch_up
         return max(self.explore_every, round(extra / (PROBE_BUDGET * plain)))
 
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:
-        switched = drafted > 0 and drafted != self._last  # or the generation's first step
+        # The loop chooses the next step before it reads this one (decode.Decoder.steps).
+        switched = not drafted == self._last == self._next
         self.prices.observe(drafted, seconds, self._last == 0, switched)
         self._last = drafted
         if drafted == 0:
@@ -323,7 +352,8 @@ def default_policy(
     """A fixed draft length when one is asked for, else the adaptive policy up to the
     drafter's own cap (`Drafter.max_draft`), on the costs calibrated for `target` and
     `drafter` on this machine (measured now if not cached: a few seconds; `decide` as
-    `calibrate.load_costs`'s), priced as the drafter's last generations paid."""
+    `calibrate.load_costs`'s), priced as the drafter's last generations paid, and starting
+    from the acceptance its last generation learned (`AdaptivePolicy._carry`)."""
     if num_draft_tokens is not None:
         return FixedPolicy(num_draft_tokens)
     from .calibrate import drafter_weights, load_costs
@@ -335,10 +365,11 @@ def default_policy(
     owner = next(iter(drafter_weights(drafter)), drafter)
     held = per_model(_PRICES, owner, (type(drafter).__name__, drafter.max_draft), lambda: [])
     if not held or held[0].costs != costs:
-        held[:] = [Prices(costs, sizes)]
-    return AdaptivePolicy(costs, drafter.max_draft, prices=held[0])
+        held[:] = [Prices(costs, sizes), None]
+    held[1] = AdaptivePolicy(costs, drafter.max_draft, prices=held[0], before=held[1])
+    return held[1]
 
 
-# What the steps of each drafter (or its weights) have cost so far, carried from one
-# generation to the next.
+# What the steps of each drafter (or its weights) have cost so far, and its last generation's
+# policy, carried from one generation to the next.
 _PRICES: Table = {}
