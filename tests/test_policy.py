@@ -10,6 +10,7 @@ import pytest
 
 from mlx_speculate.calibrate import StepCosts
 from mlx_speculate.policy import (
+    CARRIED,
     TRUSTED,
     AdaptivePolicy,
     FixedPolicy,
@@ -334,6 +335,25 @@ def test_a_re_check_that_pays_resumes_drafting_at_once():
         k = policy.choose()
     assert policy.best() > 0
     assert k > 0
+
+
+def test_a_new_generation_starts_from_the_last_ones_acceptance(monkeypatch):
+    # From the prior of 1/2 every generation started unsure whether drafting pays; the last
+    # generation's acceptance, worth at most CARRIED steps, lets the next draft at once.
+    monkeypatch.setattr("mlx_speculate.calibrate.load_costs", lambda *a, **k: CALIBRATED)
+
+    class Drafter:
+        max_draft = 8
+
+    drafter = Drafter()
+    fresh = default_policy(drafter, None)
+    assert fresh.acceptance == 0.5
+    run(fresh, CALIBRATED, 0.95, 300)
+    again = default_policy(drafter, None)
+    assert again.acceptance > 0.85
+    assert again._tried[0] == pytest.approx(CARRIED)
+    assert all(run(again, CALIBRATED, 0.95, 10)[0])
+    assert default_policy(Drafter(), None).acceptance == 0.5  # another drafter's is its own
 
 
 def test_plain_steps_are_timed_before_drafting():
