@@ -248,12 +248,20 @@ def test_catch_up_learned_from_step_times():
     assert speed >= 0.97
 
 
-def test_prices_carry_over_between_generations_of_a_drafter(monkeypatch):
+class Drafter:
+    """What `default_policy` reads of a drafter."""
+
+    max_draft = 8
+
+
+@pytest.fixture
+def calibrated(monkeypatch):
+    """`default_policy` finds CALIBRATED as this machine's costs."""
     monkeypatch.setattr("mlx_speculate.calibrate.load_costs", lambda *a, **k: CALIBRATED)
 
-    class Drafter:
-        max_draft = 8
 
+@pytest.mark.usefixtures("calibrated")
+def test_prices_carry_over_between_generations_of_a_drafter():
     drafter = Drafter()
     first = default_policy(drafter, None)
     run(first, PAID, 0.6, 100)
@@ -337,14 +345,10 @@ def test_a_re_check_that_pays_resumes_drafting_at_once():
     assert k > 0
 
 
-def test_a_new_generation_starts_from_the_last_ones_acceptance(monkeypatch):
+@pytest.mark.usefixtures("calibrated")
+def test_a_new_generation_starts_from_the_last_ones_acceptance():
     # From the prior of 1/2 every generation started unsure whether drafting pays; the last
     # generation's acceptance, worth at most CARRIED steps, lets the next draft at once.
-    monkeypatch.setattr("mlx_speculate.calibrate.load_costs", lambda *a, **k: CALIBRATED)
-
-    class Drafter:
-        max_draft = 8
-
     drafter = Drafter()
     fresh = default_policy(drafter, None)
     assert fresh.acceptance == 0.5
