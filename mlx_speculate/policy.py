@@ -171,8 +171,6 @@ class AdaptivePolicy:
         self._passed = [0.0] * max_k  # decayed passes of the token at depth d + 1 ...
         self._tried = [0.0] * max_k  # ... and how often it was verified after its parent passed
         self._yield: dict[int, list[float]] = {}  # trees: k -> [decayed tokens, steps]
-        if before is not None and before.max_k == max_k:
-            self._carry(before)
         self._plan: list[int] = []
         self._until_explore = explore_every
         self._gap = 0  # plain steps between re-checks while switched off
@@ -192,12 +190,18 @@ class AdaptivePolicy:
         self._useful = [k for k in self.sizes if k and (k + 1) * calibrated[0] > calibrated[k]]
         if not self._useful and max_k:
             log.info("drafting off: even if every draft passed it would not pay here")
+        if before is not None and before.max_k == max_k:
+            self._carry(before)
 
     def _carry(self, before: AdaptivePolicy) -> None:
-        """Acceptance as the drafter's last generation left it, worth at most `CARRIED`
-        steps: it depends on the prompt, but says more of the next one than the prior of 1/2
-        (an EAGLE head passing 80 % looked like a coin to each new generation, and stories of
-        256 tokens ended before a re-check)."""
+        """Goes on from where the drafter's last generation left off: its acceptance, worth
+        at most `CARRIED` steps (it depends on the prompt, but says more of the next one than
+        the prior of 1/2), whether it drafted and its size, and the count to the next
+        exploration or re-check. Started afresh, an EAGLE head passing 80 % looked like a
+        coin to every generation, and one switched off waited a new gap before its first
+        re-check: 256-token stories ended before it."""
+        self.drafting, self._held, self._gap = before.drafting, before._held, before._gap
+        self._until_explore = before._until_explore
         tried = before._tried[0] if before._tried else 0.0
         scale = min(1.0, CARRIED / tried) if tried else 0.0
         self._passed = [scale * p for p in before._passed]

@@ -360,6 +360,20 @@ def test_a_new_generation_starts_from_the_last_ones_acceptance():
     assert default_policy(Drafter(), None).acceptance == 0.5  # another drafter's is its own
 
 
+def test_a_switched_off_drafter_is_re_checked_across_short_generations():
+    # A draft model whose catch-up costs 5 plain steps is re-checked every few hundred steps;
+    # generations of 100 steps each started that count afresh and were never re-checked
+    # (drafted steps per generation: all 0, against 41 in the fourth and 95 in each after).
+    costs = curve(lambda r: 0.01 * (0.5 + 0.5 * r), lambda k: 0.001 * k, catch_up=0.05)
+    policy, drafted = None, []
+    for generation in range(10):
+        policy = AdaptivePolicy(costs, 8, before=policy)
+        choices, _ = run(policy, costs, 0.0 if generation == 0 else 0.95, 100, seed=generation)
+        drafted.append(sum(k > 0 for k in choices))
+    assert drafted[0] == 0
+    assert sum(drafted[-5:]) >= 0.9 * 500
+
+
 def test_plain_steps_are_timed_before_drafting():
     # A plain step overlaps the one before and costs 0.7 of the calibrated one-row forward:
     # at 60% acceptance one draft pays against the calibration, not against plain decoding.
