@@ -308,9 +308,8 @@ class AdaptivePolicy:
         self._until_explore = self.explore_every
         i = self.sizes.index(best)
         self._up = not self._up  # one neighbour a time, above and below in turn
-        around = [k for k in self.sizes[i + 1 : i + 2] + self.sizes[i - 1 : i] if k]
-        around = around[::-1] if not self._up else around
-        self._plan = around[:1] * 3  # its middle step is priced
+        above, below = list(self.sizes[i + 1 : i + 2]), [k for k in self.sizes[i - 1 : i] if k]
+        self._plan = ((above if self._up else below) or above or below) * 3  # middle priced
         return self._plan.pop(0) if self._plan else best
 
     def _hold(self, rates: dict[int, float]) -> int:
@@ -356,8 +355,8 @@ def default_policy(
     """A fixed draft length when one is asked for, else the adaptive policy up to the
     drafter's own cap (`Drafter.max_draft`), on the costs calibrated for `target` and
     `drafter` on this machine (measured now if not cached: a few seconds; `decide` as
-    `calibrate.load_costs`'s), priced as the drafter's last generations paid, and starting
-    from the acceptance its last generation learned (`AdaptivePolicy._carry`)."""
+    `calibrate.load_costs`'s), priced as the drafter's last generations paid, and going on
+    from where its last generation left off (`AdaptivePolicy._carry`)."""
     if num_draft_tokens is not None:
         return FixedPolicy(num_draft_tokens)
     from .calibrate import drafter_weights, load_costs
