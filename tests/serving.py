@@ -38,6 +38,14 @@ class Running:
         value = self.metrics.registry.get_sample_value(name, labels or None)
         return 0.0 if value is None else value
 
+    def metric_reaching(self, name: str, value: float, **labels: str) -> float:
+        """The metric once it reaches `value`, or after 5 s: a stream is counted right after
+        its last chunk went out, so its client may have read the end before."""
+        deadline = time.monotonic() + 5
+        while self.metric(name, **labels) < value and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.metric(name, **labels)
+
 
 @contextmanager
 def serve(
