@@ -102,9 +102,10 @@ class Prices:
         """Corrects the prices with one step's wall time (0: not timed); `after_plain`: the
         step before it drafted nothing; `switched`: a step beside it has another size (or it
         came first)."""
-        if seconds <= 0 or drafted not in self.calibrated or (switched and not after_plain):
+        catch_up = drafted > 0 and after_plain
+        if seconds <= 0 or drafted not in self.calibrated or (switched and not catch_up):
             return
-        if drafted and after_plain:
+        if catch_up:
             self._catch_ups.append(seconds - self.step[drafted])  # noise either way
             self.catch_up = max(0.0, median(self._catch_ups))
             return

@@ -374,6 +374,21 @@ def test_a_switched_off_drafter_is_re_checked_across_short_generations():
     assert sum(drafted[-5:]) >= 0.9 * 500
 
 
+def test_only_a_step_between_steps_of_its_size_is_priced():
+    # A plain step read right before a drafting one queued nothing and reads almost at once;
+    # the first drafting step after plain ones prices the catch-up instead.
+    prices = Prices(CALIBRATED, candidate_lengths(8))
+    for _ in range(TRUSTED):
+        prices.observe(0, 0.007)
+    for _ in range(5):
+        prices.observe(0, 0.0001, after_plain=True, switched=True)
+        prices.observe(2, 0.05, after_plain=True, switched=True)
+        prices.observe(2, 0.0001, switched=True)  # before another size
+    assert prices.step[0] == pytest.approx(0.007)
+    assert not prices.trusted(2)
+    assert prices.catch_up == pytest.approx(0.05 - prices.step[2])
+
+
 def test_plain_steps_are_timed_before_drafting():
     # A plain step overlaps the one before and costs 0.7 of the calibrated one-row forward:
     # at 60% acceptance one draft pays against the calibration, not against plain decoding.
