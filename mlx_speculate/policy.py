@@ -289,7 +289,7 @@ class AdaptivePolicy:
                     100 * self.acceptance,
                 )
             self._gap = self._probe_gap()
-            # Never drafted yet: check the prior against two real steps at once, unless the
+            # Never drafted yet: check the prior against real steps at once, unless the
             # check costs a catch-up of more than a step (a draft model would first prefill
             # the whole prompt).
             first = self.drafting is None and self.prices.catch_up <= self._step[0]
