@@ -180,7 +180,10 @@ class AdaptivePolicy:
         self._last: int | None = None  # the last observed step's draft length
         self._held = 0  # the drafting size chosen last (exploration aside)
         self._next: int | None = None  # the last choice: the step after the one observed
-        self._up = False  # the last exploration tried the size above
+        self._up = False  # the last exploration's turn was the size above
+        # Per side (above: True), turns to skip, and how many it skips after a priced
+        # neighbour there moved nothing (doubling up to 8).
+        self._backoff, self._skips = {True: 1, False: 1}, {True: 0, False: 0}
         self.prices = prices or Prices(costs, self.sizes)
         # Plain steps to time first: the first and last of them are beside other sizes.
         self._timing = 0 if self.prices.trusted(0) else TRUSTED + 2
@@ -277,7 +280,10 @@ class AdaptivePolicy:
             # Off until the next re-check: without drafts acceptance stays as it was.
             self._until_explore -= 1
             return 0
-        best = self._held = self._hold(self.rates())
+        best = self._hold(self.rates())
+        if best != self._held:  # a move: look around again at every turn
+            self._backoff, self._skips = {True: 1, False: 1}, {True: 0, False: 0}
+        self._held = best
         checked, self._checking = self._checking, False
         if checked and best == 0:  # the re-check did not pay: off until the next one
             self._until_explore = self._gap
@@ -308,9 +314,19 @@ class AdaptivePolicy:
             return self._useful[0]
         self._until_explore = self.explore_every
         i = self.sizes.index(best)
-        self._up = not self._up  # one neighbour a time, above and below in turn
+        self._up = up = not self._up  # one neighbour a time, above and below in turn
         above, below = list(self.sizes[i + 1 : i + 2]), [k for k in self.sizes[i - 1 : i] if k]
-        self._plan = ((above if self._up else below) or above or below) * 3  # middle priced
+        if not (above if up else below):
+            up = not up
+        if self._skips[up]:
+            self._skips[up] -= 1
+            return best
+        self._plan = (above if up else below) * 3  # its middle step is priced
+        if self._plan and self.prices.trusted(self._plan[0]):
+            # A neighbour with its own price that keeps losing (a tree beside a chain, four
+            # plain steps a step) is tried at doubling gaps; a move resets them.
+            self._backoff[up] = min(2 * self._backoff[up], 8)
+            self._skips[up] = self._backoff[up] - 1
         return self._plan.pop(0) if self._plan else best
 
     def _hold(self, rates: dict[int, float]) -> int:

@@ -329,6 +329,15 @@ def test_nearby_sizes_do_not_trade_places_on_noise():
     assert speed >= 0.95 * best  # 0.91
 
 
+def test_a_dear_neighbour_is_explored_at_doubling_gaps():
+    # EAGLE's default tree next to a one-node draft (a chain): the trees cost four plain
+    # steps a step, and three-step explorations of them every 32 steps cost 18 % of the best
+    # fixed size; after a neighbour that has its price loses, its side waits doubling turns.
+    costs = curve(lambda r: 0.01, lambda k: 0.003 if k == 1 else 0.03 + 0.0005 * k)
+    _, speed = switching(AdaptivePolicy(costs, 8), costs, 0.82, 3000)
+    assert speed >= 0.9 * best_rate(costs, lambda k: chain_tokens(0.82, k), candidate_lengths(8))
+
+
 def test_a_re_check_that_pays_resumes_drafting_at_once():
     # Switched off at acceptance 0, then a re-check whose drafts all pass: drafting resumes
     # right after its steps, not a whole gap of plain steps later.
