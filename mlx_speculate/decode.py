@@ -94,7 +94,7 @@ class Decoder:
         self.cache: KVCache = model.make_cache()
         self.taps = drafter.taps if drafter is not None else ()
         self.context: list[int] = []
-        self._clock = (0.0, 0)  # when the last step finished, and graphs built by then
+        self._clock = (0.0, 0)  # when the last step finished, and graphs traced by then
         self._limit = 0  # last context length the current generation may reach
         self._prompt_logits: mx.array | None = None  # (1, V) after the prompt, until read
 

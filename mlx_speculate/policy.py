@@ -181,9 +181,7 @@ class AdaptivePolicy:
         self._held = 0  # the drafting size chosen last (exploration aside)
         self._next: int | None = None  # the last choice: the step after the one observed
         self._up = False  # the last exploration's turn was the size above
-        # Per side (above: True), turns to skip, and how many it skips after a priced
-        # neighbour there moved nothing (doubling up to 8).
-        self._backoff, self._skips = {True: 1, False: 1}, {True: 0, False: 0}
+        self._look_around()
         self.prices = prices or Prices(costs, self.sizes)
         # Plain steps to time first: the first and last of them are beside other sizes.
         self._timing = 0 if self.prices.trusted(0) else TRUSTED + 2
@@ -200,12 +198,12 @@ class AdaptivePolicy:
     def _carry(self, before: AdaptivePolicy) -> None:
         """Goes on from where the drafter's last generation left off: its acceptance, worth
         at most `CARRIED` steps (it depends on the prompt, but says more of the next one than
-        the prior of 1/2), whether it drafted and its size, and the count to the next
-        exploration or re-check. Started afresh, an EAGLE head passing 80 % looked like a
-        coin to every generation, and one switched off waited a new gap before its first
-        re-check: 256-token stories ended before it."""
+        the prior of 1/2), whether it drafted and its size, and the exploration and re-check
+        schedule. Started afresh, an EAGLE head passing 80 % looked like a coin to every
+        generation, and one switched off waited a new gap: 256-token stories ended first."""
         self.drafting, self._held, self._gap = before.drafting, before._held, before._gap
-        self._until_explore = before._until_explore
+        self._until_explore, self._up = before._until_explore, before._up
+        self._backoff, self._skips = dict(before._backoff), dict(before._skips)
         tried = before._tried[0] if before._tried else 0.0
         scale = min(1.0, CARRIED / tried) if tried else 0.0
         self._passed = [scale * p for p in before._passed]
@@ -281,8 +279,8 @@ class AdaptivePolicy:
             self._until_explore -= 1
             return 0
         best = self._hold(self.rates())
-        if best != self._held:  # a move: look around again at every turn
-            self._backoff, self._skips = {True: 1, False: 1}, {True: 0, False: 0}
+        if best != self._held:  # a move
+            self._look_around()
         self._held = best
         checked, self._checking = self._checking, False
         if checked and best == 0:  # the re-check did not pay: off until the next one
@@ -328,6 +326,12 @@ class AdaptivePolicy:
             self._backoff[up] = min(2 * self._backoff[up], 8)
             self._skips[up] = self._backoff[up] - 1
         return self._plan.pop(0) if self._plan else best
+
+    def _look_around(self) -> None:
+        """Every exploration turn taken again on both sides (above: True): per side, the turns
+        it skips after a neighbour with its own price there moved nothing, doubling up to 8,
+        and the turns left to skip."""
+        self._backoff, self._skips = {True: 1, False: 1}, {True: 0, False: 0}
 
     def _hold(self, rates: dict[int, float]) -> int:
         """The best k, unless a drafting size is held and the best is not `SWITCH_GAIN`
