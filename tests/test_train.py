@@ -75,6 +75,23 @@ def test_heads_learn_and_keep_greedy_lossless(data_cache, tmp_path, kind):
         assert generate(model, tokenizer, prompt, eagle=head, **options) == plain
 
 
+def test_a_wider_draft_mlp_is_saved_loaded_and_lossless(data_cache, tmp_path):
+    """`intermediate_size` widens the draft layer's MLP (the official loaders read the width
+    from config.json); the saved head loads at that width and drafts losslessly."""
+    out = tmp_path / "wide"
+    short = TrainConfig(epochs=1, batch_tokens=128, max_steps=3)
+    wide = Recipe("eagle3", draft_vocab=256, ttt_steps=3, intermediate_size=200, train=short,
+                  **SAMPLES)  # fmt: skip
+    train_head("eagle3", STORIES, out, cache=cache_copy(data_cache, tmp_path), recipe=wide,
+               progress=False)  # fmt: skip
+    assert json.loads((out / "config.json").read_text())["intermediate_size"] == 200
+    model, tokenizer = load(STORIES)
+    head = load_eagle_heads(out, model)
+    assert head.midlayer.mlp.gate_proj.weight.shape == (200, model.args.hidden_size)
+    plain = generate(model, tokenizer, [1], max_tokens=60)
+    assert generate(model, tokenizer, [1], eagle=head, max_tokens=60) == plain
+
+
 def check_layout(kind: str, out) -> None:
     """Keys and configs as SafeAILab's and Medusa's loaders read them."""
     from safetensors.numpy import load_file
@@ -87,7 +104,7 @@ def check_layout(kind: str, out) -> None:
         assert {"fc.weight", "layers.0.self_attn.q_proj.weight"} < set(names)
     if kind == "eagle3":
         assert config["draft_vocab_size"] == 256
-        assert config["eagle_aux_hidden_state_layer_ids"] == [2]
+        assert config["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]  # the last three of 5 layers
         need = {"fc.weight", "midlayer.hidden_norm.weight", "norm.weight", "lm_head.weight"}
         assert need < set(names)
         d2t, t2d = names["d2t"], names["t2d"]
@@ -245,7 +262,8 @@ def test_bad_input_is_one_line_with_exit_2(data_cache, tmp_path, capsys):
 
 
 def test_a_recipe_setting_below_one_is_a_one_line_error():
-    for setting in ("max_tokens", "top_k", "draft_vocab", "ttt_steps", "data_batch"):
+    for setting in ("max_tokens", "top_k", "draft_vocab", "ttt_steps", "data_batch",
+                    "intermediate_size"):  # fmt: skip
         with pytest.raises(ValueError, match="must be >= 1"):
             Recipe("eagle1", **{setting: 0})
 

@@ -39,6 +39,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab", type=positive_int, default=Recipe.draft_vocab, help="EAGLE-3")
     p.add_argument("--taps", type=int, nargs="+", help="EAGLE-3's target layers")
     p.add_argument("--ttt-steps", type=positive_int, default=Recipe.ttt_steps, help="EAGLE-3")
+    p.add_argument("--intermediate-size", type=positive_int,
+                   help="EAGLE: the draft layer's MLP width (default: the target's)")  # fmt: skip
     p.add_argument("--medusa-heads", type=positive_int, default=Recipe.medusa_heads)
     p.add_argument("--medusa-layers", type=positive_int, default=Recipe.medusa_layers)
     p.add_argument("--epochs", type=positive_int, default=TrainConfig.epochs)
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             data_batch=args.data_batch,
             draft_vocab=args.draft_vocab,
             taps=None if args.taps is None else tuple(args.taps), ttt_steps=args.ttt_steps,
+            intermediate_size=args.intermediate_size,
             medusa_heads=args.medusa_heads, medusa_layers=args.medusa_layers,
             layout=args.layout, train=config,
         )  # fmt: skip
