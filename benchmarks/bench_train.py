@@ -91,6 +91,7 @@ def main(argv=None) -> None:
     parser.add_argument("--draft-vocab", type=int, default=4096)
     parser.add_argument("--sample-prefix", type=int, default=16)
     parser.add_argument("--data-batch", type=int, default=32, help="prompts answered together")
+    parser.add_argument("--intermediate-size", type=int, help="the draft layer's MLP width")
     parser.add_argument("--work", type=Path, default=CACHE / "train-bench")
     parser.add_argument("--eval-prompts", type=int, default=10)
     parser.add_argument("--eval-tokens", type=int, default=128)
@@ -120,7 +121,7 @@ def main(argv=None) -> None:
                          max_steps=args.max_steps, batch_tokens=args.batch_tokens)  # fmt: skip
     recipe = Recipe(args.kind, max_tokens=args.max_tokens, self_samples=args.self_samples,
                     sample_prefix=args.sample_prefix, draft_vocab=args.draft_vocab,
-                    data_batch=args.data_batch,
+                    data_batch=args.data_batch, intermediate_size=args.intermediate_size,
                     train=config)  # fmt: skip
     if not out.exists():
         result = train_head(args.kind, args.model, out, recipe=recipe,
