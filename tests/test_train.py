@@ -261,6 +261,18 @@ def test_bad_input_is_one_line_with_exit_2(data_cache, tmp_path, capsys):
     assert "feature cache" in err and "corrupt" in err and err.count("\n") == 1
 
 
+def test_default_taps_are_the_official_three_or_a_shallow_targets_last_three():
+    from types import SimpleNamespace
+
+    from mlx_speculate.train.recipe import _taps
+
+    for layers, taps in ((3, (0, 1, 2)), (5, (2, 3, 4)), (6, (3, 4, 5)), (7, (2, 3, 4)),
+                         (28, (2, 14, 25)), (30, (2, 15, 27))):  # fmt: skip
+        target = SimpleNamespace(args=SimpleNamespace(num_hidden_layers=layers))
+        assert _taps("eagle3", target, None) == taps, layers
+        assert _taps("eagle1", target, None) == ()
+
+
 def test_a_recipe_setting_below_one_is_a_one_line_error():
     for setting in ("max_tokens", "top_k", "draft_vocab", "ttt_steps", "data_batch",
                     "intermediate_size"):  # fmt: skip
