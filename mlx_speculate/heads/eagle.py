@@ -322,8 +322,7 @@ class Eagle3Head(EagleHead):
         return self.fc(taps)
 
     def taps(self, num_layers: int) -> tuple[int, ...]:
-        # The official taps: the states entering layers 2, L//2 and L-3 (each once), in order.
-        return self.config.taps or tuple(sorted({2, num_layers // 2, num_layers - 3}))
+        return self.config.taps or official_taps(num_layers)
 
     def inputs(self, hidden: mx.array, taps: Sequence[mx.array]) -> mx.array:
         return mx.concatenate(list(taps), axis=-1)
@@ -362,6 +361,12 @@ class Eagle3Head(EagleHead):
                     f"EAGLE-3 d2t maps draft ids to {top}, past the target's vocabulary"
                 )
         return tuple(taps)
+
+
+def official_taps(layers: int) -> tuple[int, ...]:
+    """The official EAGLE-3 taps of a `layers`-deep target: the states entering layers 2,
+    L//2 and L-3 (each once), in order."""
+    return tuple(sorted({2, layers // 2, layers - 3}))
 
 
 HEADS: dict[int, type[EagleHead]] = {1: Eagle1Head, 3: Eagle3Head}

@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..device import roomy_cache
-from ..heads.eagle import Eagle1Head, Eagle3Head, EagleConfig
+from ..heads.eagle import Eagle1Head, Eagle3Head, EagleConfig, official_taps
 from ..heads.eagle_format import LAYOUTS, save_official
 from ..heads.medusa import MedusaHeads, save_medusa1
 from ..loading import load
@@ -156,7 +156,7 @@ def _taps(kind: str, target: CausalLM, taps: tuple[int, ...] | None) -> tuple[in
                 f"EAGLE-3 taps layers 2, L//2 and L-3; the target has {layers} layers "
                 "(train eagle1 or medusa, or name the taps)"
             )
-        taps = tuple(sorted({2, layers // 2, layers - 3}))
+        taps = official_taps(layers)
         if len(taps) < 3:
             taps = (layers - 3, layers - 2, layers - 1)
     if not taps or any(not 0 <= t < layers for t in taps):
