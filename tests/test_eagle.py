@@ -97,8 +97,12 @@ def tree_paths(draft):
 
 
 @pytest.mark.parametrize("version", [1, 3])
-@pytest.mark.parametrize(("settings", "k"), [(EagleTree(12, 3, 3), 11), (EagleTree(60, 7, 4), 20)])
+@pytest.mark.parametrize(
+    ("settings", "k"),
+    [(EagleTree(12, 3, 3), 11), (EagleTree(60, 7, 4), 20), (EagleTree.chain(5), 5)],
+)
 def test_tree_is_eagle2s_best_nodes(version, settings, k):
+    """Trees, and chains (their own path: one row a level, tables built once)."""
     target, head = target_and_head("llama", version)
     drafter = EagleDrafter(head, target, (1, 2, 4) if version == 3 else (), settings)
     out = target(mx.array([PROMPT]), taps=drafter.taps)

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 
 from ..heads.eagle import EagleHead
+from ..models.context import build_context
 from ..tree import DeviceTree
 from ..verify import Acceptance
 
@@ -33,6 +34,8 @@ def grow(
     head's output at the last committed position, whose slot and rotary position is
     `start - 1`: the levels write from slot `start` on. Returns (tokens (k,), and for trees
     the selected tree's parent, depth and ancestor arrays); `cache.state` holds the writes."""
+    if top_k == 1:
+        return (chain(head, embed, project, last, cache, start, depth)[:k],)
     scores, ids = best(head, project, last[None], top_k)  # (1, top_k)
     tokens, scores = ids[0], scores[0]  # the root's children
     candidates = [(tokens, scores, mx.zeros((top_k,), dtype=mx.int32))]
@@ -49,13 +52,9 @@ def grow(
             cache,
             from_target=False,
             positions=mx.broadcast_to(start + level, (top_k,)),
-            mask=None if top_k == 1 else seen,  # a chain's level is causal
+            mask=seen,
         )[0]  # (top_k, h)
         child_scores, child_ids = best(head, project, out, top_k)  # (top_k, top_k)
-        if top_k == 1:  # a chain: the next token, no scores or selection
-            tokens, hidden = child_ids[0], head.feedback(out)
-            candidates.append((tokens, None, None))
-            continue
         cumulative = (child_scores + scores[:, None]).reshape(-1)  # (top_k * top_k,)
         parents = mx.repeat(frontier + 1, top_k)  # node ids: candidate index + 1
         candidates.append((child_ids.reshape(-1), cumulative, parents))
@@ -67,13 +66,42 @@ def grow(
         frontier, hidden = first + chosen, head.feedback(out)[rows]
         seen = mx.concatenate([seen[rows], eye], axis=1)
         first += top_k * top_k
-    if top_k == 1:
-        return (mx.concatenate([c[0] for c in candidates])[:k],)
     tokens, scores, parents = (mx.concatenate(c) for c in zip(*candidates, strict=True))
     levels = [mx.full((top_k,), 1, mx.int32)]
     levels += [mx.full((top_k * top_k,), d + 2, mx.int32) for d in range(depth)]
     tree, index = select(scores, parents, mx.concatenate(levels), k, depth + 1, top_k)
     return tokens[index], tree.parent_index, tree.depth_index, tree.ancestors
+
+
+def chain(
+    head: EagleHead,
+    embed: Embed,
+    project: Callable[[mx.array], mx.array],
+    last: mx.array,
+    cache,
+    start: mx.array,
+    depth: int,
+) -> mx.array:
+    """`grow` for a top-k of 1: the depth + 1 greedy drafts (no scores, no selection). Level
+    i runs one row at slot and position start + i; the rows' rotations and causal masks are
+    built once for all levels, and every level keeps (1, 1, ...) shapes: on an overhead-bound
+    target each re-index or table would be a graph node a level."""
+    ids = greedy(head, project, last[None, None])  # (1, 1)
+    drafts, hidden = [ids], head.feedback(last)[None, None]
+    cache.start = start
+    if depth:
+        levels = build_context(head.rope, cache, depth, None, None, None, (False,), last.dtype)
+    for level in range(depth):
+        ctx = levels.row(level, head.rope, last.dtype)
+        out = head(embed(ids), hidden, cache, from_target=False, ctx=ctx)  # (1, 1, h)
+        ids, hidden = greedy(head, project, out), head.feedback(out)
+        drafts.append(ids)
+    return mx.concatenate(drafts, axis=1)[0] if depth else ids[0]
+
+
+def greedy(head: EagleHead, project: Callable[[mx.array], mx.array], out: mx.array) -> mx.array:
+    """(..., h) head outputs -> (...) their likeliest next target ids."""
+    return head.to_target(mx.argmax(project(out), axis=-1).astype(mx.int32))
 
 
 def catch_up_and_grow(

@@ -181,13 +181,16 @@ class EagleHead(nn.Module):
         from_target: bool,
         positions: mx.array | None = None,
         mask: mx.array | None = None,
+        ctx: ForwardContext | None = None,
     ) -> mx.array:
         """(B, L, h) embeddings of x_{t+1} and (B, L, F) states of position t -> (B, L, h) the
         head's output (its next hidden). `from_target`: `hidden` is what `inputs` made of the
-        target's features, else the head's own `feedback`."""
-        ctx = build_context(
-            self._rope, cache, embeds.shape[1], positions, mask, None, (False,), embeds.dtype
-        )
+        target's features, else the head's own `feedback`. `ctx`: a context built beforehand
+        (`ForwardContext.row`) in place of one from `positions` and `mask`."""
+        if ctx is None:
+            ctx = build_context(
+                self._rope, cache, embeds.shape[1], positions, mask, None, (False,), embeds.dtype
+            )
         x = self._level(embeds, hidden, ctx, from_target)
         cache.advance(embeds.shape[1])
         return x

@@ -42,6 +42,14 @@ class ForwardContext:
             self.rotations[id(rope)] = tables
         return self.rotations[id(rope)]
 
+    def row(self, i: int, rope: RotaryEmbedding, dtype: mx.Dtype) -> ForwardContext:
+        """Row i of this consecutive-position forward as a one-row forward of its own: its
+        slot, mask row and rotation row, sliced from tables built once for all rows."""
+        cos, sin, *rest = self.rotation(rope, self.mask.shape[-2], dtype)
+        return ForwardContext(self.cache, self.start + i, None, None, self.seq_len,
+                              self.mask[..., i : i + 1, :], None, self.sliding, self.span,
+                              {id(rope): (cos[i : i + 1], sin[i : i + 1], *rest)})  # fmt: skip
+
 
 def additive_mask(allowed: mx.array, dtype: mx.Dtype, prefix: int = 0) -> mx.array:
     """(..., N, M) bool -> (..., N, prefix + M) additive mask: 0 where allowed and on `prefix`
