@@ -99,9 +99,12 @@ class RotaryEmbedding:
         self.dims = int(head_dim * params.get("partial_rotary_factor", 1.0))
         self.head_dim = head_dim
         half = self.dims // 2  # rotate_half: features [half, dims) then [0, half), then the rest
-        self._half = mx.array(
-            [*range(half, self.dims), *range(half), *range(self.dims, head_dim)], dtype=mx.int32
-        )
+        order = [*range(half, self.dims), *range(half), *range(self.dims, head_dim)]
+        # rotate_half as a product with a permutation matrix, exact (one 1 per column): one
+        # graph node a call where gathering the features takes three (gather, transpose,
+        # squeeze), and the CPU step of an overhead-bound model pays for each node.
+        self._swap = mx.zeros((1, 1, head_dim, head_dim), mx.float32)
+        self._swap[0, 0, mx.array(order), mx.arange(head_dim)] = 1.0
         self.rope_type = params["rope_type"]
         self.base = float(params["rope_theta"])
         self.max_position_embeddings = max_position_embeddings
@@ -133,7 +136,7 @@ class RotaryEmbedding:
         # rotate-half's sign on sin: minus on the first half of the rotated features.
         self._sign = mx.array([-1.0] * half + [1.0] * (head_dim - half), dtype=mx.float32)
         self._rates = self._per_feature(self._freqs)
-        mx.eval(self._sign, self._rates)  # constants of every traced forward
+        mx.eval(self._sign, self._rates, self._swap)  # constants of every traced forward
         # Cos/sin scale on the rotated features only, as HF multiplies cos and sin.
         self._scale = None
         if self._attention_factor != 1.0:
@@ -195,11 +198,11 @@ class RotaryEmbedding:
         dtype: mx.Dtype,
     ) -> tuple[mx.array, mx.array, mx.array]:
         """What `rotate` needs for a forward of `length` tokens at `positions` (default
-        consecutive from `offset`): (cos, signed sin, the rotate-half permutation). cos and sin
-        are (L, D), or (B, 1, L, D) for (B, L) positions, in `dtype`. Every layer of a forward
-        shares them: on the CPU, where mx.fast.rope falls back to a dozen ops per call, this
-        saves most of them; the arithmetic is mx.fast.rope's fallback, so results are equal
-        bit for bit."""
+        consecutive from `offset`): (cos, signed sin, rotate-half's permutation matrix). cos
+        and sin are (L, D), or (B, 1, L, D) for (B, L) positions, in `dtype`. Every layer of a
+        forward shares them: on the CPU, where mx.fast.rope falls back to a dozen ops per call,
+        this saves most of them; the arithmetic is mx.fast.rope's fallback, so results are
+        equal bit for bit."""
         if positions is None:
             positions = mx.arange(length, dtype=mx.int32) + offset
         rates = self._rates if freqs is self._freqs else self._per_feature(freqs)
@@ -207,7 +210,7 @@ class RotaryEmbedding:
         cos, sin = mx.cos(theta).astype(dtype), (mx.sin(theta) * self._sign).astype(dtype)
         if cos.ndim == 3:
             cos, sin = cos[:, None], sin[:, None]
-        return cos, sin, self._half
+        return cos, sin, self._swap.astype(dtype)
 
     def _per_feature(self, freqs: mx.array) -> mx.array:
         """(head_dim,) rotation rates: both halves of the rotated features turn at their
@@ -220,10 +223,10 @@ class RotaryEmbedding:
 
     def rotate(self, x: mx.array, tables: tuple[mx.array, mx.array, mx.array]) -> mx.array:
         """(B, H, L, D) x rotated by `tables` (HF rotate-half: x * cos + rotate_half(x) * sin)."""
-        cos, sin, half = tables
+        cos, sin, swap = tables
         if self._scale is not None:
             x = x * self._scale.astype(x.dtype)
-        return x * cos + mx.take(x, half, axis=-1) * sin
+        return x * cos + (x @ swap) * sin
 
 
 def native() -> bool:
