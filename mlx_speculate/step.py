@@ -177,19 +177,20 @@ def _verify_fn(
         if not shape.is_chain:  # a chain (and its padding) needs the causal default
             positions, mask = start + depth_index, ancestors
         out = model(inputs, view, positions=positions, mask=mask, taps=taps)
-        logits = out.logits[0]  # (rows, V)
+        # squeeze(0), not [0]: MLX indexes with an int by a gather (two graph nodes, not one)
+        logits, hidden = out.logits.squeeze(0), out.hidden.squeeze(0)  # (rows, V), (rows, h)
         if allowed is not None:
             logits = mx.where(allowed, logits, -mx.inf)
         acceptance = _accept(tree, drafted, logits, sampling, typical, q)
-        taps_out = tuple(t[0] for t in out.taps)
+        taps_out = tuple(t.squeeze(0) for t in out.taps)
         following = ()
         if then is not None:
-            following = then.trace(acceptance, out.hidden[0], taps_out, *extra)
+            following = then.trace(acceptance, hidden, taps_out, *extra)
             if not shape.is_chain and view is not None:
                 _compact(view, start, acceptance.path)
         return (
-            acceptance.path, acceptance.tokens, acceptance.num_accepted, logits, out.hidden[0],
-            *taps_out, *following, *(view.state if view is not None else ()),
+            acceptance.path, acceptance.tokens, acceptance.num_accepted, logits, hidden, *taps_out,
+            *following, *(view.state if view is not None else ()),
         )  # fmt: skip
 
     return step
@@ -318,7 +319,7 @@ def _decode_fn(
 ) -> Callable:
     def step(start, last, inputs, *arrays):
         view = cache_view(model, arrays, start, span)
-        logits = mx.take(model(inputs, view).logits[0], last, axis=0)  # the last real row
+        logits = mx.take(model(inputs, view).logits.squeeze(0), last, axis=0)  # the last real row
         picked, rows = [], []
         for i in range(k):
             if i > 0:

@@ -96,7 +96,7 @@ def chain(
         out = head(embed(ids), hidden, cache, from_target=False, ctx=ctx)  # (1, 1, h)
         ids, hidden = greedy(head, project, out), head.feedback(out)
         drafts.append(ids)
-    return mx.concatenate(drafts, axis=1)[0] if depth else ids[0]
+    return mx.concatenate(drafts, axis=1).reshape(-1) if depth else ids.reshape(-1)
 
 
 def greedy(head: EagleHead, project: Callable[[mx.array], mx.array], out: mx.array) -> mx.array:
@@ -125,10 +125,10 @@ def catch_up_and_grow(
     node i and the embedding of the token emitted after it. Returns (last, the grown tree's
     arrays as `grow` gives them)."""
     path, n = acceptance.path, acceptance.num_accepted
-    rows = head.inputs(hidden[path], [t[path] for t in taps])  # (D + 1, F)
+    rows = head.inputs(hidden, taps)[path]  # (D + 1, F): one gather, not one per tap
     tokens = mx.maximum(acceptance.tokens, 0)  # a rejected sampled path may hold -1 padding
     cache.start = fed
-    out = head(embed(tokens)[None], rows[None], cache, from_target=True)[0]  # (D + 1, h)
+    out = head(embed(tokens)[None], rows[None], cache, from_target=True).squeeze(0)  # (D + 1, h)
     last = mx.take(out, n, axis=0)
     return last, *grow(head, embed, project, last, cache, fed + n + 1, top_k, depth, k)
 
