@@ -8,9 +8,10 @@ import re
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 
 from mlx_speculate.heads.eagle_format import build_eagle
-from mlx_speculate.heads.linear import HeadLinear
+from mlx_speculate.heads.linear import HeadLinear, store_transposed
 
 from .helpers import eagle_config, random_eagle_weights, tiny_config
 
@@ -65,3 +66,20 @@ def test_heads_use_it_under_their_official_names_and_a_call_has_fewer_nodes(vers
     # Each projection drops the Flatten/Unflatten pair around its matmul.
     dot = str(tmp_path / "graph.dot")
     assert nodes(dot, call(batched), embeds, hidden) < nodes(dot, call(plain), embeds, hidden)
+
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_weights_stored_transposed_keep_values_outputs_and_saved_bytes(version, tmp_path):
+    stored, plain = head(version), head(version)
+    store_transposed(stored)
+    weights = [dict(tree_flatten(m.parameters())) for m in (stored, plain)]
+    assert all(mx.array_equal(w, weights[1][name]).item() for name, w in weights[0].items())
+    h = stored.args.hidden_size
+    width = stored.fc.weight.shape[-1] if version == 3 else h
+    embeds, hidden = mx.random.normal((1, 3, h)), mx.random.normal((1, 3, width))
+    outs = [m(embeds, hidden, m.make_cache(), from_target=True) for m in (stored, plain)]
+    assert mx.array_equal(*outs).item()
+    for name, w in zip("ab", weights, strict=True):
+        mx.save_safetensors(str(tmp_path / f"{name}.safetensors"), w)
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()

@@ -30,6 +30,7 @@ from ..cli import bounded, non_negative_int, positive_int
 from ..graphs import compiled
 from ..heads.eagle import EagleHead
 from ..heads.eagle_format import EAGLE_DIR, load_eagle_heads
+from ..heads.linear import store_transposed
 from ..memo import from_folder
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
@@ -186,6 +187,7 @@ class EagleDrafter:
         self._ready: Draft | None = None
         # After `follow`: the slot the next `then`'s path starts at (lazy), and a host bound.
         self._start: tuple[mx.array, int] | None = None
+        store_transposed(head)  # one-row products multiply the weights untransposed
         mx.eval(head.parameters())  # traced graphs capture them as they are
 
     def extend(self, features: TargetFeatures) -> None:

@@ -7,6 +7,11 @@ overhead-bound target each node costs about as much as its arithmetic. Broadcast
 weight as (1, in, out) instead leaves one batched matmul a call; the weight's transpose and
 batch axis are the same nodes in every call of the graph, which compile merges into one.
 The products are the same gemm, so the outputs are equal bit for bit.
+
+A drafter also stores each weight row-major by input (`store_transposed`): the (out, in)
+weight a view of an (in, out) array. A head level multiplies one row, and OpenBLAS's gemm runs
+that product faster with the weight untransposed (a stories260K head level with a 688-wide
+MLP: 162 -> 154 us; a chain-of-5 EAGLE step 2.94 -> 2.85 plain steps).
 """
 
 from __future__ import annotations
@@ -41,3 +46,12 @@ def batch_weights(module: nn.Module) -> None:
 
     leaves = module.leaf_modules()
     module.update_modules(tree_map(swap, leaves, is_leaf=lambda m: isinstance(m, nn.Module)))
+
+
+def store_transposed(module: nn.Module) -> None:
+    """Stores every `HeadLinear` weight in `module` as the transpose of an (in, out) row-major
+    array: the same values and (out, in) shape, so saving and training see no difference (an
+    update, as loading weights or an optimizer step, just takes the layout back)."""
+    for _, layer in module.named_modules():
+        if isinstance(layer, HeadLinear):
+            layer.weight = mx.contiguous(layer.weight.T).T
