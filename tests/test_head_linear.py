@@ -68,7 +68,6 @@ def test_heads_use_it_under_their_official_names_and_a_call_has_fewer_nodes(vers
     assert nodes(dot, call(batched), embeds, hidden) < nodes(dot, call(plain), embeds, hidden)
 
 
-
 @pytest.mark.parametrize("version", [1, 3])
 def test_weights_stored_transposed_keep_values_outputs_and_saved_bytes(version, tmp_path):
     stored, plain = head(version), head(version)
