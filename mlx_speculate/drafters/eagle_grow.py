@@ -139,11 +139,6 @@ def best(
     """(n, h) head outputs -> the k likeliest next tokens of each, best first: (n, k)
     log-probabilities and (n, k) target ids."""
     logits = project(out).astype(mx.float32)  # the head's vocabulary
-    if k == 1:
-        ids = mx.argmax(logits, axis=-1, keepdims=True).astype(mx.int32)
-        scores = mx.take_along_axis(logits, ids, axis=-1)
-        scores = scores - mx.logsumexp(logits, axis=-1, keepdims=True)
-        return scores, head.to_target(ids)
     ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
     scores = mx.take_along_axis(logits, ids, axis=-1)  # (n, k), normalised below
     scores = scores - mx.logsumexp(logits, axis=-1, keepdims=True)
