@@ -41,7 +41,8 @@ def model_folder(name: str) -> Path:
     family, variant = name.rsplit("-", 1)
     quantize = variant in ("q4", "q4km")
     if family == "gemma3":
-        from mlx_speculate.gemma3_gguf import gemma3_gguf
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the fetcher in tests/
+        from tests.gemma3_gguf import gemma3_gguf
 
         source = gemma3_gguf()
     elif family == "smollm2":

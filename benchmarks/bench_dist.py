@@ -117,10 +117,11 @@ def free_port() -> int:
 def worker(name: str, mode: str, runs: int) -> None:
     import mlx.core as mx
 
-    from mlx_speculate.distributed import Split, decoding_options, init_group, weight_bytes
     from mlx_speculate.drafters import DraftModelSpec, LookupSpec
     from mlx_speculate.generation import stream_generate
     from mlx_speculate.loading import load
+    from mlx_speculate.parallel.group import decoding_options, init_group
+    from mlx_speculate.parallel.sharding import Split, weight_bytes
 
     spec_of = MODELS[name]
     group = init_group() if mode != "single" else None

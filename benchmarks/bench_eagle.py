@@ -71,7 +71,7 @@ def main(argv=None) -> None:
 
     from mlx_speculate import load, stream_generate
     from mlx_speculate.drafters import EagleSpec, EagleTree, make_drafter
-    from mlx_speculate.policy import FixedPolicy, default_policy
+    from mlx_speculate.policy.adaptive import FixedPolicy, default_policy
 
     official = json.loads((EAGLE / "official-dev.json").read_text())["runs"]
     entries = official["eagle1-dynamic-tree"]["prompts"][: args.prompts]

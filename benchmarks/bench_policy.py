@@ -92,7 +92,8 @@ def main(argv=None) -> None:
         LookupSpec,
         make_drafter,
     )
-    from mlx_speculate.policy import FixedPolicy, default_policy
+    from mlx_speculate.policy.adaptive import FixedPolicy
+    from mlx_speculate.policy.measure import default_policy
 
     folder = CACHE / "smollm2-f32-mlx"
     model, tokenizer = load(folder)

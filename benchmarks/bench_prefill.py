@@ -35,7 +35,7 @@ def main() -> None:
     from mlx_speculate.decode import PREFILL_STEP, Decoder
     from mlx_speculate.default_model import default_model_path
     from mlx_speculate.loading import load
-    from mlx_speculate.quantized_prefill import PrefillQuantizedLinear
+    from mlx_speculate.models.quantized_prefill import PrefillQuantizedLinear
 
     header("Prefill of the default model on the CPU", blas)
     model, tokenizer = load(default_model_path())

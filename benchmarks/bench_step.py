@@ -103,7 +103,7 @@ def methods(target: str):
     from mlx_speculate import load
     from mlx_speculate.drafters import EagleSpec, EagleTree
     from mlx_speculate.heads.medusa import MEDUSA_TREES, MedusaHeads
-    from mlx_speculate.policy import FixedPolicy
+    from mlx_speculate.policy.adaptive import FixedPolicy
 
     if target == "stories":
         folder = SHARED / "models" / "stories260K-llama"

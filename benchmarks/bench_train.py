@@ -107,7 +107,7 @@ def main(argv=None) -> None:
 
     from mlx_speculate import load
     from mlx_speculate.drafters import EagleSpec, MedusaSpec, make_drafter
-    from mlx_speculate.policy import FixedPolicy
+    from mlx_speculate.policy.adaptive import FixedPolicy
     from mlx_speculate.train.loop import TrainConfig
     from mlx_speculate.train.recipe import Recipe, train_head
 

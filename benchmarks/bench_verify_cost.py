@@ -110,7 +110,7 @@ def step_costs(model, prompt: int, runs: int) -> dict[str, float]:
     from mlx_speculate.decode import Decoder
     from mlx_speculate.drafters import EagleSpec, EagleTree, make_drafter
     from mlx_speculate.heads.eagle import Eagle1Head, EagleConfig
-    from mlx_speculate.policy import FixedPolicy
+    from mlx_speculate.policy.adaptive import FixedPolicy
     from mlx_speculate.sampling import SamplingParams
 
     args = model.args

@@ -115,7 +115,7 @@ def write_random_model(folder: Path, config: dict, seed: int = 0) -> Path:
 
 
 def write_qwen2_tokenizer(folder: Path) -> None:
-    from mlx_speculate.gguf_tokenizer import write_gguf_tokenizer
+    from mlx_speculate.gguf.tokenizer import write_gguf_tokenizer
 
     gguf = SHARED / "tokenizers" / "ggml-vocab-qwen2.gguf"
     if not gguf.exists():

@@ -2,9 +2,9 @@
 
 Every layer shares one `offset`: the number of committed slots. A forward writes its L new
 keys at `offset` in every layer and then `advance(L)` moves the offset past them; rejected
-speculation is undone by `truncate`, and a verified tree path is moved into consecutive slots by
-`compact`. Storage grows in `step`-sized chunks (one copy per chunk, never a concatenate per
-token).
+speculation is undone by `truncate`, and a verified tree path is moved into consecutive slots
+by `compact` (on the device: the one compaction of compiled and host-committed steps alike).
+Storage grows in `step`-sized chunks (one copy per chunk, never a concatenate per token).
 
 Fixed shapes: `write` puts keys at an array start (`mx.slice_update`) and returns the whole
 storage, so a forward's graph depends on the capacity alone, not on the offset; attention reads
@@ -102,41 +102,26 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of {self.offset} slots to {length}")
         self.offset = length
 
-    def compact(self, start: int, slots: Sequence[int]) -> None:
-        """Moves `slots` (strictly ascending, all >= start) to start, start+1, ...; the rest is
-        dropped.
-
-        Used after tree verification: the accepted path's keys were written at scattered slots.
-        """
-        slots = list(slots)
-        if any(s < start or s >= self.offset for s in slots) or slots != sorted(set(slots)):
-            raise ValueError(
-                f"slots {slots} are not strictly ascending within [{start}, {self.offset})"
-            )
-        end = start + len(slots)
-        if slots != list(range(start, end)):
-            index = mx.array(slots)
-            for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
-                if k is None:
-                    continue
-                k[..., start:end, :] = k[..., index, :]
-                v[..., start:end, :] = v[..., index, :]
-                self.keys[layer], self.values[layer] = k, v
-        self.offset = end
+    def compact(self, start: int | mx.array, path: mx.array) -> None:
+        """Moves the keys and values at slots start + path[i] to start + i in every layer: a
+        verified tree's accepted path (`path` ascending from 0, the root's 0 first) into
+        consecutive slots. On the device, so `start` and `path` may be lazy: a compiled step
+        compacts inside its graph and the loop after reading the path, alike. Slots past the
+        path get other nodes' keys; the offset is the caller's (the committed path ends at
+        start + accepted + 1)."""
+        start = mx.array(start, mx.int32) if isinstance(start, int) else start
+        slots = start + path  # (P,)
+        at = start.reshape(1)
+        for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
+            if k is None:
+                continue
+            self.keys[layer] = mx.slice_update(k, mx.take(k, slots, axis=2), at, axes=(2,))
+            self.values[layer] = mx.slice_update(v, mx.take(v, slots, axis=2), at, axes=(2,))
 
     @property
     def state(self) -> list[mx.array]:
         """The arrays to evaluate together with a step's outputs."""
         return [a for a in self.keys + self.values if a is not None]
-
-    def view(self, arrays: Sequence[mx.array], start: mx.array) -> KVCache:
-        """A cache over `arrays` (as `state` orders them) whose forward writes at the array
-        `start`: what a compiled step traces its forward with."""
-        view = KVCache(len(self.keys), self.step)
-        view.keys, view.values = list(self.keys), list(self.values)
-        view.set_arrays(arrays)
-        view.start = start
-        return view
 
     def set_arrays(self, arrays: Sequence[mx.array]) -> None:
         """Takes a compiled step's cache outputs back (the order of `state`)."""

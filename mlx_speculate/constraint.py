@@ -64,13 +64,8 @@ import mlx.core as mx
 import numpy as np
 
 from .drafters.base import Draft
-from .drafters.draft_model import DraftModelDrafter
-from .drafters.lookup import LookupDrafter
 from .grammar import Grammar, ll_tokenizer
 from .tree import Tree
-
-# Drafters whose drafts (chains; lookup's trees) a forced run may come before (see above).
-CHAIN_DRAFTERS = (LookupDrafter, DraftModelDrafter)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from . import cli
 from .atomic import carry_over, check_space, check_writable, move_into_place, staging_folder
 from .checkpoint import quantize_model, write_safetensors
-from .gguf_arch import ARCHITECTURES
+from .gguf.arch import ARCHITECTURES
 from .loading import DTYPES, build_model, load_config, load_weights, resolve_path
 from .models import MODEL_TYPES
 from .models.gemma3 import mlx_lm_layout
@@ -105,8 +105,8 @@ def convert(
     if gguf:
         if not src.is_file():
             raise FileNotFoundError(f"GGUF file {str(src)!r} does not exist")
-        from .gguf import read_gguf
-        from .gguf_tokenizer import read_gguf_tokenizer
+        from .gguf.reader import read_gguf
+        from .gguf.tokenizer import read_gguf_tokenizer
 
         print(f"reading {src}")
         gguf_tokenizer = read_gguf_tokenizer(src)  # an unsupported one fails before the work

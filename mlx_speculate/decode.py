@@ -11,8 +11,8 @@ draft, forward and rule are one lazy graph, `mx.async_eval`ed once built. A tree
 its largest position only for rope types that depend on it (models/base.py). Under a grammar,
 its host-side matcher builds each step's chain or tree and masks from the tokens read, and
 reads a drafter's tokens (and EAGLE's tree) back before the verify forward (constraint.py).
-A plain step after a plain one is queued on its lazy token before it is read, and a draft
-model's chain step on its lazy accepted count (`_Queue.follow`, when the worst case fits); its
+A plain step after a plain one is queued on its lazy token before it is read, and a pipelined
+drafter's step on its lazy accepted count (`_StepBuilder.follow`, when the worst case fits); its
 `settle` tells the drafter the count once read. An EAGLE step is fused (`step.Then`): its
 compiled verify graph also runs the head over the accepted path, grows the next tree and
 compacts the path's keys, so a step is one call and one sync; the next fused step is queued
@@ -24,22 +24,22 @@ from __future__ import annotations
 import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
 from .cache import KVCache
-from .constraint import CHAIN_DRAFTERS, Constraint, Guide, masked, points
+from .constraint import Constraint, Guide, masked, points
 from .device import GENERATION_STREAM
-from .drafters.base import Draft, Drafter, TargetFeatures
+from .drafters.base import Draft, Drafter, FusedDrafter, PipelinedDrafter, TargetFeatures
 from .graphs import built, compilable
 from .models.base import CausalLM
-from .policy import FixedPolicy, Policy
-from .quantized_prefill import prefilling
-from .sampling import SamplingParams, log_probs
+from .models.quantized_prefill import prefilling
+from .policy.adaptive import FixedPolicy, Policy
+from .sampling import SamplingParams
 from .step import Then, Verified, verify
 from .tree import ROOT, Tree
-from .verify import Acceptance, greedy_accept, rejection_accept, typical_accept
+from .verify import Acceptance, AcceptanceRule
 
 PREFILL_STEP = 256  # tokens per prefill chunk: short enough to cancel between (~1 s here)
 
@@ -93,6 +93,9 @@ class Decoder:
         self.max_context = max_context or model.args.max_position_embeddings
         self.cache: KVCache = model.make_cache()
         self.taps = drafter.taps if drafter is not None else ()
+        # What the drafter offers beyond proposing (drafters/base.py), read once.
+        self.pipelined = isinstance(drafter, PipelinedDrafter)
+        self.fused = isinstance(drafter, FusedDrafter)
         self.context: list[int] = []
         self._clock = (0.0, 0)  # when the last step finished, and graphs traced by then
         self._limit = 0  # last context length the current generation may reach
@@ -196,7 +199,8 @@ class Decoder:
             mx.random.seed(sampling.seed)  # the one generator every draw comes from
         self._limit = len(self.context) - 1 + (max_tokens or self.max_context + 1)
         self._clock = (time.perf_counter(), built())
-        queue = _Queue(self, sampling, typical_acceptance, constraint)
+        rule = AcceptanceRule(replace(sampling, seed=None), typical_acceptance)
+        queue = _StepBuilder(self, sampling, rule, constraint)
         guide = None if constraint is None else constraint.first()
         logits, self._prompt_logits = masked(self._prompt_logits, guide), None
         acceptance = queue.accept(ROOT, mx.zeros((0,), dtype=mx.int32), logits, None)
@@ -237,7 +241,7 @@ class Decoder:
 
     def _finish(self, step: _Pending, followed: bool = False) -> Step:
         """Reads the step's acceptance (the one sync) and commits the accepted path;
-        `followed`: the drafter's next chain is queued already (`_Queue.follow`)."""
+        `followed`: the drafter's next chain is queued already (`_StepBuilder.follow`)."""
         acceptance = step.acceptance
         mx.eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
         n = acceptance.num_accepted.item()
@@ -251,7 +255,9 @@ class Decoder:
         if step.fused:  # the step moved the path's keys in place
             self.cache.truncate(root + n + 1)
         elif step.tree.num_nodes > 1:  # a plain step's one slot is already in place
-            self.cache.compact(root, [root + i for i in path])
+            if path != list(range(n + 1)):
+                self.cache.compact(root, acceptance.path[: n + 1])
+            self.cache.truncate(root + n + 1)
         rows = slice(0, n + 1) if path == list(range(n + 1)) else mx.array(path)
         logits = step.logits[rows]
         self.context.extend(tokens)
@@ -273,19 +279,19 @@ class Decoder:
         return Step(tuple(tokens), drafted, logprobs, seconds, verified, forced, traced)
 
 
-class _Queue:
+class _StepBuilder:
     """Builds and schedules one step: draft, verify forward and acceptance rule, all lazy."""
 
     def __init__(
         self,
         decoder: Decoder,
         sampling: SamplingParams,
-        typical: bool,
+        rule: AcceptanceRule,
         constraint: Constraint | None = None,
     ):
         self.decoder = decoder
-        self.sampling = sampling
-        self.typical = typical  # Medusa's typical acceptance when sampling: LOSSY, opt-in
+        self.sampling = sampling  # what sampled drafts follow
+        self.rule = rule  # chosen once per generation
         self.constraint = constraint
 
     def __call__(self, pending: mx.array, k: int) -> _Pending:
@@ -297,8 +303,7 @@ class _Queue:
         draft: Draft | None = None
         guide: Guide | None = None
         drafter = decoder.drafter
-        chain_drafter = drafter is None or isinstance(drafter, CHAIN_DRAFTERS)
-        if self.constraint is not None and chain_drafter:
+        if self.constraint is not None and (drafter is None or drafter.follows_context):
             sampling = self.sampling
             propose = None if drafter is None else lambda c, n: drafter.propose(c, n, sampling)
             guide = self.constraint.guide(decoder.context, propose, k, decoder.room())
@@ -325,8 +330,8 @@ class _Queue:
         decoder = self.decoder
         verified = verify(
             decoder.model, decoder.cache, pending, tree, None if draft is None else draft.tokens,
-            None if draft is None else draft.logprobs, self.sampling, taps=decoder.taps,
-            typical=self.typical, allowed=allowed, at=at, then=then,
+            None if draft is None else draft.logprobs, self.rule, taps=decoder.taps,
+            allowed=allowed, at=at, then=then,
         )  # fmt: skip
         if then is not None:
             decoder.drafter.received(verified.then)
@@ -345,16 +350,16 @@ class _Queue:
 
     def _then(self) -> Then | None:
         """EAGLE's next draft, traced into this step's graph (`step.Then`), on a real target."""
-        drafter = self.decoder.drafter  # with `then`, `received` and `settle`
-        fits = hasattr(drafter, "then") and isinstance(self.decoder.model, CausalLM)
-        return drafter.then() if fits and not self.typical else None
+        decoder = self.decoder
+        fits = decoder.fused and isinstance(decoder.model, CausalLM) and not self.rule.typical
+        return decoder.drafter.then() if fits else None
 
     def _follows(self) -> bool:
         """Whether a step can be queued on the last one's lazy count: the drafter continues
         drafts (`follow`) and the target's step is compiled, so the root slot may be lazy."""
         decoder = self.decoder
         return (
-            hasattr(decoder.drafter, "follow")  # and `settle`
+            decoder.pipelined
             and isinstance(decoder.model, CausalLM)
             and compilable(decoder.model)
         )
@@ -383,16 +388,6 @@ class _Queue:
     ) -> Acceptance:
         """The rule's lazy result, scheduled at once: a later step queued on top of it must
         not make reading this one wait for both."""
-        acceptance = self._rule(tree, tokens, logits, draft)
+        acceptance = self.rule(tree, tokens, logits, None if draft is None else draft.logprobs)
         mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
         return acceptance
-
-    def _rule(
-        self, tree: Tree, tokens: mx.array, logits: mx.array, draft: Draft | None
-    ) -> Acceptance:
-        if self.sampling.greedy:
-            return greedy_accept(tree, tokens, logits)
-        target = log_probs(logits, self.sampling)
-        if self.typical:
-            return typical_accept(tree, tokens, target)
-        return rejection_accept(tree, tokens, target, None if draft is None else draft.logprobs)

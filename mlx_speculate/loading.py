@@ -27,12 +27,12 @@ from mlx_lm.tokenizer_utils import (
     TokenizerWrapper,
 )
 
-from . import config_checks, quantized_prefill
+from . import config_checks
 from .checkpoint import evaluate, load_into, read_weights
-from .distributed import Split
-from .models import MODEL_TYPES
+from .models import MODEL_TYPES, quantized_prefill
 from .models.base import CausalLM, Origin
-from .ranks import check_same_model, model_digest
+from .parallel.ranks import check_same_model, model_digest
+from .parallel.sharding import Split
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -257,7 +257,7 @@ def load(
     `dtype` (an MLX dtype or its name: "float32", "float16", "bfloat16") casts every
     floating-point tensor, quantization scales and biases included; by default float32 on the
     CPU backend and the checkpoint's own dtypes on the GPU. `split` (under `mlx.launch`)
-    loads only this rank's part of the model (distributed.Split: tensor or pipeline).
+    loads only this rank's part of the model (`parallel.sharding.Split`: tensor or pipeline).
     """
     dtype = compute_dtype(dtype)
     path = resolve_path(path_or_hub_id)

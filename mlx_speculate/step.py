@@ -25,9 +25,9 @@ from .cache import KVCache
 from .graphs import compiled
 from .models.base import CausalLM
 from .models.context import additive_mask
-from .sampling import SamplingParams, log_probs, pick
+from .sampling import SamplingParams, pick
 from .tree import DeviceTree, PaddedTree, Tree
-from .verify import Acceptance, greedy_accept, rejection_accept, typical_accept
+from .verify import Acceptance, AcceptanceRule
 
 # Half-octave steps past 8: on a CPU a verify's cost jumps with its rows (Medusa's 20-node
 # tree padded to 32 rows cost twice its 24-row bucket on stories260K).
@@ -80,16 +80,16 @@ def verify(
     tree: Tree,
     draft: mx.array | None,
     draft_logprobs: mx.array | None,
-    sampling: SamplingParams,
+    rule: AcceptanceRule,
     *,
     taps: tuple[int, ...] = (),
-    typical: bool = False,
     allowed: mx.array | None = None,
     at: tuple[mx.array, int] | None = None,
     then: Then | None = None,
 ) -> Verified:
-    """Queues one verify step (lazy): `pending` (1,) and `draft` (N - 1,) tokens of `tree`;
-    `allowed` (N, V) bool, a grammar's mask per row: the rule sees forbidden tokens at -inf.
+    """Queues one verify step (lazy): `pending` (1,) and `draft` (N - 1,) tokens of `tree`,
+    accepted by `rule`; `allowed` (N, V) bool, a grammar's mask per row: the rule sees
+    forbidden tokens at -inf.
 
     Fixed shapes: every array is padded to `verify_rows(tree)` rows (the q rows too) and the
     cache is read whole; no host sync. Writes the padded rows from the cache offset and
@@ -97,9 +97,7 @@ def verify(
     that slot, leaving the offset to the caller (a step queued before the last one is read).
     `then` (compiled models only): work traced after the rule, see `Then`."""
     if not isinstance(model, CausalLM):
-        return _stand_in(
-            model, cache, pending, tree, draft, draft_logprobs, sampling, taps, typical, allowed
-        )
+        return _stand_in(model, cache, pending, tree, draft, draft_logprobs, rule, taps, allowed)
     n = tree.num_nodes
     rows = verify_rows(tree)
     padded = _bounded(tree.padded(rows))
@@ -108,8 +106,7 @@ def verify(
     drafted = mx.concatenate([drafted, mx.full((pad,), -1, mx.int32)])  # (rows - 1,)
     inputs = mx.concatenate([pending.astype(mx.int32), mx.maximum(drafted, 0)])[None]
     args = [inputs, drafted, padded.parent_index, padded.depth_index, padded.ancestors]
-    sampling = replace(sampling, seed=None)  # the generator is seeded once, outside
-    sampled_q = draft_logprobs is not None and not sampling.greedy and not typical
+    sampled_q = draft_logprobs is not None and rule.reads_draft
     if sampled_q:
         m = draft_logprobs.shape[0]
         q = draft_logprobs.astype(mx.float32)
@@ -119,12 +116,12 @@ def verify(
     masked = allowed is not None
     shape = (rows, padded.is_chain, padded.depth, padded.width)
     span = _reserve(model, cache, (cache.offset if at is None else at[1]) + rows)
-    key = ("verify", shape, sampled_q, masked, sampling, typical, taps, span)
+    key = ("verify", shape, sampled_q, masked, rule, taps, span)
     key += () if then is None else (then.key,)
     fn = compiled(
         model,
         key,
-        lambda: _verify_fn(model, padded, sampling, typical, taps, sampled_q, masked, span, then),
+        lambda: _verify_fn(model, padded, rule, taps, sampled_q, masked, span, then),
     )
     start = mx.array(cache.offset, dtype=mx.int32) if at is None else at[0]
     extra = () if then is None else then.inputs
@@ -155,8 +152,7 @@ def _bounded(padded: PaddedTree) -> PaddedTree:
 def _verify_fn(
     model,
     shape: PaddedTree,
-    sampling: SamplingParams,
-    typical: bool,
+    rule: AcceptanceRule,
     taps: tuple[int, ...],
     sampled_q: bool,
     masked: bool,
@@ -181,13 +177,13 @@ def _verify_fn(
         logits, hidden = out.logits.squeeze(0), out.hidden.squeeze(0)  # (rows, V), (rows, h)
         if allowed is not None:
             logits = mx.where(allowed, logits, -mx.inf)
-        acceptance = _accept(tree, drafted, logits, sampling, typical, q)
+        acceptance = rule(tree, drafted, logits, q)
         taps_out = tuple(t.squeeze(0) for t in out.taps)
         following = ()
         if then is not None:
             following = then.trace(acceptance, hidden, taps_out, *extra)
             if not shape.is_chain and view is not None:
-                _compact(view, start, acceptance.path)
+                view.compact(start, acceptance.path)
         return (
             acceptance.path, acceptance.tokens, acceptance.num_accepted, logits, hidden, *taps_out,
             *following, *(view.state if view is not None else ()),
@@ -196,28 +192,7 @@ def _verify_fn(
     return step
 
 
-def _compact(view: KVCache, start: mx.array, path: mx.array) -> None:
-    """Moves the path's slots (from `start`) to start, start + 1, ... in every layer; the
-    slots past the accepted ones get other nodes' keys, past the committed end."""
-    slots = start + path
-    for layer, (k, v) in enumerate(zip(view.keys, view.values, strict=True)):
-        at = start[None]
-        view.keys[layer] = mx.slice_update(k, mx.take(k, slots, axis=2), at, axes=(2,))
-        view.values[layer] = mx.slice_update(v, mx.take(v, slots, axis=2), at, axes=(2,))
-
-
-def _accept(tree, drafted, logits, sampling: SamplingParams, typical: bool, q) -> Acceptance:
-    """The step's rule: greedy, Medusa's typical (lossy, opt-in) or lossless rejection."""
-    if sampling.greedy:
-        return greedy_accept(tree, drafted, logits)
-    if typical:
-        return typical_accept(tree, drafted, log_probs(logits, sampling))
-    return rejection_accept(tree, drafted, log_probs(logits, sampling), q)
-
-
-def _stand_in(
-    model, cache, pending, tree, draft, draft_logprobs, sampling, taps, typical, allowed
-) -> Verified:
+def _stand_in(model, cache, pending, tree, draft, draft_logprobs, rule, taps, allowed) -> Verified:
     """A stand-in target (a test's scripted or Markov model, not a CausalLM) verifies eagerly,
     unpadded, on the real cache, with the additive (N, offset + N) tree mask: such models read
     their context on the host and cannot be traced."""
@@ -232,8 +207,10 @@ def _stand_in(
     if allowed is not None:
         logits = mx.where(allowed, logits, -mx.inf)
     drafted = mx.zeros((0,), mx.int32) if draft is None else draft.astype(mx.int32)
-    q = None if draft_logprobs is None or typical else draft_logprobs.astype(mx.float32)
-    acceptance = _accept(tree, drafted, logits, sampling, typical, q)
+    q = None
+    if draft_logprobs is not None and rule.reads_draft:
+        q = draft_logprobs.astype(mx.float32)
+    acceptance = rule(tree, drafted, logits, q)
     return Verified(acceptance, logits, out.hidden[0], tuple(t[0] for t in out.taps))
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .sampling import sample
+from .sampling import SamplingParams, log_probs, sample
 from .tree import PaddedTree, Tree
 
 
@@ -31,6 +31,35 @@ class Acceptance:
     tokens: mx.array  # (..., D + 1) int32; [: num_accepted + 1] are emitted: the accepted
     # drafts, then the target's own token
     num_accepted: mx.array  # (...) int32, in [0, D]
+
+
+@dataclass(frozen=True)
+class AcceptanceRule:
+    """The rule of one generation, chosen once from its settings: greedy, lossless rejection
+    sampling, or Medusa's typical acceptance (LOSSY, opt-in). Hashable, so that compiled
+    steps are keyed by it; `sampling` carries no seed (the generator is seeded once, outside)."""
+
+    sampling: SamplingParams
+    typical: bool = False
+
+    @property
+    def reads_draft(self) -> bool:
+        """Whether the rule reads the draft's distributions (rejection sampling does)."""
+        return not self.sampling.greedy and not self.typical
+
+    def __call__(
+        self,
+        tree: Tree | PaddedTree,
+        draft: mx.array,
+        target_logits: mx.array,
+        draft_logprobs: mx.array | None = None,
+    ) -> Acceptance:
+        if self.sampling.greedy:
+            return greedy_accept(tree, draft, target_logits)
+        target = log_probs(target_logits, self.sampling)
+        if self.typical:
+            return typical_accept(tree, draft, target)
+        return rejection_accept(tree, draft, target, draft_logprobs)
 
 
 def greedy_accept(tree: Tree | PaddedTree, draft: mx.array, target_logits: mx.array) -> Acceptance:

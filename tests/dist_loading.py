@@ -17,16 +17,12 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mlx_speculate.cli import one_line  # noqa: E402
-from mlx_speculate.distributed import (  # noqa: E402
-    Split,
-    decoding_options,
-    init_group,
-    weight_bytes,
-)
 from mlx_speculate.drafters import DraftModelSpec  # noqa: E402
 from mlx_speculate.generation import stream_generate  # noqa: E402
 from mlx_speculate.loading import load  # noqa: E402
-from mlx_speculate.ranks import guarded  # noqa: E402
+from mlx_speculate.parallel.group import decoding_options, init_group  # noqa: E402
+from mlx_speculate.parallel.ranks import guarded  # noqa: E402
+from mlx_speculate.parallel.sharding import Split, weight_bytes  # noqa: E402
 
 
 def main() -> None:

@@ -14,16 +14,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_speculate.distributed import (  # noqa: E402
-    Split,
-    decoding_options,
-    init_group,
-    shared_seed,
-)
 from mlx_speculate.drafters.eagle import EagleTree  # noqa: E402
 from mlx_speculate.drafters.lookup import LookupSpec  # noqa: E402
 from mlx_speculate.generation import stream_generate  # noqa: E402
-from mlx_speculate.ranks import guarded  # noqa: E402
+from mlx_speculate.parallel.group import decoding_options, init_group, shared_seed  # noqa: E402
+from mlx_speculate.parallel.ranks import guarded  # noqa: E402
+from mlx_speculate.parallel.sharding import Split  # noqa: E402
 from mlx_speculate.sampling import SamplingParams  # noqa: E402
 from tests.helpers import random_eagle_head, tiny_model  # noqa: E402
 from tests.markov import StubTokenizer  # noqa: E402

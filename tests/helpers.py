@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from mlx_speculate import gemma3_gguf
 from mlx_speculate.decode import Decoder
 from mlx_speculate.default_model import gguf_path
 from mlx_speculate.loading import build_model, model_class
 from mlx_speculate.sampling import SamplingParams
+from tests import gemma3_gguf
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 # Where the package's own fetch keeps it ($MLX_SPECULATE_SMOLLM2_GGUF, else the user cache);

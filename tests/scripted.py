@@ -6,7 +6,6 @@ and is EOS once the script is said."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,9 +25,9 @@ class TokenCache(KVCache):
         super().__init__(1)
         self.tokens: list[int] = []
 
-    def compact(self, start: int, slots: Sequence[int]) -> None:
-        moved = [self.tokens[s] for s in slots]
-        super().compact(start, slots)
+    def compact(self, start: int, path: mx.array) -> None:
+        moved = [self.tokens[start + i] for i in path.tolist()]
+        super().compact(start, path)
         self.tokens[start : start + len(moved)] = moved
 
 

@@ -81,12 +81,13 @@ def test_truncate_out_of_range_is_an_error(length):
 
 
 def test_compact_moves_kept_slots_to_the_start():
-    """compact(start, slots) packs the chosen slots after `start` in every layer; the rest goes."""
+    """compact(start, path) packs slots start + path[i] at start + i in every layer; the
+    offset is the caller's."""
     cache = KVCache(LAYERS, step=8)
     keys, values = kv(8, 0)
     write(cache, keys, values)
-    cache.compact(3, [4, 6, 7])
-    assert cache.offset == 6
+    cache.compact(3, mx.array([1, 3, 4]))  # slots 4, 6, 7
+    cache.truncate(6)
     index = mx.array([0, 1, 2, 4, 6, 7])
     for layer in range(LAYERS):
         assert mx.array_equal(cache.keys[layer][..., :6, :], keys[..., index, :])
@@ -96,30 +97,25 @@ def test_compact_moves_kept_slots_to_the_start():
     assert mx.array_equal(out_keys, cat(keys[..., index, :], k2))
 
 
-def test_compact_of_consecutive_or_no_slots():
-    """Already-consecutive slots keep their contents; no slots truncates to `start`."""
+def test_compact_of_consecutive_slots_keeps_them():
     cache = KVCache(LAYERS)
     keys, values = kv(6, 0)
     write(cache, keys, values)
-    cache.compact(2, [2, 3])
-    assert cache.offset == 4
+    cache.compact(2, mx.array([0, 1]))
+    cache.truncate(4)
     assert mx.array_equal(cache.keys[1][..., :4, :], keys[..., :4, :])
-    cache.compact(1, [])
-    assert cache.offset == 1
 
 
-@pytest.mark.parametrize(
-    "start, slots",
-    [(3, [2, 4]), (3, [4, 6]), (2, [4, 3]), (2, [3, 3]), (0, [-1, 2])],
-    ids=["before-start", "past-offset", "descending", "repeated", "negative"],
-)
-def test_compact_bad_slots_are_an_error(start, slots):
-    """Slots outside [start, offset) or not strictly ascending raise a ValueError naming them."""
-    cache = KVCache(LAYERS)
-    write(cache, *kv(6, 0))
-    with pytest.raises(ValueError, match=f"slots {slots}".replace("[", r"\[").replace("]", r"\]")):
-        cache.compact(start, slots)
-    assert cache.offset == 6
+def test_compact_takes_a_lazy_start_and_path():
+    """A compiled step compacts with the slot start and the accepted path still lazy."""
+    cache = KVCache(LAYERS, step=8)
+    keys, values = kv(8, 0)
+    write(cache, keys, values)
+    start, path = mx.array(2, mx.int32) + 0, mx.array([0, 2, 5]) * 1
+    cache.compact(start, path)
+    cache.truncate(5)
+    index = mx.array([0, 1, 2, 4, 7])
+    assert mx.array_equal(cache.keys[0][..., :5, :], keys[..., index, :])
 
 
 def assert_probe_matches(model, cache: KVCache, committed: list[int], probe: int) -> None:
@@ -168,7 +164,8 @@ def test_random_edits_match_a_fresh_forward(model_type, overrides, seed):
             positions, mask = tree_inputs(parents, start)
             model(mx.array([tokens]), cache, positions=positions, mask=mask)
             path = tree_path(parents, int(rng.integers(0, size)))
-            cache.compact(start, [start + i for i in path])
+            cache.compact(start, mx.array(path))
+            cache.truncate(start + len(path))
             committed += [tokens[i] for i in path]
             scattered += path != list(range(len(path)))
         assert cache.offset == len(committed)

@@ -7,9 +7,11 @@ import mlx.core as mx
 import pytest
 
 from mlx_speculate import calibrate
-from mlx_speculate.calibrate import MAX_AGE, ROWS, StepCosts, load_costs
 from mlx_speculate.drafters import LookupSpec, MedusaSpec, make_drafter
 from mlx_speculate.heads.medusa import MedusaHeads
+from mlx_speculate.policy import measure
+from mlx_speculate.policy.costs import MAX_AGE, ROWS, StepCosts
+from mlx_speculate.policy.measure import load_costs
 
 from .helpers import tiny_model
 from .test_cli import tiny_folder
@@ -40,12 +42,12 @@ def test_a_point_measured_slow_takes_the_next_larger_ones_cost():
 
 
 class Counting:
-    """Wraps calibrate.measure, counting the calls."""
+    """Wraps measure.measure, counting the calls."""
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        self.measure = calibrate.measure
-        monkeypatch.setattr(calibrate, "measure", self)
+        self.measure = measure.measure
+        monkeypatch.setattr(measure, "measure", self)
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
@@ -110,10 +112,10 @@ def test_the_longest_drafts_rows_are_measured_past_the_budget(monkeypatch, longe
     # A machine so slow that the budget is spent at once: the curve still reaches the rows a
     # step of the longest draft verifies (8 drafts: 9 rows, bucket 12), never carried on in
     # proportion below them.
-    monkeypatch.setattr(calibrate, "BUDGET", 1e-9)  # each point timed once
+    monkeypatch.setattr(measure, "BUDGET", 1e-9)  # each point timed once
     model = tiny_model()
     drafter = make_drafter(LookupSpec(), model) if longest else None
-    verify, *_ = calibrate.measure(model, drafter, longest, progress=False)
+    verify, *_ = measure.measure(model, drafter, longest, progress=False)
     assert sorted(verify) == rows
 
 
@@ -121,10 +123,10 @@ def test_the_longest_draft_is_measured_past_the_budget(monkeypatch):
     # The draft curve, cut short by the budget, ends at the longest draft and is interpolated
     # below it: carried on in proportion it priced EAGLE's 60-node tree (drafted in as many
     # levels as an 8-node one) at ten times its cost.
-    monkeypatch.setattr(calibrate, "BUDGET", 1e-9)
+    monkeypatch.setattr(measure, "BUDGET", 1e-9)
     model = tiny_model()
     drafter = make_drafter(LookupSpec(), model)
-    _, draft, _, _ = calibrate.measure(model, drafter, (1, 2, 3, 4, 24), progress=False)
+    _, draft, _, _ = measure.measure(model, drafter, (1, 2, 3, 4, 24), progress=False)
     assert sorted(draft) == [1, 2, 24]
     costs = StepCosts({1: 1.0}, {1: 1.0, 2: 2.0, 24: 2.0})
     assert costs.draft_cost(12) == 2.0 and costs.draft_cost(48) == 4.0
@@ -140,12 +142,12 @@ def test_eagle_drafts_are_timed_as_trees():
     model = tiny_model("llama", num_hidden_layers=6)
     head = random_eagle_head(tiny_config("llama", num_hidden_layers=6), 1, 5)
     drafter = make_drafter(EagleSpec(heads=head, tree=EagleTree(16, 4, 4)), model)
-    _, draft, _, trees = calibrate.measure(model, drafter, (1, 4, 8), progress=False)
+    _, draft, _, trees = measure.measure(model, drafter, (1, 4, 8), progress=False)
     assert trees and all(t > 0 for t in draft.values())
 
 
 def test_a_point_takes_its_least_time(monkeypatch):
     """Another process only ever adds time: a run it slowed does not set the point."""
     clock = iter([0.0, 0.05, 0.05, 0.06, 0.06, 0.09])  # runs of 0.05, 0.01, 0.03
-    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: next(clock))
-    assert calibrate._time(lambda: None) == pytest.approx(0.01)
+    monkeypatch.setattr(measure.time, "perf_counter", lambda: next(clock))
+    assert measure._time(lambda: None) == pytest.approx(0.01)

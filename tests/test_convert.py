@@ -443,7 +443,7 @@ def tiny_gguf(path: Path, monkeypatch, quant: str, embedding: str = "Q8_0") -> P
     often stores it wider). The file has no tokenizer: conversion writes ours instead."""
     import gguf
 
-    from mlx_speculate import gguf_tokenizer
+    from mlx_speculate.gguf import tokenizer as gguf_tokenizer
 
     from .test_gguf import VOCAB, hf_state_dict, write_gguf
 
@@ -537,7 +537,7 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory) -> SmolLM2:
     """Three conversions of the GGUF."""
-    from mlx_speculate import gguf
+    from mlx_speculate.gguf import reader as gguf
 
     path = smollm2_path()
     tmp = tmp_path_factory.mktemp("smollm2")

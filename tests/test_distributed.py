@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mlx_speculate.distributed import check_shardable, shard
+from mlx_speculate.parallel.sharding import check_shardable, shard
 
 from .helpers import tiny_model
 from .test_cli import tiny_folder

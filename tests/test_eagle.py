@@ -14,7 +14,7 @@ from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters import EagleSpec, EagleTree, TargetFeatures, eagle_grow, make_drafter
 from mlx_speculate.drafters.eagle import EagleDrafter
 from mlx_speculate.generation import Session
-from mlx_speculate.policy import FixedPolicy
+from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.tree import Tree
 

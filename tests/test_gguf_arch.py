@@ -12,7 +12,7 @@ import gguf
 import numpy as np
 import pytest
 
-from mlx_speculate.gguf import read_gguf
+from mlx_speculate.gguf.reader import read_gguf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

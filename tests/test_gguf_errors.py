@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import gguf
 import pytest
 
-from mlx_speculate import gguf_tokenizer
 from mlx_speculate.convert import main
+from mlx_speculate.gguf import tokenizer as gguf_tokenizer
 
 from .test_gguf import HEADS, hf_state_dict, write_gguf
 

@@ -15,8 +15,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_speculate.gguf import read_gguf
-from mlx_speculate.gguf_tensors import (
+from mlx_speculate.gguf.reader import read_gguf
+from mlx_speculate.gguf.tensors import (
     FLOAT_TYPES,
     KEPT_BITS,
     REQUANTIZED_BITS,

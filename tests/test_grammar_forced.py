@@ -11,7 +11,7 @@ from mlx_speculate.constraint import Constraint
 from mlx_speculate.drafters import Draft, LookupSpec
 from mlx_speculate.generation import stream_generate
 from mlx_speculate.grammar import Grammar
-from mlx_speculate.policy import FixedPolicy
+from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.tree import Tree
 

@@ -8,7 +8,7 @@ import pytest
 from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters.lookup import KEEP, MAX_MATCH, LookupDrafter
 from mlx_speculate.loading import load
-from mlx_speculate.policy import FixedPolicy
+from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.tree import Tree
 

@@ -22,7 +22,7 @@ from mlx_speculate.heads.medusa import (
     medusa_tree,
 )
 from mlx_speculate.loading import load, load_model
-from mlx_speculate.policy import FixedPolicy
+from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams, log_probs
 from mlx_speculate.train.data import read_conversations
 from mlx_speculate.train.loop import TrainConfig

@@ -8,16 +8,16 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_speculate.calibrate import StepCosts
-from mlx_speculate.policy import (
+from mlx_speculate.policy.adaptive import (
     CARRIED,
     TRUSTED,
     AdaptivePolicy,
     FixedPolicy,
     Prices,
     candidate_lengths,
-    default_policy,
 )
+from mlx_speculate.policy.costs import StepCosts
+from mlx_speculate.policy.measure import default_policy
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -128,7 +128,7 @@ def test_useless_and_same_cost_drafts_cost_little(steps):
 def test_switches_off_and_on_with_acceptance(caplog):
     costs = curve(lambda r: 0.01 * (1 + 0.1 * r))
     policy = AdaptivePolicy(costs, 8)
-    with caplog.at_level(logging.INFO, logger="mlx_speculate.policy"):
+    with caplog.at_level(logging.INFO, logger="mlx_speculate.policy.adaptive"):
         choices, _ = run(policy, costs, lambda i: 0.9 if i < 200 or i >= 600 else 0.0, 1200)
     assert np.mean(choices[150:200]) > 4
     assert np.mean(np.array(choices[400:600]) == 0) > 0.9
@@ -141,7 +141,7 @@ def test_switches_off_and_on_with_acceptance(caplog):
 def test_never_drafts_where_it_cannot_pay(caplog):
     # Every step of k drafts costs more than k + 1 plain ones: nothing to learn.
     costs = curve(lambda r: 0.01 * r, lambda k: 0.001)
-    with caplog.at_level(logging.INFO, logger="mlx_speculate.policy"):
+    with caplog.at_level(logging.INFO, logger="mlx_speculate.policy.adaptive"):
         policy = AdaptivePolicy(costs, 8)
     assert set(run(policy, costs, 1.0, 100)[0]) == {0}
     assert "even if every draft passed" in caplog.records[0].getMessage()
@@ -249,15 +249,19 @@ def test_catch_up_learned_from_step_times():
 
 
 class Drafter:
-    """What `default_policy` reads of a drafter."""
+    """What `default_policy` reads of a drafter: its cap and the modules it drafts with."""
 
     max_draft = 8
+    head: nn.Module | None = None
+
+    def weights(self) -> tuple[nn.Module, ...]:
+        return () if self.head is None else (self.head,)
 
 
 @pytest.fixture
 def calibrated(monkeypatch):
     """`default_policy` finds CALIBRATED as this machine's costs."""
-    monkeypatch.setattr("mlx_speculate.calibrate.load_costs", lambda *a, **k: CALIBRATED)
+    monkeypatch.setattr("mlx_speculate.policy.measure.load_costs", lambda *a, **k: CALIBRATED)
 
 
 @pytest.mark.usefixtures("calibrated")

@@ -4,7 +4,6 @@ step, so each drafter is verified at many sizes in one generation, as in real us
 
 import pytest
 
-from mlx_speculate.calibrate import StepCosts
 from mlx_speculate.drafters import (
     DraftModelSpec,
     EagleSpec,
@@ -13,7 +12,8 @@ from mlx_speculate.drafters import (
     MedusaSpec,
     make_drafter,
 )
-from mlx_speculate.policy import AdaptivePolicy, candidate_lengths
+from mlx_speculate.policy.adaptive import AdaptivePolicy, candidate_lengths
+from mlx_speculate.policy.costs import StepCosts
 
 from .helpers import (
     assert_clear_argmax,

@@ -17,11 +17,11 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_speculate import quantized_prefill
 from mlx_speculate.decode import PREFILL_STEP, Decoder, PrefillCancelled
 from mlx_speculate.generation import stream_generate
 from mlx_speculate.loading import build_model, load
-from mlx_speculate.quantized_prefill import PrefillQuantizedLinear, prefilling
+from mlx_speculate.models import quantized_prefill
+from mlx_speculate.models.quantized_prefill import PrefillQuantizedLinear, prefilling
 
 from .helpers import random_weights, tiny_config
 from .serving import serve

@@ -11,7 +11,7 @@ from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters.draft_model import DraftModelDrafter, check_vocabularies
 from mlx_speculate.drafters.lookup import LookupDrafter
 from mlx_speculate.loading import load
-from mlx_speculate.policy import FixedPolicy
+from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams, log_probs
 
 from .helpers import assert_clear_argmax, decode, greedy_reference, tiny_model

@@ -8,13 +8,15 @@ import pytest
 from mlx_speculate import graphs, step
 from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
-from mlx_speculate.policy import FixedPolicy
+from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams, log_probs
 from mlx_speculate.tree import Tree
-from mlx_speculate.verify import greedy_accept, rejection_accept
+from mlx_speculate.verify import AcceptanceRule, greedy_accept, rejection_accept
 
 from .helpers import decode, greedy_reference, leading_tokens, tiny_model
 from .markov import assert_follows_marginal, chi_square_limit
+
+GREEDY = AcceptanceRule(SamplingParams())
 
 PARENTS = (-1, 0, 0, 1, 1, 2)  # 6 nodes: padded to 8 rows
 
@@ -56,7 +58,7 @@ def test_padded_verify_equals_the_eager_forward_and_rule(parents):
     logits = model(inputs, eager, positions=positions, mask=mask).logits[0]
     want = greedy_accept(tree, mx.array(drafts), logits)
     got = step.verify(
-        model, compiled, mx.array(nodes[:1]), tree, mx.array(drafts), None, SamplingParams()
+        model, compiled, mx.array(nodes[:1]), tree, mx.array(drafts), None, GREEDY
     )
     n = tree.num_nodes
     assert got.logits.shape[0] == step.verify_rows(tree) == (n if tree.is_chain else 8)
@@ -120,7 +122,7 @@ def test_drafts_of_nearby_sizes_share_a_graph():
     trees += [Tree((-1, 0, 1, 2, 0)), Tree((-1, 0, 1, 2, 3, 0)), Tree((-1, 0, 1, 0, 3, 4))]
     for tree in trees:
         drafts = mx.ones((tree.num_nodes - 1,), mx.int32)
-        out = step.verify(model, cache, mx.array([9]), tree, drafts, None, SamplingParams())
+        out = step.verify(model, cache, mx.array([9]), tree, drafts, None, GREEDY)
         mx.eval(out.acceptance.tokens)
         cache.truncate(3)
     assert len(graphs._COMPILED[id(model)]) == 2
@@ -171,7 +173,7 @@ def test_draft_rows_of_a_cut_chain():
     for _ in range(n):
         cache.truncate(offset)
         draft = mx.random.categorical(q[0])[None].astype(mx.int32)
-        result = step.verify(model, cache, mx.array([9]), tree, draft, q, sampling)
+        result = step.verify(model, cache, mx.array([9]), tree, draft, q, AcceptanceRule(sampling))
         firsts.append(result.acceptance.tokens[0].item())
     observed = np.bincount(firsts, minlength=97)
     expected = n * np.array(target, dtype=np.float64)

@@ -78,7 +78,8 @@ def test_compaction_equals_fresh_forward_over_the_path(model_type):
     for path in tree.paths():
         _, cache = tree_forward(model, prefix, tree, tokens)
         start = len(prefix)
-        cache.compact(start, [start + i for i in path])
+        cache.compact(start, mx.array(path))
+        cache.truncate(start + len(path))
         path_tokens = [tokens[i] for i in path]
         _, fresh = path_forward(model, prefix, path_tokens)
         assert cache.offset == fresh.offset == len(prefix) + len(path)

@@ -20,13 +20,17 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
 from ..tree import Tree
+
+if TYPE_CHECKING:
+    from ..step import Then
 
 
 @dataclass(frozen=True)
@@ -67,10 +71,21 @@ class TargetFeatures:
 
 
 class Drafter(Protocol):
+    """What the loop asks of every drafter: its features, its state and its proposals."""
+
     #: target layers whose entering hidden states `extend` must carry in `TargetFeatures.taps`
     taps: tuple[int, ...]
     #: the most draft tokens one proposal holds (tree: nodes below the root)
     max_draft: int
+    #: True when `propose` drafts after whatever context it is handed (a draft model, prompt
+    #: lookup), so a grammar's forced run may come before its draft; False when it drafts
+    #: from the target's features at the pending position (heads), so its draft hangs below
+    #: that token and a forced run is a step of its own (constraint.py)
+    follows_context: bool
+
+    def weights(self) -> tuple[nn.Module, ...]:
+        """The modules it drafts with (none for prompt lookup): its speed, its calibration key
+        and the prices shared with other drafters over the same weights depend on them."""
 
     def extend(self, features: TargetFeatures) -> None:
         """The target's features of the next committed positions, in order."""
@@ -81,6 +96,42 @@ class Drafter(Protocol):
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft | None:
         """Up to `k` tokens to follow `context`, or None to decode plainly this step. Sampled
         proposals follow `sampling` (the target's settings), so rejection sampling is lossless."""
+
+
+@runtime_checkable
+class PipelinedDrafter(Drafter, Protocol):
+    """A drafter whose next proposal can be queued before the step verifying its last one is
+    read: the loop builds the next step on that step's lazy accepted count, so building it
+    overlaps the verify, and tells the drafter the count once read."""
+
+    def follow(
+        self,
+        drafted: mx.array,
+        accepted: mx.array,
+        pending: mx.array,
+        k: int,
+        sampling: SamplingParams,
+    ) -> Draft | None:
+        """The next proposal of up to `k` tokens, lazy in `accepted` (an int32 scalar: how many
+        of the last proposal's tokens `drafted` the target accepted) and in the `pending`
+        token (1,) it chose after them; None when it cannot be queued (`propose` then runs
+        once the count is read)."""
+
+    def settle(self, accepted: int) -> None:
+        """The oldest queued step accepted `accepted` drafts (read on the host)."""
+
+
+@runtime_checkable
+class FusedDrafter(PipelinedDrafter, Protocol):
+    """A pipelined drafter whose next draft is traced into the verify step's own graph (EAGLE:
+    the head runs over the accepted path and grows the next tree in the same call)."""
+
+    def then(self) -> Then | None:
+        """The work to trace after this step's acceptance rule, or None to draft by `propose`
+        (or `follow`) instead."""
+
+    def received(self, outputs: Sequence[mx.array]) -> None:
+        """That work's lazy outputs (`Verified.then`), in the order its trace returned them."""
 
 
 MAX_DRAFT = 8  # the longest chain the adaptive policy tries unless a spec says otherwise

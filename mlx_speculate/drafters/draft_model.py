@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..graphs import compilable
 from ..loading import token_count
@@ -17,7 +18,7 @@ from ..models.base import CausalLM
 from ..sampling import SamplingParams
 from ..step import decode, decode_at
 from ..tree import Tree
-from .base import MAX_DRAFT, Draft, DrafterSpec, TargetFeatures
+from .base import MAX_DRAFT, Draft, DrafterSpec, PipelinedDrafter, TargetFeatures
 
 # Texts whose ids must agree between the two tokenizers: words, spacing, digits, punctuation,
 # code, and characters that fall back to bytes in small vocabularies.
@@ -123,7 +124,7 @@ class DraftModelSpec(DrafterSpec):
         )
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(PipelinedDrafter):
     """Proposes k tokens by running `model` autoregressively: lazy, so the whole draft joins the
     target's verify forward in the loop's one evaluation.
 
@@ -138,6 +139,8 @@ class DraftModelDrafter:
 
     taps: tuple[int, ...] = ()
     SINK = 4  # leading tokens kept on a restart: attention leans on them
+
+    follows_context = True
 
     def __init__(
         self,
@@ -159,6 +162,9 @@ class DraftModelDrafter:
         # A chain `follow` queued, whose start waits on the count of the one before: (that
         # one's first slot and length, this one's length), resolved by the next `rewind`.
         self._queued: tuple[int, int, int] | None = None
+
+    def weights(self) -> tuple[nn.Module, ...]:
+        return (self.model,)
 
     def extend(self, features: TargetFeatures) -> None:
         pass  # it reads tokens, not the target's features

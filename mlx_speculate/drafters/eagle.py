@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..cli import bounded, non_negative_int, positive_int
 from ..graphs import compiled
@@ -36,7 +37,7 @@ from ..models.base import CausalLM
 from ..sampling import SamplingParams
 from ..step import Then, bucket, cache_view
 from ..tree import DeviceTree, Tree
-from .base import Draft, DrafterSpec, TargetFeatures
+from .base import Draft, DrafterSpec, FusedDrafter, TargetFeatures
 from .eagle_grow import catch_up_and_grow, grow
 
 
@@ -156,7 +157,7 @@ class EagleSpec(DrafterSpec):
         return drafter
 
 
-class EagleDrafter:
+class EagleDrafter(FusedDrafter):
     """Grows EAGLE-2 trees (or chains) from the head's state at the last committed position.
 
     A step can be fused (`then`): the verify step's graph runs the head over the accepted
@@ -167,6 +168,8 @@ class EagleDrafter:
     are lazy in it. Otherwise (the first step, a plain step between, another size)
     `propose` runs the head over the positions it has not seen, then grows the tree in a
     compiled graph of its own."""
+
+    follows_context = False
 
     def __init__(self, head: EagleHead, target: CausalLM, taps: tuple[int, ...], tree: EagleTree):
         self.head = head
@@ -189,6 +192,9 @@ class EagleDrafter:
         self._start: tuple[mx.array, int] | None = None
         store_transposed(head)  # one-row products multiply the weights untransposed
         mx.eval(head.parameters())  # traced graphs capture them as they are
+
+    def weights(self) -> tuple[nn.Module, ...]:
+        return (self.head,)
 
     def extend(self, features: TargetFeatures) -> None:
         rows = self.head.inputs(features.hidden, features.taps)

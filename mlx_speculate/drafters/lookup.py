@@ -8,12 +8,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..cli import positive_int
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
 from ..tree import Tree
-from .base import MAX_DRAFT, Draft, DrafterSpec, TargetFeatures
+from .base import MAX_DRAFT, Draft, Drafter, DrafterSpec, TargetFeatures
 
 BRANCHES = 3  # matches a lookup tree holds: a tree's tau is never below its best chain's
 
@@ -85,7 +86,7 @@ MAX_MATCH = 64  # tokens a match is measured back over: its length ranks it
 KEEP = 8  # latest occurrences of each n-gram kept as candidate matches
 
 
-class LookupDrafter:
+class LookupDrafter(Drafter):
     """N-gram drafter with no model, after SuffixDecoding: the latest `KEEP` earlier
     occurrences of the context's last n tokens (n up to `max_ngram`) are candidate matches,
     each measured back to its full length (up to `MAX_MATCH`); the longest (then latest) one
@@ -107,6 +108,8 @@ class LookupDrafter:
 
     taps: tuple[int, ...] = ()
 
+    follows_context = True
+
     def __init__(
         self, max_ngram: int = 3, max_draft: int = MAX_DRAFT * BRANCHES, branches: int = BRANCHES
     ):
@@ -120,6 +123,9 @@ class LookupDrafter:
         self.max_draft = max_draft
         self.branches = branches
         self._reset()
+
+    def weights(self) -> tuple[nn.Module, ...]:
+        return ()
 
     def _reset(self) -> None:
         # _ends[n - 1][ngram]: ends e of its latest occurrences, latest first (at most KEEP),

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from ..graphs import compiled
@@ -27,7 +28,7 @@ from ..memo import from_folder
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
 from ..tree import Tree
-from .base import Draft, DrafterSpec, TargetFeatures
+from .base import Draft, Drafter, DrafterSpec, TargetFeatures
 
 TreeChoices = str | Sequence[Sequence[int]]
 
@@ -135,8 +136,10 @@ def _is_choices(tree: Any) -> bool:
     )
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     taps: tuple[int, ...] = ()
+
+    follows_context = False
 
     def __init__(self, heads: MedusaHeads, tree: TreeChoices = DEFAULT_TREE):
         self.heads = heads
@@ -157,6 +160,9 @@ class MedusaDrafter:
         self._plans: dict[int, tuple[Tree, mx.array, int, int]] = {}
         self._hidden: mx.array | None = None  # (hidden,) at the last committed position
         self._length = 0  # committed positions seen
+
+    def weights(self) -> tuple[nn.Module, ...]:
+        return (self.heads,)
 
     def tree(self, k: int) -> Tree:
         """The tree verified when the policy asks for `k` draft tokens."""

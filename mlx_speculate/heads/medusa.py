@@ -26,8 +26,8 @@ from mlx.utils import tree_flatten
 
 from ..atomic import move_into_place, staging_folder
 from ..checkpoint import load_into, read_weights, write_safetensors
-from ..fast_exp import silu
 from ..models.base import CausalLM
+from ..models.fast_exp import silu
 from ..tree import Tree
 from .store import MLX_WEIGHTS, find_checkpoint, prepare, save_heads
 

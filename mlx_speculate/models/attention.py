@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..fast_exp import softmax
 from .context import additive_mask
+from .fast_exp import softmax
 
 # Below this many scores there is little exp to save (8,192 x 25 ns = 0.2 ms), and MLX's own
 # path runs fewer ops: a tiny model decoding one sequence (stories260K: 8 x 1 x ~100 scores a

@@ -15,9 +15,10 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import llama, qwen3
 from .base import BaseModelArgs, CausalLM
 from .context import ForwardContext
+from .llama import MLP as LlamaMLP
+from .qwen3 import Attention as Qwen3Attention
 from .rope import LAYER_TYPES, RotaryEmbedding, rope_parameters
 
 # Checkpoint prefixes of the language model inside `gemma3` folders (transformers >= 4.52, then
@@ -117,7 +118,7 @@ class RMSNorm(nn.Module):
         return mx.fast.rms_norm(x.astype(mx.float32), scale, self.eps).astype(x.dtype)
 
 
-class Attention(qwen3.Attention):
+class Attention(Qwen3Attention):
     def __init__(self, args: ModelArgs, rope: RotaryEmbedding):
         super().__init__(args, rope)
         self.scale = args.query_pre_attn_scalar**-0.5
@@ -125,7 +126,7 @@ class Attention(qwen3.Attention):
         self.k_norm = RMSNorm(args.head_dim, eps=args.rms_norm_eps)
 
 
-class MLP(llama.MLP):
+class MLP(LlamaMLP):
     def __call__(self, x: mx.array) -> mx.array:
         return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..fast_exp import silu
 from .base import BaseModelArgs, CausalLM, TransformerBlock, attend
 from .context import ForwardContext
+from .fast_exp import silu
 
 
 @dataclass

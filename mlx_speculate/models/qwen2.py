@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import llama
+from .llama import Model as LlamaModel
+from .llama import ModelArgs as LlamaArgs
 
 
 @dataclass
-class ModelArgs(llama.ModelArgs):
+class ModelArgs(LlamaArgs):
     max_window_layers: int = 28  # transformers' Qwen2Config default
 
     @property
@@ -28,5 +29,5 @@ class ModelArgs(llama.ModelArgs):
         return tuple(i >= self.max_window_layers for i in range(self.num_hidden_layers))
 
 
-class Model(llama.Model):
+class Model(LlamaModel):
     pass

@@ -8,14 +8,16 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import llama, qwen2
 from .base import CausalLM, TransformerBlock, attend
 from .context import ForwardContext
+from .llama import MLP
+from .llama import Attention as LlamaAttention
+from .qwen2 import ModelArgs as Qwen2Args
 from .rope import RotaryEmbedding
 
 
 @dataclass
-class ModelArgs(qwen2.ModelArgs):
+class ModelArgs(Qwen2Args):
     head_dim: int | None = 128  # transformers' Qwen3Config defaults
     rms_norm_eps: float = 1e-6
 
@@ -28,7 +30,7 @@ class ModelArgs(qwen2.ModelArgs):
         return self.attention_bias
 
 
-class Attention(llama.Attention):
+class Attention(LlamaAttention):
     def __init__(self, args: ModelArgs, rope: RotaryEmbedding):
         super().__init__(args, rope)
         self.q_norm = nn.RMSNorm(args.head_dim, eps=args.rms_norm_eps)
@@ -45,5 +47,5 @@ class Attention(llama.Attention):
 class Model(CausalLM):
     def __init__(self, args: ModelArgs):
         super().__init__(
-            args, lambda _, rope: TransformerBlock(args, Attention(args, rope), llama.MLP(args))
+            args, lambda _, rope: TransformerBlock(args, Attention(args, rope), MLP(args))
         )

@@ -19,9 +19,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .. import cli, distributed
-from ..distributed import Split, init_group
+from .. import cli
 from ..drafters import cli as drafter_cli
+from ..parallel import group as distributed
+from ..parallel.group import init_group
+from ..parallel.sharding import Split
 from .app import MAX_BODY, create_app
 from .lockstep import Lockstep
 from .metrics import Metrics

@@ -26,8 +26,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..device import GENERATION_STREAM
-from ..distributed import from_rank0, rank0_says
-from ..ranks import Watchdog, guarded, lost_peer
+from ..parallel.group import from_rank0, rank0_says
+from ..parallel.ranks import Watchdog, guarded, lost_peer
 from .records import Event, Generation
 
 

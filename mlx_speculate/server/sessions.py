@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..distributed import shared_policy, shared_spec
 from ..drafters import DrafterSpec, LookupSpec, make_drafter
 from ..generation import Session
 from ..models.base import CausalLM
-from ..policy import Policy
+from ..parallel.group import shared_policy, shared_spec
+from ..policy.adaptive import Policy
 
 NONE = "none"  # the method name that turns speculation off
 

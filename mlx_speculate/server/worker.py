@@ -28,7 +28,7 @@ import mlx.core as mx
 from ..cli import one_line
 from ..device import clear_cache
 from ..generation import GenerationResponse
-from ..policy import FixedPolicy
+from ..policy.adaptive import FixedPolicy
 from .lockstep import Lockstep, Mirror, Solo
 from .metrics import Metrics
 from .records import Delta, Failed, Finished, Generation, Job, TokenLogprob, Usage

@@ -24,9 +24,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..fast_exp import exp
 from ..heads.eagle import Eagle1Head, Eagle3Head
 from ..heads.medusa import MedusaHeads
+from ..models.fast_exp import exp
 from .ttt import unroll
 
 Batch = tuple[mx.array, mx.array, mx.array, mx.array, mx.array, mx.array]

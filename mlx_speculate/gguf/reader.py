@@ -17,7 +17,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .gguf_arch import (
+from .arch import (
     ARCHITECTURES,
     Architecture,
     architecture,
@@ -25,8 +25,8 @@ from .gguf_arch import (
     hf_config,
     hf_name,
 )
-from .gguf_header import Header, TensorInfo, read_header, read_metadata
-from .gguf_tensors import GROUP_SIZE, Quantized, check_type, read_tensor
+from .header import Header, TensorInfo, read_header, read_metadata
+from .tensors import GROUP_SIZE, Quantized, check_type, read_tensor
 
 __all__ = ["ARCHITECTURES", "GGUFCheckpoint", "read_gguf", "read_metadata"]
 QUANTIZED_PARTS = ("weight", "scales", "biases")

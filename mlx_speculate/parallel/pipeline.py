@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache import KVCache
+from ..cache import KVCache
 
 
 def layer_block(layers: int, size: int, rank: int) -> slice:

@@ -1,5 +1,5 @@
 """How many tokens to draft each step: a fixed number, or the number with the most expected
-tokens per second under measured costs (calibrate.py) and the acceptance seen so far."""
+tokens per second under measured costs (costs.py) and the acceptance seen so far."""
 
 from __future__ import annotations
 
@@ -8,14 +8,9 @@ from collections import deque
 from statistics import median
 from typing import TYPE_CHECKING, Protocol
 
-from .memo import Table, per_model
-
 if TYPE_CHECKING:
-    from collections.abc import Callable
 
-    from .calibrate import StepCosts
-    from .drafters.base import Drafter
-    from .models.base import CausalLM
+    from .costs import StepCosts
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +121,7 @@ class Prices:
 class AdaptivePolicy:
     """Chooses the draft length k (0: plain decoding) with the most expected tokens per second,
     E(k) / price(k). The prices (`Prices`) start from the costs measured once per machine and
-    model (`StepCosts`, from calibrate.py: draft cost plus one target forward over k + 1
+    model (`StepCosts`, from costs.py: draft cost plus one target forward over k + 1
     rows), so no step is spent timing, and follow the wall times of the steps decoding pays;
     acceptance is learned from every step's outcome. Prices that have no plain step's time yet
     get `TRUSTED` plain steps first: every draft length is weighed against plain decoding, and a
@@ -365,35 +360,3 @@ class AdaptivePolicy:
         for d in range(min(accepted + 1, drafted, self.max_k)):
             self._tried[d] += 1
             self._passed[d] += d < accepted
-
-
-def default_policy(
-    drafter: Drafter,
-    target: CausalLM,
-    num_draft_tokens: int | None = None,
-    decide: Callable[[bool], bool] = bool,
-) -> Policy:
-    """A fixed draft length when one is asked for, else the adaptive policy up to the
-    drafter's own cap (`Drafter.max_draft`), on the costs calibrated for `target` and
-    `drafter` on this machine (measured now if not cached: a few seconds; `decide` as
-    `calibrate.load_costs`'s), priced as the drafter's last generations paid, and going on
-    from where its last generation left off (`AdaptivePolicy._carry`)."""
-    if num_draft_tokens is not None:
-        return FixedPolicy(num_draft_tokens)
-    from .calibrate import drafter_weights, load_costs
-
-    sizes = candidate_lengths(drafter.max_draft)
-    costs = load_costs(target, drafter, sizes, decide=decide)
-    # Drafters over the same weights share prices: `stream_generate(eagle="folder")` makes a
-    # drafter per call over the head the folder loaded once (memo.py). Lookup has no weights.
-    owner = next(iter(drafter_weights(drafter)), drafter)
-    held = per_model(_PRICES, owner, (type(drafter).__name__, drafter.max_draft), lambda: [])
-    if not held or held[0].costs != costs:
-        held[:] = [Prices(costs, sizes), None]
-    held[1] = AdaptivePolicy(costs, drafter.max_draft, prices=held[0], before=held[1])
-    return held[1]
-
-
-# What the steps of each drafter (or its weights) have cost so far, and its last generation's
-# policy, carried from one generation to the next.
-_PRICES: Table = {}

@@ -24,7 +24,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from tokenizers import pre_tokenizers as pre
 from tokenizers.processors import TemplateProcessing
 
-from .gguf_header import read_metadata
+from .header import read_metadata
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types
 _SPACE = "\u2581"

