@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     import mlx_lm
 
     from mlx_speculate import load, stream_generate
-    from mlx_speculate.drafters import EagleSpec, EagleTree, make_drafter
+    from mlx_speculate.drafters import EagleGrowth, EagleSpec, make_drafter
     from mlx_speculate.policy.adaptive import FixedPolicy, default_policy
 
     official = json.loads((EAGLE / "official-dev.json").read_text())["runs"]
@@ -95,9 +95,9 @@ def main(argv=None) -> None:
     for name in args.heads.split(","):
         heads = EagleSpec(heads=EAGLE / HEADS[name]).resolve(model).heads
         for label, tree, fixed in (
-            ("chain 7/5/1", EagleTree.chain(6), True),
-            ("tree 60/7/10", EagleTree(), True),
-            ("adaptive", EagleTree(), False),
+            ("chain 7/5/1", EagleGrowth.chain(6), True),
+            ("tree 60/7/10", EagleGrowth(), True),
+            ("adaptive", EagleGrowth(), False),
         ):
             drafter = make_drafter(EagleSpec(heads=heads, tree=tree), model)
 

@@ -87,8 +87,8 @@ def main(argv=None) -> None:
     from mlx_speculate.chat import apply_chat_template
     from mlx_speculate.drafters import (
         DraftModelSpec,
+        EagleGrowth,
         EagleSpec,
-        EagleTree,
         LookupSpec,
         make_drafter,
     )
@@ -133,13 +133,13 @@ def main(argv=None) -> None:
             interleave("same-cost draft (the target's 4-bit copy)", rows, args.runs)
         elif case == "eagle":
             heads = SHARED / "eagle" / "smollm2-eagle1"
-            tree = EagleSpec(heads=heads, tree=EagleTree())
+            tree = EagleSpec(heads=heads, tree=EagleGrowth())
             rows = {"plain": run(chat["open"]), "eagle adaptive": run(chat["open"], tree)}
             for k in (2, 4):
                 rows[f"eagle chain {k}"] = run(chat["open"], EagleSpec(
-                    heads=heads, tree=EagleTree.chain(k)), k)
+                    heads=heads, tree=EagleGrowth.chain(k)), k)
             for shape in ((8, 3, 2), (16, 4, 4), (60, 7, 10)):
-                spec = EagleSpec(heads=heads, tree=EagleTree(*shape))
+                spec = EagleSpec(heads=heads, tree=EagleGrowth(*shape))
                 rows["eagle tree {}/{}/{}".format(*shape)] = run(chat["open"], spec, shape[0] - 1)
             interleave("EAGLE-1 heads, open text (tree size)", rows, args.runs)
         elif case == "lookup":

@@ -101,7 +101,7 @@ class Probe:
 def methods(target: str):
     """(folder, draft folder or None, prompt ids, {label: stream_generate keywords})."""
     from mlx_speculate import load
-    from mlx_speculate.drafters import EagleSpec, EagleTree
+    from mlx_speculate.drafters import EagleGrowth, EagleSpec
     from mlx_speculate.heads.medusa import MEDUSA_TREES, MedusaHeads
     from mlx_speculate.policy.adaptive import FixedPolicy
 
@@ -124,9 +124,9 @@ def methods(target: str):
         heads = EagleSpec(heads=SHARED / "eagle" / "smollm2-eagle1").resolve(model).heads
         rows = {
             "EAGLE-1 chain 7/5/1": dict(
-                drafter=EagleSpec(heads=heads, tree=EagleTree.chain(6)), policy=FixedPolicy(6)
+                drafter=EagleSpec(heads=heads, tree=EagleGrowth.chain(6)), policy=FixedPolicy(6)
             ),
-            TREE: dict(drafter=EagleSpec(heads=heads, tree=EagleTree()), policy=FixedPolicy(59)),
+            TREE: dict(drafter=EagleSpec(heads=heads, tree=EagleGrowth()), policy=FixedPolicy(59)),
         }
     medusa = MedusaHeads(model.args.hidden_size, model.args.vocab_size, num_heads=4)
     return (

@@ -65,11 +65,11 @@ def measure_mlx_lm(folder: str, prompts, max_tokens: int):
 
 
 def parse_tree(text: str):
-    from mlx_speculate.drafters import EagleTree
+    from mlx_speculate.drafters import EagleGrowth
 
     if text.startswith("chain"):
-        return EagleTree.chain(int(text.removeprefix("chain")))
-    return EagleTree(*map(int, text.split(",")))
+        return EagleGrowth.chain(int(text.removeprefix("chain")))
+    return EagleGrowth(*map(int, text.split(",")))
 
 
 STORY_OPENINGS = ("Once upon a time", "Lily and Tom went to the park. They",

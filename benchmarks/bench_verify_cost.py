@@ -108,7 +108,7 @@ def step_costs(model, prompt: int, runs: int) -> dict[str, float]:
     import mlx.core as mx
 
     from mlx_speculate.decode import Decoder
-    from mlx_speculate.drafters import EagleSpec, EagleTree, make_drafter
+    from mlx_speculate.drafters import EagleGrowth, EagleSpec, make_drafter
     from mlx_speculate.heads.eagle import Eagle1Head, EagleConfig
     from mlx_speculate.policy.adaptive import FixedPolicy
     from mlx_speculate.sampling import SamplingParams
@@ -127,9 +127,9 @@ def step_costs(model, prompt: int, runs: int) -> dict[str, float]:
     head.set_dtype(model.compute_dtype)
     settings = {
         "plain": None,
-        "eagle chain 1": EagleTree.chain(1),
-        "eagle chain 6": EagleTree.chain(6),
-        "eagle tree 60/7/10": EagleTree(),
+        "eagle chain 1": EagleGrowth.chain(1),
+        "eagle chain 6": EagleGrowth.chain(6),
+        "eagle tree 60/7/10": EagleGrowth(),
     }
     seconds = {}
     for name, tree in settings.items():

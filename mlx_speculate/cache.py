@@ -20,8 +20,9 @@ import mlx.core as mx
 
 
 class KVCache:
-    def __init__(self, num_layers: int, step: int = 256):
+    def __init__(self, num_layers: int, step: int = 256, like: mx.array | None = None):
         self.step = step
+        self.like = like  # (B, H_kv, 0, D): the shape and dtype of layers not yet written
         self.offset = 0
         # Set on a view only (`view`): the array slot a compiled step writes at, and the
         # leading slots its attention reads (`span`; None: the whole capacity).
@@ -48,14 +49,14 @@ class KVCache:
             size = size // 2 * 3 if size & (size - 1) == 0 else size // 3 * 4
         return min(size, max(self.capacity, end))
 
-    def reserve(self, length: int, like: mx.array | None = None) -> None:
-        """Room for `length` slots in every layer, copying what it holds; `like`, a
-        (B, H_kv, 0, D) array, gives unallocated layers their shape and dtype."""
+    def reserve(self, length: int) -> None:
+        """Room for `length` slots in every layer, copying what it holds (layers not yet
+        written take the cache's `like`; without one they stay unallocated)."""
         for layer, k in enumerate(self.keys):
             if k is not None:
                 self._reserve(layer, k, self.values[layer], length)
-            elif like is not None:
-                self._reserve(layer, like, like, length)
+            elif self.like is not None:
+                self._reserve(layer, self.like, self.like, length)
 
     def _reserve(self, layer: int, keys: mx.array, values: mx.array, length: int) -> None:
         """Makes room for `length` slots in `layer` (keys/values give the shape and dtype)."""

@@ -32,7 +32,7 @@ from .cache import KVCache
 from .constraint import Constraint, Guide, masked, points
 from .device import GENERATION_STREAM
 from .drafters.base import Draft, Drafter, FusedDrafter, PipelinedDrafter, TargetFeatures
-from .graphs import built, compilable
+from .graphs import built
 from .models.base import CausalLM
 from .models.quantized_prefill import prefilling
 from .policy.adaptive import FixedPolicy, Policy
@@ -351,7 +351,7 @@ class _StepBuilder:
     def _then(self) -> Then | None:
         """EAGLE's next draft, traced into this step's graph (`step.Then`), on a real target."""
         decoder = self.decoder
-        fits = decoder.fused and isinstance(decoder.model, CausalLM) and not self.rule.typical
+        fits = decoder.fused and decoder.model.traceable and not self.rule.typical
         return decoder.drafter.then() if fits else None
 
     def _follows(self) -> bool:
@@ -359,9 +359,7 @@ class _StepBuilder:
         drafts (`follow`) and the target's step is compiled, so the root slot may be lazy."""
         decoder = self.decoder
         return (
-            decoder.pipelined
-            and isinstance(decoder.model, CausalLM)
-            and compilable(decoder.model)
+            decoder.pipelined and decoder.model.traceable
         )
 
     def follow(self, step: _Pending, k: int) -> _Pending | None:

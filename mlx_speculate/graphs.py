@@ -9,8 +9,6 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from .memo import Table, per_model
-from .models.base import CausalLM
-from .models.rope import LENGTH_DEPENDENT
 
 # Compiled functions per model (keyed by id, dropped with the model).
 _COMPILED: Table = {}
@@ -24,20 +22,13 @@ def built() -> int:
     return _built
 
 
-def compilable(model) -> bool:
-    """Whether a forward's graph can be independent of the host offset."""
-    if not isinstance(model, CausalLM):
-        return True
-    return model.args.rope_config()["rope_type"] not in LENGTH_DEPENDENT
-
-
 def compiled(model, key: tuple, build: Callable[[], Callable], traced: bool = True) -> Callable:
     """The function `build()` makes for `model` and `key`, under `mx.compile` (the random state
-    passed through) unless `traced` is False or the model is not `compilable`; built once."""
+    passed through) unless `traced` is False (a model that cannot be traced); built once."""
 
     def make() -> Callable:
         fn = build()
-        if traced and compilable(model):
+        if traced:
             # The graph captures the weights as they are: a lazy one (random, quantized or
             # cast in memory, loaded lazily) would be computed again inside every call.
             mx.eval(model.parameters())

@@ -10,8 +10,8 @@ the step's last slot passes the span (`KVCache.span`: two sizes an octave).
 Padding nodes carry the draft token -1 (their input token is 0), see only their ancestors and
 are never accepted; the host advances the cache by the real node count.
 
-Models whose rope frequencies depend on the largest position (dynamic NTK, longrope) run the
-same step uncompiled, with the offset known on the host.
+Models that cannot be traced (`CausalLM.traceable`: rope frequencies that depend on the largest
+position, dynamic NTK and longrope) run the same step uncompiled.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import mlx.core as mx
 from .cache import KVCache
 from .graphs import compiled
 from .models.base import CausalLM
-from .models.context import additive_mask
 from .sampling import SamplingParams, pick
 from .tree import DeviceTree, PaddedTree, Tree
 from .verify import Acceptance, AcceptanceRule
@@ -95,9 +94,8 @@ def verify(
     cache is read whole; no host sync. Writes the padded rows from the cache offset and
     advances the offset by N; or, with `at` (a lazy root slot and a host bound on it), from
     that slot, leaving the offset to the caller (a step queued before the last one is read).
-    `then` (compiled models only): work traced after the rule, see `Then`."""
-    if not isinstance(model, CausalLM):
-        return _stand_in(model, cache, pending, tree, draft, draft_logprobs, rule, taps, allowed)
+    `then`: work traced after the rule, see `Then`. A model that cannot be traced
+    (`CausalLM.traceable`) runs the same step eagerly."""
     n = tree.num_nodes
     rows = verify_rows(tree)
     padded = _bounded(tree.padded(rows))
@@ -122,6 +120,7 @@ def verify(
         model,
         key,
         lambda: _verify_fn(model, padded, rule, taps, sampled_q, masked, span, then),
+        traced=model.traceable,
     )
     start = mx.array(cache.offset, dtype=mx.int32) if at is None else at[0]
     extra = () if then is None else then.inputs
@@ -192,37 +191,10 @@ def _verify_fn(
     return step
 
 
-def _stand_in(model, cache, pending, tree, draft, draft_logprobs, rule, taps, allowed) -> Verified:
-    """A stand-in target (a test's scripted or Markov model, not a CausalLM) verifies eagerly,
-    unpadded, on the real cache, with the additive (N, offset + N) tree mask: such models read
-    their context on the host and cannot be traced."""
-    inputs = pending if draft is None else mx.concatenate([pending, draft])
-    tree = tree.padded(tree.num_nodes)  # no padding: the rules' array form of a host or device tree
-    positions = mask = None
-    if not tree.is_chain:
-        positions = cache.offset + tree.depth_index
-        mask = additive_mask(tree.ancestors, mx.float32, cache.offset)
-    out = model(inputs[None], cache, positions=positions, mask=mask, taps=taps)
-    logits = out.logits[0]  # (N, V)
-    if allowed is not None:
-        logits = mx.where(allowed, logits, -mx.inf)
-    drafted = mx.zeros((0,), mx.int32) if draft is None else draft.astype(mx.int32)
-    q = None
-    if draft_logprobs is not None and rule.reads_draft:
-        q = draft_logprobs.astype(mx.float32)
-    acceptance = rule(tree, drafted, logits, q)
-    return Verified(acceptance, logits, out.hidden[0], tuple(t[0] for t in out.taps))
-
-
 def _reserve(model, cache: KVCache, length: int) -> int:
-    """Storage for `length` slots in every layer (a fresh cache gets its shape from the model;
-    a stand-in model without layers keeps none); returns the slots a step writing below
+    """Storage for `length` slots in every layer; returns the slots a step writing below
     `length` attends to (`KVCache.span`)."""
-    like = None
-    if isinstance(model, CausalLM) and cache.capacity == 0:
-        args = model.args
-        like = mx.zeros((1, args.num_key_value_heads, 0, args.head_dim), model.compute_dtype)
-    cache.reserve(length, like)
+    cache.reserve(length)
     return cache.span(length)
 
 
@@ -257,8 +229,6 @@ def decode(
     their rows, and the next forward overwrites its slots); the cache is read whole; every
     token is fed back on the device: no host sync."""
     n = tokens.shape[0]
-    if not isinstance(model, CausalLM):  # a stand-in (a test's wrapper) runs as it is
-        return _stand_in_chain(model, cache, tokens, k, sampling, shared, vocab)
     inputs = mx.concatenate([tokens.astype(mx.int32), mx.zeros((bucket(n) - n,), mx.int32)])
     start = mx.array(cache.offset, dtype=mx.int32)
     out = decode_at(model, cache, inputs, n - 1, (start, cache.offset), k, sampling, shared, vocab)
@@ -284,7 +254,8 @@ def decode_at(
     sampling = replace(sampling, seed=None)
     span = _reserve(model, cache, at[1] + rows + k)
     key = ("decode", k, sampling, shared, vocab, span)
-    fn = compiled(model, key, lambda: _decode_fn(model, k, sampling, shared, vocab, span))
+    build = lambda: _decode_fn(model, k, sampling, shared, vocab, span)  # noqa: E731
+    fn = compiled(model, key, build, traced=model.traceable)
     last = mx.array(last, dtype=mx.int32)
     picked, logprobs, *arrays = fn(at[0], last, inputs[None], *cache.state)
     cache.set_arrays(arrays)
@@ -309,19 +280,6 @@ def _decode_fn(
         return mx.concatenate(picked), mx.stack(rows), *view.state
 
     return step
-
-
-def _stand_in_chain(
-    model, cache, tokens, k: int, sampling: SamplingParams, shared: int, vocab: int
-) -> tuple[mx.array, mx.array | None]:
-    picked, rows = [], []
-    for _ in range(k):
-        logits = model(tokens[None], cache).logits[0, -1][:shared].astype(mx.float32)
-        tokens, logprobs = pick(_widened(logits, vocab), sampling)
-        tokens = tokens.reshape(1)
-        picked.append(tokens)
-        rows.append(logprobs)
-    return mx.concatenate(picked), None if sampling.greedy else mx.stack(rows)
 
 
 def _widened(logits: mx.array, vocab: int) -> mx.array:

@@ -14,7 +14,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mlx_speculate.drafters.eagle import EagleTree  # noqa: E402
+from mlx_speculate.drafters.eagle import EagleGrowth  # noqa: E402
 from mlx_speculate.drafters.lookup import LookupSpec  # noqa: E402
 from mlx_speculate.generation import stream_generate  # noqa: E402
 from mlx_speculate.parallel.group import decoding_options, init_group, shared_seed  # noqa: E402
@@ -31,7 +31,7 @@ METHODS = {
     "lookup": {"prompt_lookup": True, "num_draft_tokens": 3},
     "draft": {"num_draft_tokens": 3},  # the draft model is added below
     "medusa": {"num_draft_tokens": 3},  # random heads of the family's sizes, added below
-    "eagle": {"eagle_tree": EagleTree(8, 2, 3), "num_draft_tokens": 7},
+    "eagle": {"eagle_tree": EagleGrowth(8, 2, 3), "num_draft_tokens": 7},
 }
 
 

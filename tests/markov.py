@@ -7,6 +7,7 @@ import math
 from types import SimpleNamespace
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from mlx_speculate.cache import KVCache
@@ -14,11 +15,15 @@ from mlx_speculate.models.base import ModelOutput, Origin
 from mlx_speculate.sampling import SamplingParams, log_probs
 
 
-class MarkovLM:
+class MarkovLM(nn.Module):
     """logits = table[previous token]; its hidden state (and every tap) is the token's one-hot,
-    and its embedding too, so that heads read real features."""
+    and its embedding too, so that heads read real features. A function of the tokens alone,
+    so its steps compile as a real target's do (it keeps no keys)."""
+
+    traceable = True
 
     def __init__(self, table):
+        super().__init__()
         self.table = mx.array(table, dtype=mx.float32)  # (V, V)
         vocab = self.table.shape[0]
         self.args = SimpleNamespace(

@@ -18,20 +18,15 @@ from mlx_speculate.models.base import ModelOutput
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 
-class TokenCache(KVCache):
-    """A cache of token ids rather than keys and values: slot i holds the token written there."""
-
-    def __init__(self):
-        super().__init__(1)
-        self.tokens: list[int] = []
-
-    def compact(self, start: int, path: mx.array) -> None:
-        moved = [self.tokens[start + i] for i in path.tolist()]
-        super().compact(start, path)
-        self.tokens[start : start + len(moved)] = moved
+def token_cache() -> KVCache:
+    """A cache of token ids rather than keys and values: slot i of its one layer holds the token
+    written there, so it truncates, compacts and serves a step's view as a real cache does."""
+    return KVCache(1, like=mx.zeros((1, 1, 0, 1), mx.float32))
 
 
 class ScriptedLM:
+    traceable = False  # it reads its context on the host
+
     def __init__(self, tokenizer, max_context: int = 4096):
         self.tokenizer = tokenizer
         vocab = token_count(tokenizer)
@@ -48,8 +43,8 @@ class ScriptedLM:
         """What the model answers next (each of its turns, until told otherwise)."""
         self.script = list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def make_cache(self) -> TokenCache:
-        return TokenCache()
+    def make_cache(self) -> KVCache:
+        return token_cache()
 
     def next_token(self, context: list[int]) -> int:
         script = self.script
@@ -60,17 +55,19 @@ class ScriptedLM:
 
     def __call__(self, tokens, cache=None, *, positions=None, mask=None, taps=()):
         row = tokens[0].tolist()
-        offset = 0 if cache is None else cache.offset
-        committed = [] if cache is None else cache.tokens[:offset]
+        committed = []
+        if cache is not None:  # the tokens go in as keys, at the host offset or a step's slot
+            start = cache.offset if cache.start is None else int(cache.start.item())
+            ids = tokens.astype(mx.float32).reshape(1, 1, -1, 1)
+            end = start + len(row) if cache.start is None else None
+            keys, _ = cache.write(0, ids, ids, mx.array(start, mx.int32), end)
+            committed = [int(t) for t in keys[0, 0, :start, 0].tolist()]
+            cache.advance(len(row))
         if mask is None:  # a chain: each row sees every row before it
             seen = [list(range(i + 1)) for i in range(len(row))]
-        else:  # a tree: (N, offset + N) additive mask, 0 where a node sees another
-            allowed = (mask[:, offset:] == 0).tolist()
-            seen = [[j for j, a in enumerate(r) if a] for r in allowed]
+        else:  # a tree: bool (N, N) visibility among the new rows
+            seen = [[j for j, a in enumerate(r) if a] for r in mask.tolist()]
         nexts = [self.next_token(committed + [row[j] for j in s]) for s in seen]
-        if cache is not None:
-            cache.tokens[offset:] = row
-            cache.advance(len(row))
         hidden = mx.eye(self.args.vocab_size)[mx.array(nexts)][None]  # (1, L, V)
         return ModelOutput(self.project(hidden), hidden, tuple(hidden for _ in taps))
 

@@ -135,13 +135,13 @@ def test_the_longest_draft_is_measured_past_the_budget(monkeypatch):
 def test_eagle_drafts_are_timed_as_trees():
     # EAGLE proposes from the features of every committed position: timed on the prompt alone
     # it proposed nothing, and its drafts were priced as free chains.
-    from mlx_speculate.drafters import EagleSpec, EagleTree
+    from mlx_speculate.drafters import EagleGrowth, EagleSpec
 
     from .helpers import random_eagle_head, tiny_config
 
     model = tiny_model("llama", num_hidden_layers=6)
     head = random_eagle_head(tiny_config("llama", num_hidden_layers=6), 1, 5)
-    drafter = make_drafter(EagleSpec(heads=head, tree=EagleTree(16, 4, 4)), model)
+    drafter = make_drafter(EagleSpec(heads=head, tree=EagleGrowth(16, 4, 4)), model)
     _, draft, _, trees = measure.measure(model, drafter, (1, 4, 8), progress=False)
     assert trees and all(t > 0 for t in draft.values())
 

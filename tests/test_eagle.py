@@ -11,7 +11,7 @@ from mlx_speculate import decode as decoding
 from mlx_speculate import graphs
 from mlx_speculate.cache import KVCache
 from mlx_speculate.decode import Decoder
-from mlx_speculate.drafters import EagleSpec, EagleTree, TargetFeatures, eagle_grow, make_drafter
+from mlx_speculate.drafters import EagleGrowth, EagleSpec, TargetFeatures, eagle_grow, make_drafter
 from mlx_speculate.drafters.eagle import EagleDrafter
 from mlx_speculate.generation import Session
 from mlx_speculate.policy.adaptive import FixedPolicy
@@ -49,7 +49,7 @@ def target_and_head(family: str, version: int, seed: int = 5):
 # The tree: EAGLE-2's expansion, computed the slow way.
 
 
-def brute_force_tree(drafter: EagleDrafter, context: list[int], settings: EagleTree, k: int):
+def brute_force_tree(drafter: EagleDrafter, context: list[int], settings: EagleGrowth, k: int):
     """EAGLE-2 (SafeAILab `topK_genrate`) with every node's draft state computed by running the
     head sequentially along its own path on a copy of the committed draft cache. Returns the
     kept nodes as (token path from the root's children) in node order."""
@@ -99,7 +99,7 @@ def tree_paths(draft):
 @pytest.mark.parametrize("version", [1, 3])
 @pytest.mark.parametrize(
     ("settings", "k"),
-    [(EagleTree(12, 3, 3), 11), (EagleTree(60, 7, 4), 20), (EagleTree.chain(5), 5)],
+    [(EagleGrowth(12, 3, 3), 11), (EagleGrowth(60, 7, 4), 20), (EagleGrowth.chain(5), 5)],
 )
 def test_tree_is_eagle2s_best_nodes(version, settings, k):
     """Trees, and chains (their own path: one row a level, tables built once)."""
@@ -115,13 +115,14 @@ def test_tree_is_eagle2s_best_nodes(version, settings, k):
 
 def test_top_k_one_is_a_chain_without_read_back():
     target, head = target_and_head("llama", 1)
-    drafter = EagleDrafter(head, target, (), EagleTree.chain(5))
+    drafter = EagleDrafter(head, target, (), EagleGrowth.chain(5))
     out = target(mx.array([PROMPT]))
     drafter.extend(TargetFeatures(out.hidden[0]))
     draft = drafter.propose([*PROMPT, 3], 5, GREEDY)
     assert draft.tree.is_chain and draft.size == 5
     assert (
-        tree_paths(draft)[-1] == brute_force_tree(drafter, [*PROMPT, 3], EagleTree.chain(5), 5)[-1]
+        tree_paths(draft)[-1]
+        == brute_force_tree(drafter, [*PROMPT, 3], EagleGrowth.chain(5), 5)[-1]
     )
 
 
@@ -130,7 +131,7 @@ def test_top_k_one_is_a_chain_without_read_back():
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("version", [1, 3])
-@pytest.mark.parametrize("settings", [EagleTree(), EagleTree(16, 4, 4), EagleTree.chain(4)])
+@pytest.mark.parametrize("settings", [EagleGrowth(), EagleGrowth(16, 4, 4), EagleGrowth.chain(4)])
 def test_greedy_equals_plain(family, version, settings):
     target, head = target_and_head(family, version)
     reference = greedy_reference(target, PROMPT, 40)
@@ -155,7 +156,7 @@ def test_prefix_reuse_keeps_the_draft_state_right():
     """A second prompt sharing a prefix rewinds the head's cache and features: its output
     equals a fresh decoder's, and the drafts it proposes are the fresh decoder's too."""
     target, head = target_and_head("llama", 1)
-    spec = EagleSpec(heads=head, tree=EagleTree(16, 4, 4))
+    spec = EagleSpec(heads=head, tree=EagleGrowth(16, 4, 4))
     first = [*PROMPT, 11, 12, 13]
     second = [*PROMPT, 40, 41]
     reused = Decoder(target, make_drafter(spec, target))
@@ -182,7 +183,7 @@ def test_misfit_and_missing_heads_are_refused():
     with pytest.raises(ValueError, match="hidden size 32, the target's is 64"):
         make_drafter(EagleSpec(heads=narrow), target)
     with pytest.raises(ValueError, match="EAGLE tree needs"):
-        EagleTree(total=1)
+        EagleGrowth(total=1)
 
 
 # Sampling: tree rejection keeps the target's distribution with EAGLE trees. The target is a
@@ -213,7 +214,7 @@ def test_sampling_follows_target(version, sampling):
         taps=(0, 1, 2) if version == 3 else None,
     )  # fmt: skip
     target = MarkovLM(TABLE)
-    drafter = EagleDrafter(head, target, (0, 1, 2) if version == 3 else (), EagleTree(8, 3, 2))
+    drafter = EagleDrafter(head, target, (0, 1, 2) if version == 3 else (), EagleGrowth(8, 3, 2))
     tokens, steps, _ = decode(target, [0], SAMPLED, drafter, FixedPolicy(7), sampling)
     # Both outcomes are exercised: accepted nodes, and rejected siblings / whole levels.
     assert sum(s.accepted for s in steps) > 200
@@ -224,7 +225,9 @@ def test_sampling_follows_target(version, sampling):
 # Fused steps: the verify graph runs the head over the accepted path and grows the next tree.
 
 
-@pytest.mark.parametrize("settings", [EagleTree(16, 4, 4), EagleTree.chain(3)], ids=["tree", "k3"])
+@pytest.mark.parametrize(
+    "settings", [EagleGrowth(16, 4, 4), EagleGrowth.chain(3)], ids=["tree", "k3"]
+)
 def test_a_step_is_one_compiled_graph_and_one_sync(monkeypatch, settings):
     """After the first proposal, no step calls the head's own growth graph: the catch-up and
     the next tree are traced into the verify graph, one per (tree, span), and each step reads
@@ -259,7 +262,9 @@ def test_a_step_is_one_compiled_graph_and_one_sync(monkeypatch, settings):
     assert len(spans) == len(fused) <= 3 and {s for pair in spans for s in pair} <= {64, 96}
 
 
-@pytest.mark.parametrize("settings", [EagleTree(16, 4, 4), EagleTree.chain(3)], ids=["tree", "k3"])
+@pytest.mark.parametrize(
+    "settings", [EagleGrowth(16, 4, 4), EagleGrowth.chain(3)], ids=["tree", "k3"]
+)
 def test_a_step_queued_on_the_last_count_drafts_as_after_the_read(monkeypatch, settings):
     """A fused step queued before the last one is read (`follow`: its root slot and the
     head's path start lazy in that count) drafts the very tokens a step proposed after the
@@ -306,7 +311,7 @@ def test_fused_sampling_follows_the_target():
             followed.append(draft is not None)
             return draft
 
-    decoder = Decoder(target, Counting(head, target, (), EagleTree(4, 1, 2)))
+    decoder = Decoder(target, Counting(head, target, (), EagleGrowth(4, 1, 2)))
     sampling = SamplingParams(temperature=temperature)
     mx.random.seed(0)
     n, thirds = 1500, []

@@ -14,7 +14,7 @@ import pytest
 
 from mlx_speculate.convert import convert
 from mlx_speculate.decode import Decoder
-from mlx_speculate.drafters import EagleSpec, EagleTree, make_drafter
+from mlx_speculate.drafters import EagleGrowth, EagleSpec, make_drafter
 from mlx_speculate.heads.eagle_format import convert_eagle_heads, load_eagle_heads
 from mlx_speculate.loading import load
 from mlx_speculate.policy.adaptive import FixedPolicy
@@ -46,7 +46,7 @@ def heads_folder(name: str):
     return require(SHARED / "eagle" / name, "it ships beside the checkout")
 
 
-def greedy(model, drafter, prompt: list[int], settings: EagleTree, n: int):
+def greedy(model, drafter, prompt: list[int], settings: EagleGrowth, n: int):
     """At least n tokens of greedy EAGLE decoding with every step verifying the whole tree
     (as the official code does), and the verify forwards that took."""
     decoder = Decoder(model, drafter)
@@ -63,7 +63,7 @@ def greedy(model, drafter, prompt: list[int], settings: EagleTree, n: int):
 def check_run(official: dict, model, run: str, prompts, heads=None) -> None:
     data = official[run]
     shape = data["tree"]
-    settings = EagleTree(shape["total_token"], shape["depth"], shape["top_k"])
+    settings = EagleGrowth(shape["total_token"], shape["depth"], shape["top_k"])
     spec = EagleSpec(heads=heads or heads_folder(data["head"]), tree=settings)
     drafter = make_drafter(spec, model)
     new_tokens = forwards = official_forwards = 0
@@ -102,7 +102,7 @@ def test_chains_and_4bit_heads_equal_plain_greedy(official, smollm2, tmp_path, v
     official-dev.json says so, and the test above checks it)."""
     model, _ = smollm2
     heads = heads_folder(HEADS[version])
-    settings = EagleTree.chain(5) if variant == "chain" else EagleTree(60, 7, 10)
+    settings = EagleGrowth.chain(5) if variant == "chain" else EagleGrowth(60, 7, 10)
     if variant == "4-bit":
         folder = convert_eagle_heads(heads, tmp_path / "heads", target=model, quantize=True)
         heads = load_eagle_heads(folder, model)

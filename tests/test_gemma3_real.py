@@ -20,7 +20,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_speculate.convert import convert
-from mlx_speculate.drafters import EagleSpec, EagleTree, make_drafter
+from mlx_speculate.drafters import EagleGrowth, EagleSpec, make_drafter
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
 from mlx_speculate.drafters.lookup import LookupDrafter
 from mlx_speculate.drafters.medusa import MedusaDrafter
@@ -166,7 +166,7 @@ def test_medusa_and_eagle_with_random_heads_are_lossless(target, prompt: str, me
         head = random_eagle_head(
             vars(config), 3, seed=5, draft_vocab=4096, taps=(1, layers // 2, layers - 3)
         ) if method == "eagle-3" else random_eagle_head(vars(config), 1, seed=5)  # fmt: skip
-        drafter = make_drafter(EagleSpec(heads=head, tree=EagleTree(8, 2, 3)), model)
+        drafter = make_drafter(EagleSpec(heads=head, tree=EagleGrowth(8, 2, 3)), model)
     tokens, steps, _ = decode(model, ids, 16, drafter, FixedPolicy(7))
     assert tokens == expected
     assert sum(s.drafted for s in steps) > 0

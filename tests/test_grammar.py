@@ -15,7 +15,7 @@ from mlx_speculate.constraint import Constraint
 from mlx_speculate.convert import convert
 from mlx_speculate.drafters import Draft, DraftModelSpec, EagleSpec, LookupSpec, MedusaSpec
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
-from mlx_speculate.drafters.eagle import EagleTree
+from mlx_speculate.drafters.eagle import EagleGrowth
 from mlx_speculate.drafters.lookup import LookupDrafter
 from mlx_speculate.generation import stream_generate
 from mlx_speculate.grammar import Grammar, ll_tokenizer
@@ -199,7 +199,7 @@ def tree_specs(target):
     config = json.loads((SHARED / "models" / "stories260K-llama" / "config.json").read_text())
     return {
         "medusa": MedusaSpec(heads=random_heads(64, target.args.vocab_size, seed=3)),
-        "eagle": EagleSpec(heads=random_eagle_head(config, 1, seed=3), tree=EagleTree(16, 4, 4)),
+        "eagle": EagleSpec(heads=random_eagle_head(config, 1, seed=3), tree=EagleGrowth(16, 4, 4)),
     }
 
 

@@ -6,8 +6,8 @@ import pytest
 
 from mlx_speculate.drafters import (
     DraftModelSpec,
+    EagleGrowth,
     EagleSpec,
-    EagleTree,
     LookupSpec,
     MedusaSpec,
     make_drafter,
@@ -52,7 +52,7 @@ def spec_for(method: str, target):
     if method == "medusa":
         return MedusaSpec(heads=random_heads(64, 97, seed=3))
     head = random_eagle_head(tiny_config("llama", **DEEP), 1, 5)
-    return EagleSpec(heads=head, tree=EagleTree(16, 4, 4))
+    return EagleSpec(heads=head, tree=EagleGrowth(16, 4, 4))
 
 
 @pytest.mark.parametrize("method", ["draft model", "lookup", "lookup tree", "medusa", "eagle"])

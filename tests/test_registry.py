@@ -6,8 +6,8 @@ import pytest
 from mlx_speculate.drafters import (
     METHODS,
     DraftModelSpec,
+    EagleGrowth,
     EagleSpec,
-    EagleTree,
     LookupSpec,
     MedusaSpec,
     spec_from_keywords,
@@ -31,10 +31,10 @@ def test_every_method_registers_itself():
 
 def test_typed_tree_keywords():
     assert spec_from_keywords(medusa=True, medusa_tree="mc_sim_7b_63").tree == "mc_sim_7b_63"
-    assert spec_from_keywords(eagle=True, eagle_tree=EagleTree(10)).tree == EagleTree(10)
+    assert spec_from_keywords(eagle=True, eagle_tree=EagleGrowth(10)).tree == EagleGrowth(10)
     # The old tree= keyword still works where its type fits the method.
     assert spec_from_keywords(medusa=True, tree=[[0], [1], [0, 0]]).tree == [[0], [1], [0, 0]]
-    assert spec_from_keywords(eagle=True, tree=EagleTree(5)).tree == EagleTree(5)
+    assert spec_from_keywords(eagle=True, tree=EagleGrowth(5)).tree == EagleGrowth(5)
     spec = spec_from_keywords(prompt_lookup=True, max_ngram=2, num_draft_tokens=3)
     assert (type(spec), spec.max_ngram, spec.num_draft_tokens) == (LookupSpec, 2, 3)
 
@@ -42,10 +42,10 @@ def test_typed_tree_keywords():
 @pytest.mark.parametrize(
     "keywords, error, words",
     [
-        ({"eagle": True, "tree": "mc_sim_7b_63"}, TypeError, "eagle_tree must be an EagleTree"),
-        ({"medusa": True, "tree": EagleTree()}, TypeError, "medusa_tree must be a Medusa tree"),
+        ({"eagle": True, "tree": "mc_sim_7b_63"}, TypeError, "eagle_tree must be an EagleGrowth"),
+        ({"medusa": True, "tree": EagleGrowth()}, TypeError, "medusa_tree must be a Medusa tree"),
         ({"eagle": True, "medusa_tree": "mc_sim_7b_63"}, ValueError, "medusa_tree applies to"),
-        ({"medusa": True, "eagle_tree": EagleTree()}, ValueError, "eagle_tree applies to eagle"),
+        ({"medusa": True, "eagle_tree": EagleGrowth()}, ValueError, "eagle_tree applies to eagle"),
         ({"medusa": True, "medusa_tree": "nope"}, ValueError, "medusa_tree 'nope' is unknown"),
         ({"medusa": True, "tree": "a", "medusa_tree": "b"}, ValueError, "give tree or medusa_tree"),
         ({"prompt_lookup": True, "tree": "a"}, ValueError, "tree applies to eagle or medusa only"),
@@ -63,14 +63,14 @@ def test_mismatched_keywords_are_one_line_errors(keywords, error, words):
 
 def test_stream_generate_names_the_tree_keyword():
     model, tokenizer = tiny_model(), StubTokenizer()
-    with pytest.raises(TypeError, match="eagle_tree must be an EagleTree"):
+    with pytest.raises(TypeError, match="eagle_tree must be an EagleGrowth"):
         next(stream_generate(model, tokenizer, [1, 2], eagle=True, tree="mc_sim_7b_63"))
     with pytest.raises(TypeError, match="medusa_tree must be a Medusa tree name"):
-        next(stream_generate(model, tokenizer, [1, 2], medusa=True, tree=EagleTree()))
+        next(stream_generate(model, tokenizer, [1, 2], medusa=True, tree=EagleGrowth()))
 
 
 def test_spec_constructors_check_their_tree_type():
-    with pytest.raises(TypeError, match="eagle_tree must be an EagleTree"):
+    with pytest.raises(TypeError, match="eagle_tree must be an EagleGrowth"):
         EagleSpec(tree="mc_sim_7b_63")
     with pytest.raises(ValueError, match="typical_acceptance applies to medusa only"):
         LookupSpec(typical_acceptance=True)

@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_speculate.chat import apply_chat_template
-from mlx_speculate.drafters import DraftModelSpec, EagleSpec, EagleTree, MedusaSpec
+from mlx_speculate.drafters import DraftModelSpec, EagleGrowth, EagleSpec, MedusaSpec
 from mlx_speculate.generation import stream_generate
 
 from .helpers import SHARED, assert_clear_argmax, random_eagle_head, require
@@ -293,7 +293,7 @@ def test_eagle_greedy_equals_generate(stories):
     model, tokenizer = stories
     config = json.loads((SHARED / "models" / "stories260K-llama" / "config.json").read_text())
     head = random_eagle_head(config, 1, seed=3)  # random weights: lossless, rarely right
-    spec = EagleSpec(heads=head, tree=EagleTree(16, 4, 4), num_draft_tokens=15)
+    spec = EagleSpec(heads=head, tree=EagleGrowth(16, 4, 4), num_draft_tokens=15)
     usage = served_greedy_usage(model, tokenizer, spec)
     assert usage["method"] == "eagle" and usage["drafted_tokens"] > 0
 

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from mlx_speculate.convert import convert
-from mlx_speculate.drafters import DraftModelSpec, EagleSpec, EagleTree
+from mlx_speculate.drafters import DraftModelSpec, EagleGrowth, EagleSpec
 from mlx_speculate.generation import stream_generate
 from mlx_speculate.grammar import Grammar
 from mlx_speculate.loading import load
@@ -169,7 +169,7 @@ def test_tree_methods_work_under_a_grammar(stories):
     model, tokenizer = stories
     config = json.loads((SHARED / "models" / "stories260K-llama" / "config.json").read_text())
     head = random_eagle_head(config, 1, seed=3)
-    spec = EagleSpec(heads=head, tree=EagleTree(16, 4, 4), num_draft_tokens=15)
+    spec = EagleSpec(heads=head, tree=EagleGrowth(16, 4, 4), num_draft_tokens=15)
     with serve(model, tokenizer, spec) as running:
         completion = nested_greedy(running, {"method": "eagle"})
         choice = completion.choices[0]

@@ -16,7 +16,7 @@ from typing import Any
 from ..models.base import CausalLM
 from .base import MAX_DRAFT, METHODS, Draft, Drafter, DrafterSpec, TargetFeatures
 from .draft_model import DraftModelSpec
-from .eagle import EagleSpec, EagleTree
+from .eagle import EagleGrowth, EagleSpec
 from .lookup import LookupSpec
 from .medusa import MedusaSpec
 
@@ -29,7 +29,7 @@ __all__ = [
     "Drafter",
     "DrafterSpec",
     "EagleSpec",
-    "EagleTree",
+    "EagleGrowth",
     "LookupSpec",
     "MedusaSpec",
     "TargetFeatures",

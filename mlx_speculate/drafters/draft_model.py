@@ -11,7 +11,6 @@ from typing import Any, ClassVar
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..graphs import compilable
 from ..loading import token_count
 from ..memo import from_folder
 from ..models.base import CausalLM
@@ -206,12 +205,11 @@ class DraftModelDrafter(PipelinedDrafter):
         token (1,) it chose after them. The cache holds the last chain's first k - 1 tokens
         from its first slot p: after n accepted, the next chain feeds the pending token at
         p + n (and the last draft before it when all k were accepted). None when the chain
-        could overflow the model's positions or the draft is a stand-in: `propose` then runs
+        could overflow the model's positions or the draft cannot be traced: `propose` then runs
         once the count is read. The next `rewind` settles the host offset."""
         k = min(k, self.max_draft)
         last = self._chain
-        traced = isinstance(self.model, CausalLM) and compilable(self.model)
-        if k <= 0 or last is None or self._queued is not None or not traced:
+        if k <= 0 or last is None or self._queued is not None or not self.model.traceable:
             return None
         first, length = last
         if first + length + k > self.model.args.max_position_embeddings:

@@ -42,9 +42,9 @@ from .eagle_grow import catch_up_and_grow, grow
 
 
 @dataclass(frozen=True)
-class EagleTree:
-    """EAGLE-2's tree settings (the official defaults): nodes verified with the root, levels
-    expanded, and children per node; `top_k` 1 makes a chain."""
+class EagleGrowth:
+    """How EAGLE-2 grows its draft trees (the official defaults): nodes verified with the root,
+    levels expanded, and children per node; `top_k` 1 makes a chain."""
 
     total: int = 60
     depth: int = 7
@@ -58,7 +58,7 @@ class EagleTree:
             )
 
     @classmethod
-    def chain(cls, k: int) -> EagleTree:
+    def chain(cls, k: int) -> EagleGrowth:
         """A chain of k drafts."""
         return cls(total=k + 1, depth=k - 1, top_k=1)
 
@@ -68,12 +68,12 @@ class EagleSpec(DrafterSpec):
     """EAGLE heads drafting dynamic trees. `heads`: True for those beside the loaded model
     (`eagle/` in its folder), a heads folder, file or hub id in any published layout (SafeAILab
     EAGLE-1 or EAGLE-3, SpecForge, AngelSlim, speculators, or MLX), or an `EagleHead`.
-    `tree` (keyword `eagle_tree=`): an `EagleTree`."""
+    `tree` (keyword `eagle_tree=`): an `EagleGrowth`."""
 
     keywords: ClassVar[dict[str, str | None]] = {
         "eagle": "heads",
         "eagle_tree": "tree",
-        "tree": "tree",  # the keyword before eagle_tree= existed: checked to be an EagleTree
+        "tree": "tree",  # the keyword before eagle_tree= existed: checked to be an EagleGrowth
     }
     flags: ClassVar[dict[str, str]] = {
         "eagle": "--eagle",
@@ -81,13 +81,13 @@ class EagleSpec(DrafterSpec):
     }
 
     heads: bool | str | Path | EagleHead = True
-    tree: EagleTree = EagleTree()
+    tree: EagleGrowth = EagleGrowth()
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not isinstance(self.tree, EagleTree):
+        if not isinstance(self.tree, EagleGrowth):
             raise TypeError(
-                f"eagle_tree must be an EagleTree (e.g. EagleTree(total=30)), got "
+                f"eagle_tree must be an EagleGrowth (e.g. EagleGrowth(total=30)), got "
                 f"{self.tree!r} (Medusa tree names go with medusa=)"
             )
 
@@ -102,7 +102,7 @@ class EagleSpec(DrafterSpec):
             help="draft dynamic trees with EAGLE-1/EAGLE-3 heads: those beside the model (its "
             "eagle/ folder), or the heads folder or hub id DIR (official or speculators layout)",
         )
-        default = EagleTree()
+        default = EagleGrowth()
         total = bounded(int, lambda v: v >= 2, ">= 2 (the root and at least one draft)")
         group.add_argument(
             "--tree-total",
@@ -131,7 +131,7 @@ class EagleSpec(DrafterSpec):
     def keywords_from_args(cls, args: argparse.Namespace) -> dict[str, Any]:
         shape = {"total": args.tree_total, "depth": args.tree_depth, "top_k": args.tree_top_k}
         shape = {k: v for k, v in shape.items() if v is not None}
-        return {"eagle": args.eagle, "eagle_tree": EagleTree(**shape) if shape else None}
+        return {"eagle": args.eagle, "eagle_tree": EagleGrowth(**shape) if shape else None}
 
     def resolve(self, target: CausalLM) -> EagleSpec:
         heads = self.heads
@@ -171,7 +171,7 @@ class EagleDrafter(FusedDrafter):
 
     follows_context = False
 
-    def __init__(self, head: EagleHead, target: CausalLM, taps: tuple[int, ...], tree: EagleTree):
+    def __init__(self, head: EagleHead, target: CausalLM, taps: tuple[int, ...], tree: EagleGrowth):
         self.head = head
         self.target = target
         self.taps = taps

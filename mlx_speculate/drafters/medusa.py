@@ -67,7 +67,7 @@ class MedusaSpec(DrafterSpec):
         elif tree is not None and not _is_choices(tree):
             raise TypeError(
                 f"medusa_tree must be a Medusa tree name ({', '.join(MEDUSA_TREES)}) or a list "
-                f"of paths, got {type(tree).__name__} (an EagleTree goes with eagle=)"
+                f"of paths, got {type(tree).__name__} (an EagleGrowth goes with eagle=)"
             )
 
     @classmethod

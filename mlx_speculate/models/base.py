@@ -33,7 +33,7 @@ import mlx.nn as nn
 from ..cache import KVCache
 from .attention import scaled_dot_product_attention
 from .context import ForwardContext, build_context
-from .rope import RotaryEmbedding, native, rope_parameters
+from .rope import LENGTH_DEPENDENT, RotaryEmbedding, native, rope_parameters
 from .stage import WHOLE, Stage
 
 
@@ -283,7 +283,15 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens(mx.array([0])).dtype
 
     def make_cache(self) -> KVCache:
-        return KVCache(len(self.model.layers))
+        args = self.args
+        like = mx.zeros((1, args.num_key_value_heads, 0, args.head_dim), self.compute_dtype)
+        return KVCache(len(self.model.layers), like=like)
+
+    @property
+    def traceable(self) -> bool:
+        """Whether a forward's graph can be independent of the host offset, so that a step
+        compiles once per shape: not where rope frequencies depend on the largest position."""
+        return self.args.rope_config()["rope_type"] not in LENGTH_DEPENDENT
 
     def rename(self, name: str) -> str | None:
         """A checkpoint's parameter or module path in this model's names; None for what is not
