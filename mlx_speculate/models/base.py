@@ -296,3 +296,11 @@ class CausalLM(nn.Module):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return {new: v for k, v in weights.items() if (new := self.rename(k)) is not None}
+
+    def mlx_lm_layout(
+        self, config: dict[str, Any], weights: dict[str, mx.array]
+    ) -> tuple[dict[str, Any], dict[str, mx.array]]:
+        """The config and weights a converted folder holds, given this model's config and
+        parameters: what mlx-lm's model of the type reads (families whose mlx-lm names or
+        config keys differ from theirs map them here)."""
+        return config, weights
