@@ -132,3 +132,21 @@ def test_convert_refuses_a_swiglu_mlx_lm_would_not_compute(tmp_path):
     save_hf(tmp_path / "hf", gpt_oss_config(swiglu_limit=3.0))
     with pytest.raises(ValueError, match="mlx-lm's gpt_oss computes swiglu_alpha 1.702"):
         convert(tmp_path / "hf", tmp_path / "mlx")
+
+
+@pytest.mark.parametrize("rows", [1, 40])  # below and above attention.MIN_SCORES on the CPU
+def test_attention_with_sinks_on_both_paths(rows):
+    """The sink joins each row's softmax and leaves it, on MLX's kernel and on the CPU's op
+    by op path alike, with masked slots kept out."""
+    from mlx_speculate.models.attention import scaled_dot_product_attention
+
+    mx.random.seed(0)
+    q, sinks = mx.random.normal((1, 8, rows, 16)), mx.random.normal((8,))
+    k, v = mx.random.normal((1, 2, 300, 16)), mx.random.normal((1, 2, 300, 16))
+    allowed = mx.random.uniform(shape=(rows, 300)) > 0.3
+    mask = mx.where(allowed, 0.0, mx.finfo(mx.float32).min)
+    ours = scaled_dot_product_attention(q, k, v, 0.25, mask, sinks)
+    scores = (q @ mx.repeat(k, 4, axis=1).swapaxes(-1, -2)) * 0.25 + mask
+    scores = mx.concatenate([scores, mx.broadcast_to(sinks[:, None, None], (1, 8, rows, 1))], -1)
+    expected = mx.softmax(scores, axis=-1)[..., :-1] @ mx.repeat(v, 4, axis=1)
+    assert mx.allclose(ours, expected, atol=1e-5).item()
