@@ -38,7 +38,6 @@ from .checkpoint import quantize_model, write_safetensors
 from .gguf.arch import ARCHITECTURES
 from .loading import DTYPES, build_model, load_config, load_weights, resolve_path
 from .models import MODEL_TYPES
-from .models.gemma3 import mlx_lm_layout
 from .models.rope import rope_both_forms
 
 GGUF_DEFAULT_DTYPE = "float16"
@@ -157,7 +156,7 @@ def convert(
         config["quantization"] = dict(settings)
         config["quantization_config"] = dict(settings)
 
-    written, weights = mlx_lm_layout(config, dict(tree_flatten(model.parameters())))
+    written, weights = model.mlx_lm_layout(config, dict(tree_flatten(model.parameters())))
     dst.parent.mkdir(parents=True, exist_ok=True)
     check_space(dst.parent, sum(v.nbytes for v in weights.values()))
     tmp = staging_folder(dst)

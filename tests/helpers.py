@@ -57,6 +57,15 @@ def require(path: Path, how: str) -> Path:
 # fast-turning local RoPE base) beside global layer 1, and an attention scale of its own.
 FAMILY_TINY = {
     "qwen3": {"head_dim": 32},
+    # Qwen3-MoE: 4 experts, 2 a token, each half the dense MLP's width.
+    "qwen3_moe": {
+        "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+    },
+    # gpt-oss: layer 0 slides over 6 tokens, layer 1 is global; 4 experts, 2 a token.
+    "gpt_oss": {
+        "head_dim": 16, "sliding_window": 6, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "intermediate_size": 48, "max_position_embeddings": 131072,  # YaRN from 4096, x32
+    },
     "gemma3_text": {
         "head_dim": 32,
         "query_pre_attn_scalar": 24,

@@ -1,12 +1,14 @@
 """Model families by HF `model_type`."""
 
-from . import gemma3, llama, phi3, qwen2, qwen3
+from . import gemma3, gpt_oss, llama, phi3, qwen2, qwen3, qwen3_moe
 
 MODEL_TYPES = {
     "llama": llama,
     "qwen2": qwen2,
     "qwen3": qwen3,
+    "qwen3_moe": qwen3_moe,
     "phi3": phi3,
     "gemma3_text": gemma3,
     "gemma3": gemma3,
+    "gpt_oss": gpt_oss,
 }

@@ -21,18 +21,32 @@ MIN_SCORES = 8192
 
 
 def scaled_dot_product_attention(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | str | None
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    scale: float,
+    mask: mx.array | str | None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """(B, H, L, D) queries over (B, Hk, S, D) keys and values; `mask` additive, broadcasting
-    to (B, H, L, S), or "causal" (the L queries are the last L of the S positions)."""
+    to (B, H, L, S), or "causal" (the L queries are the last L of the S positions). `sinks`
+    (H,): a learned logit per head that joins every row's softmax without a value (gpt-oss),
+    so a row may attend to nothing; masked slots stay out of it as they do of the rest."""
     B, H, L, D = q.shape
     Hk, S = k.shape[1], k.shape[2]
     if mx.default_device() != mx.cpu or B * H * L * S < MIN_SCORES:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=scale, mask=mask, sinks=sinks
+        )
     grouped = (q * mx.array(scale, q.dtype)).reshape(B, Hk, H // Hk * L, D)
     scores = (grouped @ k.swapaxes(-1, -2)).reshape(B, H, L, S)
     if isinstance(mask, str):
         mask = additive_mask(mx.arange(S)[None] <= mx.arange(S - L, S)[:, None], scores.dtype)
     if mask is not None:
         scores = scores + mask
-    return (softmax(scores).reshape(B, Hk, H // Hk * L, S) @ v).reshape(B, H, L, D)
+    if sinks is None:
+        probs = softmax(scores)
+    else:  # the sink's column joins the softmax, then leaves: it has no value
+        sink = mx.broadcast_to(sinks.astype(scores.dtype)[:, None, None], (B, H, L, 1))
+        probs = softmax(mx.concatenate([scores, sink], axis=-1))[..., :S]
+    return (probs.reshape(B, Hk, H // Hk * L, S) @ v).reshape(B, H, L, D)

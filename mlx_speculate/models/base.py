@@ -129,9 +129,11 @@ def attend(
     keys: mx.array,
     values: mx.array,
     scale: float,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """RoPE at the context's positions, cache write, SDPA. Takes (B, H, L, D) heads; `rope` is
-    the layer's own (Gemma 3's local layers have another base)."""
+    the layer's own (Gemma 3's local layers have another base); `sinks`, gpt-oss's per-head
+    sink logits (attention.py)."""
     B, _, L, _ = queries.shape
     if native():
         freqs = rope.freqs(ctx.seq_len)
@@ -145,7 +147,7 @@ def attend(
         if ctx.span is not None and ctx.span < keys.shape[2]:
             keys, values = keys[..., : ctx.span, :], values[..., : ctx.span, :]
     mask = ctx.window_mask if ctx.window_mask is not None and ctx.sliding[layer] else ctx.mask
-    out = scaled_dot_product_attention(queries, keys, values, scale, mask)
+    out = scaled_dot_product_attention(queries, keys, values, scale, mask, sinks)
     return out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, H * D)
 
 
@@ -304,3 +306,11 @@ class CausalLM(nn.Module):
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         return {new: v for k, v in weights.items() if (new := self.rename(k)) is not None}
+
+    def mlx_lm_layout(
+        self, config: dict[str, Any], weights: dict[str, mx.array]
+    ) -> tuple[dict[str, Any], dict[str, mx.array]]:
+        """The config and weights a converted folder holds, given this model's config and
+        parameters: what mlx-lm's model of the type reads (families whose mlx-lm names or
+        config keys differ from theirs map them here)."""
+        return config, weights

@@ -168,6 +168,11 @@ class Model(CausalLM):
         cap = self.args.final_logit_softcapping
         return logits if cap is None else mx.tanh(logits / cap) * cap
 
+    def mlx_lm_layout(
+        self, config: dict[str, Any], weights: dict[str, mx.array]
+    ) -> tuple[dict[str, Any], dict[str, mx.array]]:
+        return mlx_lm_layout(config, weights)
+
     def rename(self, name: str) -> str | None:
         for old, new in _PREFIXES:
             if name.startswith(old):
