@@ -19,10 +19,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu_oai
 
-from . import llama
 from .base import BaseModelArgs, CausalLM, TransformerBlock, attend
 from .context import ForwardContext
 from .experts import SwitchGLU, top_k
+from .llama import Attention as LlamaAttention
 from .rope import RotaryEmbedding
 
 # transformers' GptOssConfig default rope (theta: its `default_theta`, 150000).
@@ -92,7 +92,7 @@ class ModelArgs(BaseModelArgs):
         return tuple(t == "sliding_attention" for t in self.layer_types)
 
 
-class Attention(llama.Attention):
+class Attention(LlamaAttention):
     def __init__(self, args: ModelArgs, rope: RotaryEmbedding):
         super().__init__(args, rope)
         self.sinks = mx.zeros((args.num_attention_heads,))

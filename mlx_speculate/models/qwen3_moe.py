@@ -16,15 +16,17 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import llama, qwen3
 from .base import CausalLM, TransformerBlock
 from .experts import SwiGLU, SwitchGLU, stack_experts, top_k
+from .llama import MLP
+from .qwen3 import Attention
+from .qwen3 import ModelArgs as Qwen3Args
 
 _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
-class ModelArgs(qwen3.ModelArgs):
+class ModelArgs(Qwen3Args):
     # transformers' Qwen3MoeConfig defaults (it has no head_dim default: hidden / heads).
     head_dim: int | None = None
     sliding_window: int | None = 4096
@@ -97,8 +99,8 @@ class Model(CausalLM):
             if args.sparse(i):
                 mlp = SparseMoeBlock(args)
             else:
-                mlp = llama.MLP(args)  # HF's dense Qwen3MoeMLP: intermediate_size, no bias
-            return TransformerBlock(args, qwen3.Attention(args, rope), mlp)
+                mlp = MLP(args)  # HF's dense Qwen3MoeMLP: intermediate_size, no bias
+            return TransformerBlock(args, Attention(args, rope), mlp)
 
         super().__init__(args, block)
 
