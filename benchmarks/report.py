@@ -4,6 +4,7 @@ docs/results.png (tokens/s, tau and the ratio to our plain decoding, with their 
 
     python benchmarks/report.py [--openblas] [--runs 3] [--max-tokens 96]
         [--models stories,smollm2-f32,smollm2-4bit] [--out docs/results.md]
+    python benchmarks/report.py --render   # the page again from docs/results.json, no runs
 
 The page names the machine (CPU, cores, OS, BLAS, load average), the versions (mlx, mlx-lm,
 Python, this checkout's commit), the exact command and every prompt; each row gives the median
@@ -12,6 +13,8 @@ adaptive policy, and is dropped); decoding is greedy, so every method emits the 
 plain decoding. A speculative row whose adaptive policy drafted nothing says so. mlx-lm
 computes in our dtype (by default it keeps the checkpoint's float16 scales, which MLX's CPU
 backend computes far slower). The chart needs matplotlib: `pip install mlx_speculate[bench]`.
+The measured values go to results.json beside the page, and the page ends with the earlier
+measurements recorded in benchmarks/measurements.json (each with its device, date and command).
 Converted models go under $MLX_SPECULATE_BENCH_DIR, else $MLX_SPECULATE_CACHE, else
 ~/.cache/mlx_speculate.
 """
@@ -19,7 +22,9 @@ Converted models go under $MLX_SPECULATE_BENCH_DIR, else $MLX_SPECULATE_CACHE, e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import json
 import os
 import platform
 import shlex
@@ -37,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import CACHE, SHARED, add_blas_argument, header, setup_blas  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+MEASUREMENTS = Path(__file__).resolve().parent / "measurements.json"
 MIN_RUNS = 3  # a median and its spread need at least three timed rounds
 
 
@@ -71,6 +77,18 @@ class Row:
 
 
 @dataclass(frozen=True)
+class Measurement:
+    """A figure recorded by hand from a benchmark's output (measurements.json)."""
+
+    what: str
+    result: str
+    device: str
+    date: str
+    conditions: str
+    command: str
+
+
+@dataclass(frozen=True)
 class Report:
     date: str
     command: str
@@ -79,6 +97,41 @@ class Report:
     prompts: tuple[Prompt, ...]
     max_tokens: int
     rows: tuple[Row, ...]
+    recorded: tuple[Measurement, ...] = ()  # not saved with the run: read at each rendering
+
+
+def recorded(path: Path = MEASUREMENTS) -> tuple[Measurement, ...]:
+    """The measurements file's entries, each device key replaced by the device's description."""
+    data = json.loads(path.read_text())
+    devices = data["devices"]
+    return tuple(
+        Measurement(**{**entry, "device": devices[entry["device"]]})
+        for entry in data["measurements"]
+    )
+
+
+def save(report: Report, path: Path) -> None:
+    run = dataclasses.asdict(dataclasses.replace(report, recorded=()))
+    del run["recorded"]
+    _install(path, lambda staged: staged.write_text(json.dumps(run, indent=1) + "\n"))
+
+
+def load_saved(path: Path) -> Report:
+    if not path.exists():
+        raise SystemExit(f"{path} not found: run benchmarks/report.py without --render first")
+    run = json.loads(path.read_text())
+    return Report(
+        **{**run, "prompts": tuple(Prompt(**p) for p in run["prompts"]),
+           "rows": tuple(_row(r) for r in run["rows"])}
+    )
+
+
+def _row(fields: dict) -> Row:
+    drafted = fields["drafted"]
+    return Row(
+        **{**fields, "tokens_per_s": tuple(fields["tokens_per_s"]), "tau": tuple(fields["tau"]),
+           "drafted": None if drafted is None else tuple(drafted)}
+    )
 
 
 def smollm2_f32() -> Path:
@@ -268,6 +321,23 @@ def render(report: Report, chart: str | None = None) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if chart is not None:
         lines += ["", f"![tokens/s relative to plain decoding, median and range]({chart})"]
+    if report.recorded:
+        lines += [
+            "",
+            "## Earlier measurements",
+            "",
+            "Figures recorded from the benchmark scripts' output on earlier versions of the "
+            "code (benchmarks/measurements.json), each with its device, date and command; "
+            "the machine was often shared, so compare ratios within a row, not across rows.",
+            "",
+            "| what | result | device | date | conditions | command |",
+            "|---|---|---|---|---|---|",
+        ]
+        for n, m in enumerate(report.recorded, 1):
+            lines.append(f"| {m.what} | {m.result} | {m.device} | {m.date} | {m.conditions} "
+                         f"| [{n}] |")
+        lines += ["", "Commands:", ""]
+        lines += [f"{n}. `{m.command}`" for n, m in enumerate(report.recorded, 1)]
     return "\n".join(lines) + "\n"
 
 
@@ -376,8 +446,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results.md",
                         help="the page; its chart goes beside it as .png")
+    parser.add_argument("--render", action="store_true",
+                        help="write the page and chart again from the saved results, no runs")
     add_blas_argument(parser)
     args = parser.parse_args(argv)
+    saved = args.out.with_suffix(".json")
+    if args.render:
+        publish(dataclasses.replace(load_saved(saved), recorded=recorded()), args.out)
+        return
     command = shlex.join(["python", "benchmarks/report.py", *sys.argv[1:]])
     preload = {k: os.environ[k] for k in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS") if k in os.environ}
     if preload:
@@ -399,10 +475,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         max_tokens=args.max_tokens,
         rows=tuple(rows),
     )
-    chart = args.out.with_suffix(".png")
+    save(report, saved)
+    publish(dataclasses.replace(report, recorded=recorded()), args.out)
+
+
+def publish(report: Report, out: Path) -> None:
+    chart = out.with_suffix(".png")
     draw(report, chart)
-    _install(args.out, lambda staged: staged.write_text(render(report, chart.name)))
-    print(f"wrote {args.out} and {chart}")
+    _install(out, lambda staged: staged.write_text(render(report, chart.name)))
+    print(f"wrote {out} and {chart}")
 
 
 if __name__ == "__main__":

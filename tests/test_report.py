@@ -88,3 +88,27 @@ def test_fewer_than_three_runs_is_refused(report, capsys):
         report.main(["--runs", "2"])
     assert exit_info.value.code == 2
     assert "at least 3" in capsys.readouterr().err
+
+
+def test_earlier_measurements_name_device_date_and_command(report):
+    entries = report.recorded()  # benchmarks/measurements.json, the file itself
+    assert entries and all(m.what and m.result and m.date and m.command for m in entries)
+    assert all(m.device in ("2-core AMD EPYC CPU (Linux, MLX CPU backend, OpenBLAS), shared "
+                            "with other jobs", "NVIDIA H100 (Linux, mlx[cuda13] 0.32.4)")
+               for m in entries)
+    page = report.render(report.Report(**{**vars(made_up(report)), "recorded": entries[:2]}))
+    section = page.split("## Earlier measurements\n", 1)[1]
+    for n, m in enumerate(entries[:2], 1):
+        assert f"| {m.what} | {m.result} | {m.device} | {m.date} | {m.conditions} | [{n}] |" in (
+            section
+        )
+        assert f"{n}. `{m.command}`" in section
+    assert "## Earlier measurements" not in report.render(made_up(report))
+
+
+def test_a_saved_run_renders_the_same_page(report, tmp_path):
+    run = made_up(report)
+    report.save(run, tmp_path / "results.json")
+    assert report.load_saved(tmp_path / "results.json") == run
+    with pytest.raises(SystemExit, match="without --render first"):
+        report.load_saved(tmp_path / "missing.json")
