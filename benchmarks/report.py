@@ -461,6 +461,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     load_start = os.getloadavg()
     blas = setup_blas(args.openblas)
     header("Every method against plain decoding and mlx-lm (greedy, same weights)", blas)
+    versions = describe_versions()  # the code that runs, before the checkout can change
 
     rows, prompts = [], {}
     for label, folder, prompt, methods in cases(args.models.split(",")):
@@ -470,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         date=datetime.date.today().isoformat(),
         command=command,
         machine=describe_machine(blas, load_start),
-        versions=describe_versions(),
+        versions=versions,
         prompts=tuple(prompts.values()),
         max_tokens=args.max_tokens,
         rows=tuple(rows),
