@@ -93,6 +93,8 @@ class Report:
     date: str
     command: str
     machine: dict[str, str]  # label -> value, in display order
+    cores: int
+    load: tuple[float, float]  # 1-minute load average when the runs started and ended
     versions: dict[str, str]
     prompts: tuple[Prompt, ...]
     max_tokens: int
@@ -121,7 +123,8 @@ def load_saved(path: Path) -> Report:
         raise SystemExit(f"{path} not found: run benchmarks/report.py without --render first")
     run = json.loads(path.read_text())
     return Report(
-        **{**run, "prompts": tuple(Prompt(**p) for p in run["prompts"]),
+        **{**run, "load": tuple(run["load"]),
+           "prompts": tuple(Prompt(**p) for p in run["prompts"]),
            "rows": tuple(_row(r) for r in run["rows"])}
     )
 
@@ -288,7 +291,10 @@ def render(report: Report, chart: str | None = None) -> str:
         "",
         "## Machine",
         "",
+        *_busy(report),
         *(f"- {key}: {value}" for key, value in report.machine.items()),
+        f"- cores: {report.cores}",
+        f"- load average (1 min) at start / end: {report.load[0]:.1f} / {report.load[1]:.1f}",
         "",
         "## Versions",
         "",
@@ -341,6 +347,19 @@ def render(report: Report, chart: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _busy(report: Report) -> list[str]:
+    """A warning, when other processes wanted more cores than the machine has."""
+    if max(report.load) <= report.cores:
+        return []
+    return [
+        f"**The machine was busy**: its load average ({max(report.load):.1f}) exceeded its "
+        f"{report.cores} cores, so other processes took CPU time from these runs. Their "
+        "tokens/s and ratios are noisy (see the ranges); tau, exact under greedy decoding, is "
+        "not.",
+        "",
+    ]
+
+
 def draw(report: Report, path: Path) -> None:
     """A panel per model: each method's median ratio to plain decoding, its range as a bar."""
     import matplotlib
@@ -373,17 +392,14 @@ def draw(report: Report, path: Path) -> None:
     _install(path, lambda staged: fig.savefig(staged, dpi=120))
 
 
-def describe_machine(blas: str, load_start: tuple[float, ...]) -> dict[str, str]:
+def describe_machine(blas: str) -> dict[str, str]:
     import mlx.core as mx
 
-    load_end = os.getloadavg()
     return {
         "CPU": _cpu_model(),
-        "cores": str(os.cpu_count()),
         "OS": platform.platform(),
         "MLX device": str(mx.default_device()),
         "BLAS": blas,
-        "load average (1 min) at start / end": f"{load_start[0]:.1f} / {load_end[0]:.1f}",
     }
 
 
@@ -470,7 +486,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     report = Report(
         date=datetime.date.today().isoformat(),
         command=command,
-        machine=describe_machine(blas, load_start),
+        machine=describe_machine(blas),
+        cores=os.cpu_count() or 1,
+        load=(load_start[0], os.getloadavg()[0]),
         versions=versions,
         prompts=tuple(prompts.values()),
         max_tokens=args.max_tokens,

@@ -33,8 +33,9 @@ def made_up(report):
     return report.Report(
         date="2026-11-28",
         command="python benchmarks/report.py --openblas --models toy --runs 3",
-        machine={"CPU": "AMD EPYC", "cores": "2", "OS": "Linux-6", "BLAS": "OpenBLAS (x)",
-                 "load average (1 min) at start / end": "3.5 / 4.2"},
+        machine={"CPU": "AMD EPYC", "OS": "Linux-6", "BLAS": "OpenBLAS (x)"},
+        cores=2,
+        load=(1.5, 1.2),
         versions={"mlx": "0.32.4", "mlx-lm": "0.32.2", "Python": "3.11.7",
                   "mlx_speculate commit": "abc1234"},
         prompts=(report.Prompt("story", "Once upon a time, |there", chat=False),),
@@ -45,7 +46,7 @@ def made_up(report):
 
 def test_page_names_machine_versions_command_and_prompts(report):
     page = report.render(made_up(report), "results.png")
-    for text in ("AMD EPYC", "cores: 2", "OpenBLAS (x)", "3.5 / 4.2", "mlx: 0.32.4",
+    for text in ("AMD EPYC", "cores: 2", "OpenBLAS (x)", "start / end: 1.5 / 1.2", "mlx: 0.32.4",
                  "mlx-lm: 0.32.2", "Python: 3.11.7", "abc1234", "2026-11-28",
                  "python benchmarks/report.py --openblas --models toy --runs 3",
                  "Once upon a time, |there", "as plain text after BOS", "Up to 96 tokens",
@@ -88,6 +89,13 @@ def test_fewer_than_three_runs_is_refused(report, capsys):
         report.main(["--runs", "2"])
     assert exit_info.value.code == 2
     assert "at least 3" in capsys.readouterr().err
+
+
+def test_a_busy_machine_is_flagged(report):
+    quiet = made_up(report)
+    assert "The machine was busy" not in report.render(quiet)
+    busy = report.render(report.Report(**{**vars(quiet), "load": (1.5, 3.1)}))
+    assert "The machine was busy**: its load average (3.1) exceeded its 2 cores" in busy
 
 
 def test_earlier_measurements_name_device_date_and_command(report):
