@@ -368,7 +368,7 @@ def draw(report: Report, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = list(dict.fromkeys(row.model for row in report.rows))
-    fig, axes = plt.subplots(1, len(labels), figsize=(5.5 * len(labels), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(labels), figsize=(7 * len(labels), 4), squeeze=False)
     for ax, label in zip(axes[0], labels, strict=True):
         mine = [row for row in report.rows if row.model == label]
         per_round = [ratios(row, report.rows) for row in mine]
@@ -383,11 +383,12 @@ def draw(report: Report, path: Path) -> None:
                     + (", never drafted" if note(row).startswith("the adaptive") else ""),
                     va="center", fontsize=7)
         ax.axvline(1.0, color="grey", linewidth=0.8)
-        ax.set_xlim(0, 1.7 * max(max(r) for r in per_round))  # room for the labels
+        ax.set_xlim(0, 2.2 * max(max(r) for r in per_round))  # room for the labels
         ax.set_title(label)
         ax.set_xlabel("tokens/s relative to plain decoding")
         ax.invert_yaxis()
-    fig.suptitle(f"{report.machine['CPU']}, {report.date}", fontsize=9)
+    fig.suptitle(f"{report.machine['CPU']}, {report.cores} cores, load "
+                 f"{max(report.load):.1f}, {report.date}", fontsize=9)
     fig.tight_layout()
     _install(path, lambda staged: fig.savefig(staged, dpi=120))
 
