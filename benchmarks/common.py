@@ -19,7 +19,13 @@ from pathlib import Path
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 SHARED = Path(__file__).resolve().parents[2] / "shared"
-CACHE = Path(os.environ.get("MLX_SPECULATE_BENCH_DIR", Path.home() / ".cache/mlx_speculate"))
+# Converted models: $MLX_SPECULATE_BENCH_DIR, else the package's cache (default_model.cache_dir,
+# not imported here: mlx must not load before setup_blas).
+CACHE = Path(
+    os.environ.get("MLX_SPECULATE_BENCH_DIR")
+    or os.environ.get("MLX_SPECULATE_CACHE")
+    or Path.home() / ".cache/mlx_speculate"
+).expanduser()
 
 # Qwen2.5-0.5B's shapes (random weights: speed only, text is noise).
 QWEN25_05B = {

@@ -1,35 +1,140 @@
 """Every method on the shared models and SmolLM2-135M-Instruct (float32 and 4-bit), interleaved
-with mlx-lm's plain decoding on the same weights: a markdown table and a PNG chart of tokens/s,
-tau (tokens per verify forward) and the ratio to our plain decoding.
+with mlx-lm's plain decoding on the same weights: the results page docs/results.md and its chart
+docs/results.png (tokens/s, tau and the ratio to our plain decoding, with their spread).
 
-    python benchmarks/report.py [--openblas] [--runs 3] [--max-tokens 96] [--out report]
-        [--models stories,smollm2-f32,smollm2-4bit]
+    python benchmarks/report.py [--openblas] [--runs 3] [--max-tokens 96]
+        [--models stories,smollm2-f32,smollm2-4bit] [--out docs/results.md]
+    python benchmarks/report.py --render   # the page again from docs/results.json, no runs
 
-Writes OUT.md and OUT.png (matplotlib: `pip install mlx_speculate[bench]`). Tokens/s are
-medians over interleaved rounds (the first warms up, and calibrates the adaptive policy, and is
-dropped); greedy decoding, so every method emits the same tokens as plain decoding. mlx-lm
-computes in our dtype: by default it keeps the checkpoint's float16 scales, and on a CPU a
-one-token forward of the 4-bit SmolLM2 then takes 6.9 s against 0.2 s in float32.
+The page names the machine (CPU, cores, OS, BLAS, load average), the versions (mlx, mlx-lm,
+Python, this checkout's commit), the exact command and every prompt; each row gives the median
+of its timed rounds and their range. Rounds are interleaved (the first warms up, calibrates the
+adaptive policy, and is dropped); decoding is greedy, so every method emits the same tokens as
+plain decoding. A speculative row whose adaptive policy drafted nothing says so. mlx-lm
+computes in our dtype (by default it keeps the checkpoint's float16 scales, which MLX's CPU
+backend computes far slower). The chart needs matplotlib: `pip install mlx_speculate[bench]`.
+The measured values go to results.json beside the page, and the page ends with the earlier
+measurements recorded in benchmarks/measurements.json (each with its device, date and command).
+Converted models go under $MLX_SPECULATE_BENCH_DIR, else $MLX_SPECULATE_CACHE, else
+~/.cache/mlx_speculate.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CACHE, SHARED, add_blas_argument, header, median, setup_blas  # noqa: E402
+from common import CACHE, SHARED, add_blas_argument, header, setup_blas  # noqa: E402
 
-STORY = "Once upon a time, there was a little girl named Lily. She"
-EDIT = (
+ROOT = Path(__file__).resolve().parents[1]
+MEASUREMENTS = Path(__file__).resolve().parent / "measurements.json"
+MIN_RUNS = 3  # a median and its spread need at least three timed rounds
+
+
+@dataclass(frozen=True)
+class Prompt:
+    name: str
+    text: str
+    chat: bool  # given through the model's chat template (else as plain text after BOS)
+
+
+STORY = Prompt("story", "Once upon a time, there was a little girl named Lily. She", chat=False)
+EDIT = Prompt(
+    "edit",
     "Fix the typos in this text and return it unchanged otherwise:\n\n"
     "The quick brown fox jumpd over the lazy dog. The dog was not amused, and it barkd at the "
     "fox. The fox ran into the forest, where it met an owl. The owl said: it is late, little fox, "
-    "go home. The fox went home and slept until the morning sun woke it up again."
+    "go home. The fox went home and slept until the morning sun woke it up again.",
+    chat=True,
 )
+
+
+@dataclass(frozen=True)
+class Row:
+    """One method on one model: a value per timed round, in round order."""
+
+    model: str
+    method: str
+    prompt: str  # a Prompt's name
+    tokens_per_s: tuple[float, ...]
+    tau: tuple[float, ...]
+    drafted: tuple[int, ...] | None  # tokens proposed per round; None: a row that never drafts
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A figure recorded by hand from a benchmark's output (measurements.json)."""
+
+    what: str
+    result: str
+    device: str
+    date: str
+    conditions: str
+    command: str
+
+
+@dataclass(frozen=True)
+class Report:
+    date: str
+    command: str
+    machine: dict[str, str]  # label -> value, in display order
+    cores: int
+    load: tuple[float, float]  # 1-minute load average when the runs started and ended
+    versions: dict[str, str]
+    prompts: tuple[Prompt, ...]
+    max_tokens: int
+    rows: tuple[Row, ...]
+    recorded: tuple[Measurement, ...] = ()  # not saved with the run: read at each rendering
+
+
+def recorded(path: Path = MEASUREMENTS) -> tuple[Measurement, ...]:
+    """The measurements file's entries, each device key replaced by the device's description."""
+    data = json.loads(path.read_text())
+    devices = data["devices"]
+    return tuple(
+        Measurement(**{**entry, "device": devices[entry["device"]]})
+        for entry in data["measurements"]
+    )
+
+
+def save(report: Report, path: Path) -> None:
+    run = dataclasses.asdict(dataclasses.replace(report, recorded=()))
+    del run["recorded"]
+    _install(path, lambda staged: staged.write_text(json.dumps(run, indent=1) + "\n"))
+
+
+def load_saved(path: Path) -> Report:
+    if not path.exists():
+        raise SystemExit(f"{path} not found: run benchmarks/report.py without --render first")
+    run = json.loads(path.read_text())
+    return Report(
+        **{**run, "load": tuple(run["load"]),
+           "prompts": tuple(Prompt(**p) for p in run["prompts"]),
+           "rows": tuple(_row(r) for r in run["rows"])}
+    )
+
+
+def _row(fields: dict) -> Row:
+    drafted = fields["drafted"]
+    return Row(
+        **{**fields, "tokens_per_s": tuple(fields["tokens_per_s"]), "tau": tuple(fields["tau"]),
+           "drafted": None if drafted is None else tuple(drafted)}
+    )
 
 
 def smollm2_f32() -> Path:
@@ -43,7 +148,7 @@ def smollm2_f32() -> Path:
 
 
 def cases(names: list[str]):
-    """(label, model folder, prompt text, chat?, {method: stream_generate keywords})."""
+    """(label, model folder, Prompt, {method: stream_generate keywords})."""
     from mlx_speculate.default_model import default_model_path
 
     eagle1, eagle3 = SHARED / "eagle" / "smollm2-eagle1", SHARED / "eagle" / "smollm2-eagle3"
@@ -51,7 +156,7 @@ def cases(names: list[str]):
         if name == "stories":
             folder = SHARED / "models" / "stories260K-llama"
             draft = SHARED / "models" / "llama2xs281K-llama"
-            yield "stories260K", folder, STORY, False, {
+            yield "stories260K", folder, STORY, {
                 "draft model (llama2xs281K)": {"draft_model": str(draft)},
                 "prompt lookup (trees, the default)": {"prompt_lookup": True},
                 "prompt lookup chain": {"prompt_lookup": True, "lookup_branches": 1},
@@ -67,32 +172,33 @@ def cases(names: list[str]):
             }
             if name == "smollm2-f32":
                 methods["draft model (its 4-bit copy)"] = {"draft_model": str(q4)}
-            yield f"SmolLM2-135M {name.split('-')[1]}", folder, EDIT, True, methods
+            yield f"SmolLM2-135M {name.split('-')[1]}", folder, EDIT, methods
         else:
             raise SystemExit(f"unknown model {name!r} (stories, smollm2-f32, smollm2-4bit)")
 
 
-def ours(model, tokenizer, prompt, max_tokens, **kwargs):
+def ours(model, tokenizer, prompt, max_tokens, **kwargs) -> tuple[float, float, int]:
+    """tokens/s, tau and the tokens drafted, for one generation."""
     from mlx_speculate import stream_generate
 
     start = time.perf_counter()
     responses = list(stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs))
     seconds = time.perf_counter() - start
     stats = responses[-1].stats
-    tau = stats.tokens_per_forward if stats and stats.target_forwards else 1.0
-    return len(responses) / seconds, tau
+    tau = stats.tokens_per_forward if stats.target_forwards else 1.0
+    return len(responses) / seconds, tau, stats.drafted
 
 
-def theirs(model, tokenizer, prompt, max_tokens):
+def theirs(model, tokenizer, prompt, max_tokens) -> tuple[float, float, int]:
     import mlx_lm
 
     start, n = time.perf_counter(), 0
     for _ in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
         n += 1
-    return n / (time.perf_counter() - start), 1.0
+    return n / (time.perf_counter() - start), 1.0, 0
 
 
-def measure(label, folder, text, chat, methods, runs, max_tokens) -> list[tuple]:
+def measure(label, folder, prompt: Prompt, methods, runs, max_tokens) -> list[Row]:
     import mlx_lm
 
     from mlx_speculate import load
@@ -102,58 +208,235 @@ def measure(label, folder, text, chat, methods, runs, max_tokens) -> list[tuple]
     model, tokenizer = load(folder)
     their_model, their_tokenizer = mlx_lm.load(str(folder))
     their_model.set_dtype(model.compute_dtype)  # same weights, same arithmetic
-    prompt = apply_chat_template(tokenizer, text) if chat else plain_tokens(tokenizer, [text])
+    if prompt.chat:
+        tokens = apply_chat_template(tokenizer, prompt.text)
+    else:
+        tokens = plain_tokens(tokenizer, [prompt.text])
     rows = {
-        "plain": lambda: ours(model, tokenizer, prompt, max_tokens),
-        "mlx-lm plain": lambda: theirs(their_model, their_tokenizer, prompt, max_tokens),
+        "plain": lambda: ours(model, tokenizer, tokens, max_tokens),
+        "mlx-lm plain": lambda: theirs(their_model, their_tokenizer, tokens, max_tokens),
     }
     for name, kwargs in methods.items():
         # Draft models and heads are loaded once here, not inside each timed generation.
         spec = spec_from_keywords(**kwargs).resolve(model)
-        rows[name] = lambda spec=spec: ours(model, tokenizer, prompt, max_tokens, drafter=spec)
+        rows[name] = lambda spec=spec: ours(model, tokenizer, tokens, max_tokens, drafter=spec)
     results = {name: [] for name in rows}
     for _ in range(runs + 1):
         for name, run in rows.items():
             results[name].append(run())
     out = []
     for name, values in results.items():
-        tps = median([v[0] for v in values[1:]])
-        tau = median([v[1] for v in values[1:]])
-        out.append((label, name, tps, tau))
-        print(f"{label:<18} {name:<30} {tps:>8.2f} tok/s  tau {tau:.2f}", flush=True)
+        timed = values[1:]  # the first round warms up
+        row = Row(
+            model=label,
+            method=name,
+            prompt=prompt.name,
+            tokens_per_s=tuple(v[0] for v in timed),
+            tau=tuple(v[1] for v in timed),
+            drafted=None if name in ("plain", "mlx-lm plain") else tuple(v[2] for v in timed),
+        )
+        print(f"{label:<18} {name:<34} {statistics.median(row.tokens_per_s):>8.2f} tok/s  "
+              f"tau {statistics.median(row.tau):.2f}", flush=True)
+        out.append(row)
     return out
 
 
-def write(rows: list[tuple], out: Path, title: str) -> None:
-    plain = {label: tps for label, name, tps, _ in rows if name == "plain"}
-    lines = [f"# {title}", "", "| model | method | tokens/s | tau | vs plain |"]
-    lines.append("|---|---|---|---|---|")
-    for label, name, tps, tau in rows:
-        lines.append(f"| {label} | {name} | {tps:.1f} | {tau:.2f} | {tps / plain[label]:.2f}x |")
-    _install(out.with_suffix(".md"), lambda path: path.write_text("\n".join(lines) + "\n"))
+def ratios(row: Row, rows: Sequence[Row]) -> tuple[float, ...]:
+    """The row's tokens/s over plain decoding's of the same model, round by round."""
+    plain = next(r for r in rows if r.model == row.model and r.method == "plain")
+    return tuple(a / b for a, b in zip(row.tokens_per_s, plain.tokens_per_s, strict=True))
 
+
+def spread(values: Sequence[float], digits: int, suffix: str = "") -> str:
+    """'median (min-max)' of the values, the range left out when every value is the same."""
+    low, mid, high = min(values), statistics.median(values), max(values)
+    text = f"{mid:,.{digits}f}{suffix}"
+    if f"{low:.{digits}f}" != f"{high:.{digits}f}":
+        text += f" ({low:,.{digits}f}–{high:,.{digits}f})"
+    return text
+
+
+def note(row: Row) -> str:
+    if row.drafted is None:
+        return ""
+    never = sum(d == 0 for d in row.drafted)
+    if never == len(row.drafted):
+        return "the adaptive policy never drafted: it ran as plain decoding"
+    if never:
+        return f"drafted nothing in {never} of {len(row.drafted)} rounds"
+    return ""
+
+
+def render(report: Report, chart: str | None = None) -> str:
+    """The results page, in markdown: a pure function of the report (`chart`: the PNG's path
+    relative to the page, or None for no chart)."""
+    runs = {len(row.tokens_per_s) for row in report.rows}
+    lines = [
+        "# Results",
+        "",
+        "<!-- Generated by benchmarks/report.py: edit the script, not this page. -->",
+        "",
+        "Every method against plain decoding and mlx-lm's plain decoding on the same weights, "
+        "greedy, so every method emits exactly the tokens plain decoding does. Each row is the "
+        f"median of {' / '.join(str(n) for n in sorted(runs))} timed rounds, the rounds "
+        "interleaved across rows after one warm-up round, with the range (min–max) in "
+        "brackets. *vs plain* is the median of the per-round ratios to plain decoding in the "
+        "same round; *tau* is tokens per target forward (1.00: nothing drafted was accepted).",
+        "",
+        f"Measured on {report.date}:",
+        "",
+        "```",
+        report.command,
+        "```",
+        "",
+        "## Machine",
+        "",
+        *_busy(report),
+        *(f"- {key}: {value}" for key, value in report.machine.items()),
+        f"- cores: {report.cores}",
+        f"- load average (1 min) at start / end: {report.load[0]:.1f} / {report.load[1]:.1f}",
+        "",
+        "## Versions",
+        "",
+        *(f"- {key}: {value}" for key, value in report.versions.items()),
+        "",
+        "## Prompts",
+        "",
+        f"Up to {report.max_tokens} tokens from each.",
+        "",
+    ]
+    for prompt in report.prompts:
+        how = "through the model's chat template" if prompt.chat else "as plain text after BOS"
+        lines += [f"**{prompt.name}** ({how}):", "", "```text", prompt.text, "```", ""]
+    lines += [
+        "## Table",
+        "",
+        "| model | method | prompt | tokens/s | tau | vs plain | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in report.rows:
+        cells = [
+            row.model,
+            row.method,
+            row.prompt,
+            spread(row.tokens_per_s, 1),
+            spread(row.tau, 2),
+            spread(ratios(row, report.rows), 2, "x"),
+            note(row),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    if chart is not None:
+        lines += ["", f"![tokens/s relative to plain decoding, median and range]({chart})"]
+    if report.recorded:
+        lines += [
+            "",
+            "## Earlier measurements",
+            "",
+            "Figures recorded from the benchmark scripts' output on earlier versions of the "
+            "code (benchmarks/measurements.json), each with its device, date and command; "
+            "the machine was often shared, so compare ratios within a row, not across rows.",
+            "",
+            "| what | result | device | date | conditions | command |",
+            "|---|---|---|---|---|---|",
+        ]
+        for n, m in enumerate(report.recorded, 1):
+            lines.append(f"| {m.what} | {m.result} | {m.device} | {m.date} | {m.conditions} "
+                         f"| [{n}] |")
+        lines += ["", "Commands:", ""]
+        lines += [f"{n}. `{m.command}`" for n, m in enumerate(report.recorded, 1)]
+    return "\n".join(lines) + "\n"
+
+
+def _busy(report: Report) -> list[str]:
+    """A warning, when other processes wanted more cores than the machine has."""
+    if max(report.load) <= report.cores:
+        return []
+    return [
+        f"**The machine was busy**: its load average ({max(report.load):.1f}) exceeded its "
+        f"{report.cores} cores, so other processes took CPU time from these runs. Their "
+        "tokens/s and ratios are noisy (see the ranges); tau, exact under greedy decoding, is "
+        "not.",
+        "",
+    ]
+
+
+def draw(report: Report, path: Path) -> None:
+    """A panel per model: each method's median ratio to plain decoding, its range as a bar."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = list(dict.fromkeys(label for label, *_ in rows))
-    fig, axes = plt.subplots(1, len(labels), figsize=(5 * len(labels), 4), squeeze=False)
+    labels = list(dict.fromkeys(row.model for row in report.rows))
+    fig, axes = plt.subplots(1, len(labels), figsize=(7 * len(labels), 4), squeeze=False)
     for ax, label in zip(axes[0], labels, strict=True):
-        mine = [r for r in rows if r[0] == label]
-        ratios = [tps / plain[label] for _, _, tps, _ in mine]
-        bars = ax.barh([name for _, name, _, _ in mine], ratios)
-        for bar, (_, _, tps, tau) in zip(bars, mine, strict=True):
-            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
-                    f" {tps:.0f} tok/s, tau {tau:.2f}", va="center", fontsize=7)
+        mine = [row for row in report.rows if row.model == label]
+        per_round = [ratios(row, report.rows) for row in mine]
+        mids = [statistics.median(r) for r in per_round]
+        errors = [[m - min(r) for m, r in zip(mids, per_round, strict=True)],
+                  [max(r) - m for m, r in zip(mids, per_round, strict=True)]]
+        bars = ax.barh([row.method for row in mine], mids, xerr=errors, capsize=3)
+        for bar, row, r in zip(bars, mine, per_round, strict=True):
+            ax.text(max(r), bar.get_y() + bar.get_height() / 2,
+                    f" {statistics.median(row.tokens_per_s):,.0f} tok/s, "
+                    f"tau {statistics.median(row.tau):.2f}"
+                    + (", never drafted" if note(row).startswith("the adaptive") else ""),
+                    va="center", fontsize=7)
         ax.axvline(1.0, color="grey", linewidth=0.8)
-        ax.set_xlim(0, 1.7 * max(ratios))  # room for the labels
+        ax.set_xlim(0, 2.2 * max(max(r) for r in per_round))  # room for the labels
         ax.set_title(label)
         ax.set_xlabel("tokens/s relative to plain decoding")
         ax.invert_yaxis()
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(f"{report.machine['CPU']}, {report.cores} cores, load "
+                 f"{max(report.load):.1f}, {report.date}", fontsize=9)
     fig.tight_layout()
-    _install(out.with_suffix(".png"), lambda path: fig.savefig(path, dpi=120))
+    _install(path, lambda staged: fig.savefig(staged, dpi=120))
+
+
+def describe_machine(blas: str) -> dict[str, str]:
+    import mlx.core as mx
+
+    return {
+        "CPU": _cpu_model(),
+        "OS": platform.platform(),
+        "MLX device": str(mx.default_device()),
+        "BLAS": blas,
+    }
+
+
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    if platform.system() == "Darwin":
+        return _output(["sysctl", "-n", "machdep.cpu.brand_string"]) or platform.machine()
+    return platform.processor() or platform.machine()
+
+
+def describe_versions() -> dict[str, str]:
+    import mlx.core as mx
+
+    commit = _output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]) or "unknown"
+    changed = _output(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no",
+                       "--", "mlx_speculate", "benchmarks"])
+    if changed:
+        commit += " (with uncommitted changes to the package or benchmarks)"
+    return {
+        "mlx": mx.__version__,
+        "mlx-lm": version("mlx-lm"),
+        "Python": platform.python_version(),
+        "mlx_speculate commit": commit,
+    }
+
+
+def _output(command: list[str]) -> str:
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return result.stdout.strip() if result.returncode == 0 else ""
 
 
 def _install(path: Path, write) -> None:
@@ -166,25 +449,61 @@ def _install(path: Path, write) -> None:
     install_file(staged, path)
 
 
-def main(argv=None) -> None:
+def _runs(text: str) -> int:
+    value = int(text)
+    if value < MIN_RUNS:
+        raise argparse.ArgumentTypeError(f"at least {MIN_RUNS}: a median and its range need them")
+    return value
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="stories,smollm2-f32,smollm2-4bit")
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=_runs, default=3, help="timed rounds (at least 3)")
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--out", type=Path, default=Path("report"))
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results.md",
+                        help="the page; its chart goes beside it as .png")
+    parser.add_argument("--render", action="store_true",
+                        help="write the page and chart again from the saved results, no runs")
     add_blas_argument(parser)
     args = parser.parse_args(argv)
+    saved = args.out.with_suffix(".json")
+    if args.render:
+        publish(dataclasses.replace(load_saved(saved), recorded=recorded()), args.out)
+        return
+    command = shlex.join(["python", "benchmarks/report.py", *sys.argv[1:]])
+    preload = {k: os.environ[k] for k in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS") if k in os.environ}
+    if preload:
+        command = " ".join(f"{k}={shlex.quote(v)}" for k, v in preload.items()) + " " + command
+    load_start = os.getloadavg()
     blas = setup_blas(args.openblas)
     header("Every method against plain decoding and mlx-lm (greedy, same weights)", blas)
+    versions = describe_versions()  # the code that runs, before the checkout can change
 
-    import mlx.core as mx
+    rows, prompts = [], {}
+    for label, folder, prompt, methods in cases(args.models.split(",")):
+        prompts[prompt.name] = prompt
+        rows += measure(label, folder, prompt, methods, args.runs, args.max_tokens)
+    report = Report(
+        date=datetime.date.today().isoformat(),
+        command=command,
+        machine=describe_machine(blas),
+        cores=os.cpu_count() or 1,
+        load=(load_start[0], os.getloadavg()[0]),
+        versions=versions,
+        prompts=tuple(prompts.values()),
+        max_tokens=args.max_tokens,
+        rows=tuple(rows),
+    )
+    save(report, saved)
+    publish(dataclasses.replace(report, recorded=recorded()), args.out)
 
-    rows = []
-    for case in cases(args.models.split(",")):
-        rows += measure(*case, args.runs, args.max_tokens)
-    title = f"{mx.default_device()}, {blas.split(' (')[0]}, mlx {mx.__version__}, greedy"
-    write(rows, args.out, title)
-    print(f"wrote {args.out.with_suffix('.md')} and {args.out.with_suffix('.png')}")
+
+def publish(report: Report, out: Path) -> None:
+    chart = out.with_suffix(".png")
+    draw(report, chart)
+    _install(out, lambda staged: staged.write_text(render(report, chart.name)))
+    print(f"wrote {out} and {chart}")
 
 
 if __name__ == "__main__":
