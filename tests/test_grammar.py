@@ -13,7 +13,7 @@ import pytest
 
 from mlx_speculate.constraint import Constraint
 from mlx_speculate.convert import convert
-from mlx_speculate.drafters import Draft, DraftModelSpec, EagleSpec, LookupSpec, MedusaSpec
+from mlx_speculate.drafters import Draft, Drafter, DraftModelSpec, EagleSpec, LookupSpec, MedusaSpec
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
 from mlx_speculate.drafters.eagle import EagleGrowth
 from mlx_speculate.drafters.lookup import LookupDrafter
@@ -249,16 +249,20 @@ class LetterTokenizer:
         return [ord(c) - ord("a") for c in text.decode() if "a" <= c <= "f"]
 
 
-class MarkovTreeDrafter:
+class MarkovTreeDrafter(Drafter):
     """A tree drafter on DRAFT_TABLE: the `width` likeliest next letters, each followed by its
     own likeliest one (deterministic children, as heads draft), so that the grammar both
     forbids and forces some of the tree's nodes."""
 
     taps = ()
     max_draft = 6
+    follows_context = False  # drafts below the pending token, as heads do
 
     def __init__(self, width: int = 3):
         self.width = width
+
+    def weights(self) -> tuple:
+        return ()
 
     def extend(self, features) -> None:
         pass
