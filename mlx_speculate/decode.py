@@ -41,7 +41,7 @@ from .step import Then, Verified, verify
 from .tree import ROOT, Tree
 from .verify import Acceptance, AcceptanceRule
 
-PREFILL_STEP = 256  # tokens per prefill chunk: short enough to cancel between (~1 s here)
+PREFILL_STEP = 256  # tokens per prefill chunk: short enough to cancel between
 
 
 class PrefillCancelled(Exception):
@@ -320,19 +320,32 @@ class _StepBuilder:
         verified = self._verify(pending, tree, draft, allowed=allowed, then=then)
         chain = None if draft is None or guide is not None or not self._follows() else draft
         return _Pending(
-            offset, tree, verified.acceptance, verified.logits,
-            TargetFeatures(verified.hidden, verified.taps), guide,
-            None if chain is None else chain.tokens, then is not None,
-        )  # fmt: skip
+            offset,
+            tree,
+            verified.acceptance,
+            verified.logits,
+            TargetFeatures(verified.hidden, verified.taps),
+            guide,
+            draft=None if chain is None else chain.tokens,
+            fused=then is not None,
+        )
 
     def _verify(self, pending, tree, draft, allowed=None, at=None, then=None) -> Verified:
         """`step.verify` of `draft`, scheduled; a fused step's next draft goes to the drafter."""
         decoder = self.decoder
         verified = verify(
-            decoder.model, decoder.cache, pending, tree, None if draft is None else draft.tokens,
-            None if draft is None else draft.logprobs, self.rule, taps=decoder.taps,
-            allowed=allowed, at=at, then=then,
-        )  # fmt: skip
+            decoder.model,
+            decoder.cache,
+            pending,
+            tree,
+            None if draft is None else draft.tokens,
+            None if draft is None else draft.logprobs,
+            self.rule,
+            taps=decoder.taps,
+            allowed=allowed,
+            at=at,
+            then=then,
+        )
         if then is not None:
             decoder.drafter.received(verified.then)
         acceptance = verified.acceptance
@@ -378,8 +391,15 @@ class _StepBuilder:
             at = ((last + 1 + accepted).astype(mx.int32), last + step.tree.num_nodes)
             verified = self._verify(pending, draft.tree, draft, at=at, then=then)
             features = TargetFeatures(verified.hidden, verified.taps)
-            return _Pending(None, draft.tree, verified.acceptance, verified.logits, features,
-                            draft=draft.tokens, fused=then is not None)  # fmt: skip
+            return _Pending(
+                None,
+                draft.tree,
+                verified.acceptance,
+                verified.logits,
+                features,
+                draft=draft.tokens,
+                fused=then is not None,
+            )
 
     def accept(
         self, tree: Tree, tokens: mx.array, logits: mx.array, draft: Draft | None

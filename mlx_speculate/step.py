@@ -164,9 +164,14 @@ def _verify_fn(
         extra = 0 if then is None else len(then.inputs)
         extra, arrays = rest[:extra], rest[extra:]
         tree = PaddedTree(
-            shape.num_nodes, shape.depth, shape.width, shape.is_chain,
-            parent_index, depth_index, ancestors,
-        )  # fmt: skip
+            shape.num_nodes,
+            shape.depth,
+            shape.width,
+            shape.is_chain,
+            parent_index,
+            depth_index,
+            ancestors,
+        )
         view = cache_view(model, arrays, start, span)
         positions = mask = None
         if not shape.is_chain:  # a chain (and its padding) needs the causal default
@@ -184,9 +189,15 @@ def _verify_fn(
             if not shape.is_chain and view is not None:
                 view.compact(start, acceptance.path)
         return (
-            acceptance.path, acceptance.tokens, acceptance.num_accepted, logits, hidden, *taps_out,
-            *following, *(view.state if view is not None else ()),
-        )  # fmt: skip
+            acceptance.path,
+            acceptance.tokens,
+            acceptance.num_accepted,
+            logits,
+            hidden,
+            *taps_out,
+            *following,
+            *(view.state if view is not None else ()),
+        )
 
     return step
 
