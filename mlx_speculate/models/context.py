@@ -74,8 +74,8 @@ def build_context(
     """The context of a forward of `length` new tokens. With a cache, keys are written at
     `start` (default: the cache's offset) and attention reads the leading slots: with a host
     offset the first of a few sizes an octave that holds offset + length (`KVCache.span`;
-    slots past it are masked anyway: a CPU decode step of 32 SmolLM2 rows at offset 100
-    spent 171 of its 386 ms attending to the whole 256-slot capacity, 328 ms in all now).
+    slots past it are masked anyway, and attending to the whole capacity would cost a short
+    context's step most of its time).
     `mask` says who sees whom: a bool (..., L, M) visibility among the last M slots (the new
     ones last; older slots are committed and seen by every new token), or the additive
     (..., L, offset + L) mask of the public contract (host offset only), or causal by

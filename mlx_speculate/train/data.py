@@ -170,7 +170,7 @@ def make_data(
     max_tokens: int = 200,
     temperature: float = 0.0,
     seed: int = 0,
-    batch: int = 16,  # 32 is 1.9x faster on SmolLM2, but self samples depend on the batch
+    batch: int = 16,  # larger is faster, but self samples depend on the batch
     progress: bool = True,
 ) -> list[Conversation]:
     """Conversations for every prompt (or `self_samples` samples from BOS: `sample_prefix`
