@@ -46,9 +46,18 @@ class ForwardContext:
         """Row i of this consecutive-position forward as a one-row forward of its own: its
         slot, mask row and rotation row, sliced from tables built once for all rows."""
         cos, sin, *rest = self.rotation(rope, self.mask.shape[-2], dtype)
-        return ForwardContext(self.cache, self.start + i, None, None, self.seq_len,
-                              self.mask[..., i : i + 1, :], None, self.sliding, self.span,
-                              {id(rope): (cos[i : i + 1], sin[i : i + 1], *rest)})  # fmt: skip
+        return ForwardContext(
+            self.cache,
+            self.start + i,
+            None,
+            None,
+            self.seq_len,
+            self.mask[..., i : i + 1, :],
+            None,
+            self.sliding,
+            self.span,
+            {id(rope): (cos[i : i + 1], sin[i : i + 1], *rest)},
+        )
 
 
 def additive_mask(allowed: mx.array, dtype: mx.Dtype, prefix: int = 0) -> mx.array:
@@ -127,8 +136,17 @@ def build_context(
             window_mask = mx.minimum(window_mask, additive)
     if additive is None:
         additive = additive_mask(allowed, dtype)
-    return ForwardContext(cache, start, end, positions, seq_len, additive, window_mask, sliding,
-                          None if cache is None else span)  # fmt: skip
+    return ForwardContext(
+        cache,
+        start,
+        end,
+        positions,
+        seq_len,
+        additive,
+        window_mask,
+        sliding,
+        None if cache is None else span,
+    )
 
 
 def _to_span(mask: mx.array, span: int, offset: int | None) -> mx.array:

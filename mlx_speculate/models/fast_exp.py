@@ -17,8 +17,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 # e^r on [-ln2 / 2, ln2 / 2] (Cephes expf), highest power first; ln 2 = _LN2_HI + _LN2_LO.
-_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
-         5.0000001201e-1)  # fmt: skip
+_POLY = (
+    1.9875691500e-4,
+    1.3981999507e-3,
+    8.3334519073e-3,
+    4.1665795894e-2,
+    1.6666665459e-1,
+    5.0000001201e-1,
+)
 _LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4
 _ROUND = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds a float32 to an integer
 

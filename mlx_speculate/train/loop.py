@@ -140,11 +140,14 @@ def train(
     per_epoch = len(batches(data, train_rows, config.batch_tokens, None))
     total = config.max_steps or config.epochs * per_epoch
     schedule = optim.join_schedules(
-        [optim.linear_schedule(1e-7, config.learning_rate, max(1, config.warmup)),
-         optim.cosine_decay(config.learning_rate, max(1, total - config.warmup),
-                            config.learning_rate * 0.1)],
+        [
+            optim.linear_schedule(1e-7, config.learning_rate, max(1, config.warmup)),
+            optim.cosine_decay(
+                config.learning_rate, max(1, total - config.warmup), config.learning_rate * 0.1
+            ),
+        ],
         [max(1, config.warmup)],
-    )  # fmt: skip
+    )
     optimizer = optim.AdamW(schedule, betas=(0.9, 0.95), weight_decay=config.weight_decay)
     optimizer.init(head.trainable_parameters())
     state = _resume(folder / CHECKPOINT, head, optimizer)
@@ -166,8 +169,12 @@ def train(
     best_file = folder / CHECKPOINT / "best.safetensors"
     while state.epoch < config.epochs and state.step < total:
         groups = batches(data, train_rows, config.batch_tokens, config.seed + state.epoch)
-        bar = tqdm(total=len(groups), initial=state.batch, desc=f"epoch {state.epoch + 1}",
-                   disable=not progress)  # fmt: skip
+        bar = tqdm(
+            total=len(groups),
+            initial=state.batch,
+            desc=f"epoch {state.epoch + 1}",
+            disable=not progress,
+        )
         try:
             for group in groups[state.batch :]:
                 key = mx.random.key(config.seed * 1_000_003 + state.step)
@@ -188,8 +195,14 @@ def train(
         if state.batch < len(groups):
             break  # max_steps reached mid-epoch
         accuracy = evaluate(eval_fn, data, held_rows, config.batch_tokens)
-        state.history.append({"epoch": state.epoch + 1, "step": state.step,
-                              "loss": float(loss.item()), "held_out_top1": accuracy})  # fmt: skip
+        state.history.append(
+            {
+                "epoch": state.epoch + 1,
+                "step": state.step,
+                "loss": float(loss.item()),
+                "held_out_top1": accuracy,
+            }
+        )
         if progress:
             print(f"epoch {state.epoch + 1}: held-out top-1 {accuracy:.1%}", flush=True)
         state.epoch, state.batch = state.epoch + 1, 0

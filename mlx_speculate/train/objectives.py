@@ -84,9 +84,14 @@ def _mean(x: mx.array, weights: mx.array) -> mx.array:
 
 
 def eagle1_loss(
-    head: Eagle1Head, batch: Batch, embed: mx.array, lm_head: mx.array, key: mx.array | None,
-    noise: float = 0.2, p_weight: float = 0.1,
-) -> tuple[mx.array, tuple[mx.array, mx.array]]:  # fmt: skip
+    head: Eagle1Head,
+    batch: Batch,
+    embed: mx.array,
+    lm_head: mx.array,
+    key: mx.array | None,
+    noise: float = 0.2,
+    p_weight: float = 0.1,
+) -> tuple[mx.array, tuple[mx.array, mx.array]]:
     """`key` None: no input noise (held-out evaluation, as the official test loader)."""
     tokens, _, feats, top_ids, top_logits, counted = batch
     T = tokens.shape[1]
@@ -105,9 +110,14 @@ def eagle1_loss(
 
 
 def eagle3_loss(
-    head: Eagle3Head, batch: Batch, embed: mx.array, t2d: mx.array, key: mx.array | None,
-    steps: int = 7, decay: float = 0.8,
-) -> tuple[mx.array, tuple[mx.array, mx.array]]:  # fmt: skip
+    head: Eagle3Head,
+    batch: Batch,
+    embed: mx.array,
+    t2d: mx.array,
+    key: mx.array | None,
+    steps: int = 7,
+    decay: float = 0.8,
+) -> tuple[mx.array, tuple[mx.array, mx.array]]:
     """`t2d`: (V,) int32 each target id's draft id, -1 outside the draft vocabulary."""
     tokens, _, feats, top_ids, top_logits, counted = batch
     T = tokens.shape[1]
