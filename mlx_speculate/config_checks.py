@@ -34,9 +34,13 @@ QUANTIZATION_MODES: dict[str, tuple[tuple[int, ...], tuple[int, ...], int, int]]
 _SETTINGS = ("group_size", "bits", "mode")
 # Rotary settings that divide or take logarithms: each must be a positive, finite number.
 _POSITIVE_ROPE = (
-    "rope_theta", "factor", "original_max_position_embeddings", "low_freq_factor",
-    "high_freq_factor", "attention_factor",
-)  # fmt: skip
+    "rope_theta",
+    "factor",
+    "original_max_position_embeddings",
+    "low_freq_factor",
+    "high_freq_factor",
+    "attention_factor",
+)
 
 
 def check_sizes(config: Mapping[str, Any]) -> None:

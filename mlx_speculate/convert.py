@@ -163,9 +163,11 @@ def convert(
     try:
         # Heads first: heads that do not fit fail before the model is written.
         options = {
-            "quantize": quantize, "q_bits": q_bits, "q_group_size": q_group_size,
+            "quantize": quantize,
+            "q_bits": q_bits,
+            "q_group_size": q_group_size,
             "dtype": DTYPES.get(dtype),
-        }  # fmt: skip
+        }
         if medusa_path is not None:
             from .heads.medusa import convert_medusa_heads
 

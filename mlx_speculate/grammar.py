@@ -3,8 +3,8 @@
     stream_generate(model, tokenizer, prompt, grammar=Grammar.json_schema(schema))
 
 The engine is llguidance (guidance-ai), chosen over xgrammar for this loop because:
-- it runs on the host, token masks in microseconds, with no tensor library underneath, so it
-  needs nothing from MLX: a mask is a bitmask we unpack into an MLX array (xgrammar's
+- it runs on the host, cheaply enough to mask every step, with no tensor library underneath,
+  so it needs nothing from MLX: a mask is a bitmask we unpack into an MLX array (xgrammar's
   Python side is written around torch tensors for its masks and kernels);
 - it has what speculation needs on one matcher: `consume_token` / `rollback(n)` to walk a
   draft and come back, and `compute_ff_tokens` for the tokens the grammar forces;

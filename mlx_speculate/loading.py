@@ -4,7 +4,7 @@ Reads HF checkpoints (single or sharded safetensors) and mlx-lm / mlx-community 
 (`quantization` in config.json, per-module overrides included).
 
 The compute dtype follows the device: MLX's CPU backend runs float16/bfloat16 arithmetic
-(quantized matmuls with such scales included) about 45x slower than float32, so on the CPU
+(quantized matmuls with such scales included) far slower than float32, so on the CPU
 every floating-point tensor, quantization scales and biases included, is loaded as float32;
 on the GPU (Metal) the checkpoint's own dtypes are kept. `load(..., dtype=)` overrides both.
 On the CPU, quantized linear layers dequantize for the prompt's wide matmuls

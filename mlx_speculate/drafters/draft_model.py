@@ -223,9 +223,16 @@ class DraftModelDrafter(PipelinedDrafter):
         )  # (2,): one row bucket
         start = first + mx.minimum(accepted, length - 1)
         tokens, logprobs = decode_at(
-            self.model, self.cache, inputs, full.astype(mx.int32), (start, first + length - 1),
-            k, sampling, self.shared, self.target_vocab_size,
-        )  # fmt: skip
+            self.model,
+            self.cache,
+            inputs,
+            full.astype(mx.int32),
+            (start, first + length - 1),
+            k,
+            sampling,
+            self.shared,
+            self.target_vocab_size,
+        )
         self._queued = (first, length, k)
         return Draft(tokens, Tree.chain(k), logprobs)
 

@@ -252,10 +252,18 @@ def expected_shape(name: str, config: dict[str, Any]) -> tuple[int, ...] | None:
     module, _, part = name.rpartition(".")
     leaf = module.rsplit(".", 1)[-1]
     rows = {
-        "q_proj": q, "k_proj": kv, "v_proj": kv, "o_proj": h, "qkv_proj": q + 2 * kv,
-        "gate_proj": ffn, "up_proj": ffn, "gate_up_proj": 2 * ffn, "down_proj": h,
-        "embed_tokens": config["vocab_size"], "lm_head": config["vocab_size"],
-    }  # fmt: skip
+        "q_proj": q,
+        "k_proj": kv,
+        "v_proj": kv,
+        "o_proj": h,
+        "qkv_proj": q + 2 * kv,
+        "gate_proj": ffn,
+        "up_proj": ffn,
+        "gate_up_proj": 2 * ffn,
+        "down_proj": h,
+        "embed_tokens": config["vocab_size"],
+        "lm_head": config["vocab_size"],
+    }
     cols = {"o_proj": q, "down_proj": ffn}
     if leaf in rows:
         return (rows[leaf],) if part == "bias" else (rows[leaf], cols.get(leaf, h))

@@ -1,9 +1,9 @@
 """The header of a GGUF file: metadata and the place, shape and type of each tensor.
 
-gguf.GGUFReader takes seconds on a real file (it builds a numpy view per vocabulary entry);
-walking the header here takes milliseconds. Layout (little-endian, version 2 or 3): magic,
-version, tensor count, metadata count, the metadata (key, type, value), then per tensor its
-name, dimensions (innermost first), type and offset into the aligned data section.
+gguf.GGUFReader is slow on a real file (it builds a numpy view per vocabulary entry); walking
+the header alone is not. Layout (little-endian, version 2 or 3): magic, version, tensor count,
+metadata count, the metadata (key, type, value), then per tensor its name, dimensions
+(innermost first), type and offset into the aligned data section.
 """
 
 from __future__ import annotations

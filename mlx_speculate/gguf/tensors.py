@@ -22,15 +22,32 @@ Q = gguf.GGMLQuantizationType
 GROUP_SIZE = 32
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 KEPT_BITS = {
-    Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8, Q.Q4_K: 4, Q.Q5_K: 5,
-    Q.TQ1_0: 2, Q.TQ2_0: 2,
-}  # fmt: skip
+    Q.Q4_0: 4,
+    Q.Q4_1: 4,
+    Q.Q5_0: 5,
+    Q.Q5_1: 5,
+    Q.Q8_0: 8,
+    Q.Q4_K: 4,
+    Q.Q5_K: 5,
+    Q.TQ1_0: 2,
+    Q.TQ2_0: 2,
+}
 REQUANTIZED_BITS = {
-    Q.Q2_K: 2, Q.Q3_K: 3, Q.Q6_K: 6,
-    Q.IQ1_S: 2, Q.IQ1_M: 2, Q.IQ2_XXS: 2, Q.IQ2_XS: 2, Q.IQ2_S: 2,
-    Q.IQ3_XXS: 3, Q.IQ3_S: 3, Q.IQ4_NL: 4, Q.IQ4_XS: 4,
-    Q.MXFP4: 4, Q.NVFP4: 4,
-}  # fmt: skip
+    Q.Q2_K: 2,
+    Q.Q3_K: 3,
+    Q.Q6_K: 6,
+    Q.IQ1_S: 2,
+    Q.IQ1_M: 2,
+    Q.IQ2_XXS: 2,
+    Q.IQ2_XS: 2,
+    Q.IQ2_S: 2,
+    Q.IQ3_XXS: 3,
+    Q.IQ3_S: 3,
+    Q.IQ4_NL: 4,
+    Q.IQ4_XS: 4,
+    Q.MXFP4: 4,
+    Q.NVFP4: 4,
+}
 SUPPORTED_TYPES = (*FLOAT_TYPES, *KEPT_BITS, *REQUANTIZED_BITS)
 
 
@@ -53,9 +70,12 @@ class Quantized:
     def dequantize(self) -> np.ndarray:
         parts = (mx.array(self.weight), mx.array(self.scales), mx.array(self.biases))
         w = mx.dequantize(
-            parts[0], parts[1].astype(mx.float32), parts[2].astype(mx.float32),
-            group_size=GROUP_SIZE, bits=self.bits,
-        )  # fmt: skip
+            parts[0],
+            parts[1].astype(mx.float32),
+            parts[2].astype(mx.float32),
+            group_size=GROUP_SIZE,
+            bits=self.bits,
+        )
         return np.array(w)
 
 
@@ -196,6 +216,13 @@ def _ternary(kind: Q):
 
 
 _UNPACK = {
-    Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0,
-    Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.TQ1_0: _ternary(Q.TQ1_0), Q.TQ2_0: _ternary(Q.TQ2_0),
-}  # fmt: skip
+    Q.Q4_0: _q4_0,
+    Q.Q4_1: _q4_1,
+    Q.Q5_0: _q5_0,
+    Q.Q5_1: _q5_1,
+    Q.Q8_0: _q8_0,
+    Q.Q4_K: _q4_k,
+    Q.Q5_K: _q5_k,
+    Q.TQ1_0: _ternary(Q.TQ1_0),
+    Q.TQ2_0: _ternary(Q.TQ2_0),
+}

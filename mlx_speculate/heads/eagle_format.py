@@ -43,10 +43,19 @@ PUBLISHED_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 _DROPPED = ("embed_tokens.weight", "t2d", "verifier_lm_head.weight", "verifier_norm.weight")
 # Config keys that describe the checkpoint, not the draft layer.
 _NOT_LAYER = {
-    "architectures", "auto_map", "bias", "draft_vocab_size", "eagle_config",
-    "eagle_aux_hidden_state_layer_ids", "quantization", "quantization_config",
-    "transformers_version", "torch_dtype", "dtype", "target_hidden_size",
-}  # fmt: skip
+    "architectures",
+    "auto_map",
+    "bias",
+    "draft_vocab_size",
+    "eagle_config",
+    "eagle_aux_hidden_state_layer_ids",
+    "quantization",
+    "quantization_config",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "target_hidden_size",
+}
 
 
 def read_eagle(path: str | Path) -> tuple[EagleConfig, dict[str, mx.array], dict[str, Any]]:
@@ -169,17 +178,27 @@ def save_official(head: EagleHead, out: str | Path, layout: str = "official") ->
     if layout == "speculators" and config.version != 3:
         raise ValueError("the speculators layout holds EAGLE-3 heads only")
     weights = dict(tree_flatten(head.parameters()))
-    raw = {**config.layer, "architectures": [_ARCHITECTURES[config.version]],
-           "model_type": "llama", "bias": config.fc_bias,
-           "torch_dtype": "float32"}  # fmt: skip
+    raw = {
+        **config.layer,
+        "architectures": [_ARCHITECTURES[config.version]],
+        "model_type": "llama",
+        "bias": config.fc_bias,
+        "torch_dtype": "float32",
+    }
     if "lm_head.weight" in weights:  # EAGLE-3: its own vocabulary, ids mapped by d2t
         vocab, draft = head.args.vocab_size, weights["lm_head.weight"].shape[0]
         d2t = weights.get("d2t", mx.zeros((draft,), dtype=mx.int64))
         t2d = mx.zeros((vocab,), dtype=mx.bool_)
         t2d[mx.arange(draft) + d2t] = True
         weights |= {"d2t": d2t, "t2d": t2d}
-        raw |= {"draft_vocab_size": draft, **({} if config.taps is None else
-                {"eagle_aux_hidden_state_layer_ids": list(config.taps)})}  # fmt: skip
+        raw |= {
+            "draft_vocab_size": draft,
+            **(
+                {}
+                if config.taps is None
+                else {"eagle_aux_hidden_state_layer_ids": list(config.taps)}
+            ),
+        }
     if layout == "speculators":
         weights = {k.replace("midlayer.", "layers.0.", 1): v for k, v in weights.items()}
         raw = _speculators_config(config, raw["draft_vocab_size"])
@@ -197,18 +216,29 @@ def save_official(head: EagleHead, out: str | Path, layout: str = "official") ->
 def _speculators_config(config: EagleConfig, draft_vocab: int) -> dict[str, Any]:
     """What speculators' own converter writes for a SafeAILab EAGLE-3 head (`Eagle3Speculator`,
     the layer config nested with its rope in both forms)."""
-    layer = {**rope_both_forms(config.layer), "model_type": "llama", "num_hidden_layers": 1,
-             "dtype": "float32", "tie_word_embeddings": False}  # fmt: skip
+    layer = {
+        **rope_both_forms(config.layer),
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "dtype": "float32",
+        "tie_word_embeddings": False,
+    }
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
-                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": 3,
+                    "accept_tolerance": 0.0,
+                    "verifier_accept_k": 1,
+                }
+            ],
             "verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": None},
-        },  # fmt: skip
+        },
         "transformer_layer_config": layer,
         "draft_vocab_size": draft_vocab,
         "eagle_aux_hidden_state_layer_ids": None if config.taps is None else list(config.taps),

@@ -213,9 +213,15 @@ class DecoderStack(nn.Module):
         if self._embed_scale is not None:
             h = h * mx.array(self._embed_scale, h.dtype)  # rounded to the compute dtype, as HF
         ctx = build_context(
-            self._rope, cache, tokens.shape[1], positions, mask, self.args.sliding_window,
-            self._sliding, h.dtype,
-        )  # fmt: skip
+            self._rope,
+            cache,
+            tokens.shape[1],
+            positions,
+            mask,
+            self.args.sliding_window,
+            self._sliding,
+            h.dtype,
+        )
         h, first = self.stage.enter(h, cache), self.stage.start
         captured = {}
         for j, layer in enumerate(self.layers):  # j: the layer's index in this process

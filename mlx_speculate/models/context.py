@@ -46,9 +46,18 @@ class ForwardContext:
         """Row i of this consecutive-position forward as a one-row forward of its own: its
         slot, mask row and rotation row, sliced from tables built once for all rows."""
         cos, sin, *rest = self.rotation(rope, self.mask.shape[-2], dtype)
-        return ForwardContext(self.cache, self.start + i, None, None, self.seq_len,
-                              self.mask[..., i : i + 1, :], None, self.sliding, self.span,
-                              {id(rope): (cos[i : i + 1], sin[i : i + 1], *rest)})  # fmt: skip
+        return ForwardContext(
+            self.cache,
+            self.start + i,
+            None,
+            None,
+            self.seq_len,
+            self.mask[..., i : i + 1, :],
+            None,
+            self.sliding,
+            self.span,
+            {id(rope): (cos[i : i + 1], sin[i : i + 1], *rest)},
+        )
 
 
 def additive_mask(allowed: mx.array, dtype: mx.Dtype, prefix: int = 0) -> mx.array:
@@ -74,8 +83,8 @@ def build_context(
     """The context of a forward of `length` new tokens. With a cache, keys are written at
     `start` (default: the cache's offset) and attention reads the leading slots: with a host
     offset the first of a few sizes an octave that holds offset + length (`KVCache.span`;
-    slots past it are masked anyway: a CPU decode step of 32 SmolLM2 rows at offset 100
-    spent 171 of its 386 ms attending to the whole 256-slot capacity, 328 ms in all now).
+    slots past it are masked anyway, and attending to the whole capacity would cost a short
+    context's step most of its time).
     `mask` says who sees whom: a bool (..., L, M) visibility among the last M slots (the new
     ones last; older slots are committed and seen by every new token), or the additive
     (..., L, offset + L) mask of the public contract (host offset only), or causal by
@@ -127,8 +136,17 @@ def build_context(
             window_mask = mx.minimum(window_mask, additive)
     if additive is None:
         additive = additive_mask(allowed, dtype)
-    return ForwardContext(cache, start, end, positions, seq_len, additive, window_mask, sliding,
-                          None if cache is None else span)  # fmt: skip
+    return ForwardContext(
+        cache,
+        start,
+        end,
+        positions,
+        seq_len,
+        additive,
+        window_mask,
+        sliding,
+        None if cache is None else span,
+    )
 
 
 def _to_span(mask: mx.array, span: int, offset: int | None) -> mx.array:

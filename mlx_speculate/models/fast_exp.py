@@ -1,16 +1,15 @@
 """exp, SiLU and softmax in the elementwise ops that `mx.compile` fuses into one kernel.
 
 MLX's x86 CPU build evaluates `exp` (so `sigmoid`, `silu` and `softmax`) one element at a time
-through libm calls: about 25 ns an element on a 2-core EPYC, where numpy takes 3. This is the
-same kind of algorithm (Cephes' expf: e^x = 2^k e^r, 2^k by shifting k into a float's exponent,
-a polynomial for e^r), written as ops a compiled graph fuses: a vocabulary-wide training loss's
-exp over 224 x 49,152 elements takes 36 instead of 220 ms, and SiLU of a (180, 1536) MLP
-activation 1.1 instead of 8.1 ms. It computes in float32 and returns the input's dtype; on Metal
-both versions are bound by memory traffic.
+through libm calls, several times slower than a vectorised exp. This is the same kind of
+algorithm (Cephes' expf: e^x = 2^k e^r, 2^k by shifting k into a float's exponent, a polynomial
+for e^r), written as ops a compiled graph fuses into one kernel, which pays off on wide inputs
+(a vocabulary-wide training loss, a prompt's MLP activations). It computes in float32 and
+returns the input's dtype; on Metal both versions are bound by memory traffic.
 
 Compiled for each input shape (the exponent's bit cast has no shapeless form): a new shape
-costs one trace of a few ms; inside a compiled graph they are traced inline. The bit cast has
-no gradient either, so SiLU and softmax state theirs."""
+costs one trace; inside a compiled graph they are traced inline. The bit cast has no
+gradient either, so SiLU and softmax state theirs."""
 
 from __future__ import annotations
 
@@ -18,8 +17,14 @@ import mlx.core as mx
 import mlx.nn as nn
 
 # e^r on [-ln2 / 2, ln2 / 2] (Cephes expf), highest power first; ln 2 = _LN2_HI + _LN2_LO.
-_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
-         5.0000001201e-1)  # fmt: skip
+_POLY = (
+    1.9875691500e-4,
+    1.3981999507e-3,
+    8.3334519073e-3,
+    4.1665795894e-2,
+    1.6666665459e-1,
+    5.0000001201e-1,
+)
 _LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4
 _ROUND = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds a float32 to an integer
 
@@ -64,8 +69,8 @@ def _silu_vjp(x, cotangent, output):  # one input, one output: arrays, not tuple
     return (_silu_grad(x, cotangent),)
 
 
-# Below this many elements the call's overhead outweighs the exp it saves (4,096 x 25 ns =
-# 0.1 ms): a tiny model's MLP (stories260K: 172 a token) keeps MLX's.
+# Below this many elements the call's overhead outweighs the exp it saves: a tiny model's MLP
+# (stories260K: 172 elements a token) keeps MLX's.
 MIN_ELEMENTS = 4096
 
 

@@ -1,13 +1,13 @@
 """Fast prefill of quantized models on MLX's CPU backend.
 
-The CPU's quantized matmul costs time linear in its rows (about 0.9 ms per row for a 576x1536
-4-bit matrix here), so a 2,000-token prompt of the 4-bit SmolLM2 prefilled at ~6 tokens/s, no
-faster than decoding. Dequantizing a layer's weights once (~3 ms for that matrix) and taking
-the float matmul, which goes through BLAS, makes the rows nearly free. This is done only while
-`prefilling()` is active (the decoder's prompt forwards) and only for inputs of at least
-`MIN_ROWS` rows: decoding and verification keep the quantized kernel, so greedy speculative and
-greedy plain decoding still share every forward's arithmetic after the prompt. `install` swaps
-the layers in at load time, on the CPU only (Metal's quantized kernels are fast at any width).
+The CPU's quantized matmul costs time linear in its rows, so a long prompt of a 4-bit model
+prefills no faster than it decodes. Dequantizing a layer's weights once (about the cost of a
+few rows) and taking the float matmul, which goes through BLAS, makes the rows nearly free.
+This is done only while `prefilling()` is active (the decoder's prompt forwards) and only for
+inputs of at least `MIN_ROWS` rows: decoding and verification keep the quantized kernel, so
+greedy speculative and greedy plain decoding still share every forward's arithmetic after the
+prompt. `install` swaps the layers in at load time, on the CPU only (Metal's quantized kernels
+are fast at any width).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
-MIN_ROWS = 4  # below this the quantized kernel is faster than dequantizing (measured here)
+MIN_ROWS = 4  # below this the quantized kernel is faster than dequantizing
 
 _PREFILLING = contextvars.ContextVar("prefilling", default=False)
 

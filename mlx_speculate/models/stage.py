@@ -21,9 +21,12 @@ class Stage(Protocol):
         ...
 
     def leave(
-        self, h: mx.array, captured: dict[int, mx.array], taps: tuple[int, ...],
+        self,
+        h: mx.array,
+        captured: dict[int, mx.array],
+        taps: tuple[int, ...],
         cache: KVCache | None,
-    ) -> tuple[mx.array, tuple[mx.array, ...]]:  # fmt: skip
+    ) -> tuple[mx.array, tuple[mx.array, ...]]:
         """The last layer's output and the requested taps (the states entering those layers),
         on every process, given this block's output and the taps it captured."""
         ...
@@ -38,9 +41,12 @@ class Whole:
         return h
 
     def leave(
-        self, h: mx.array, captured: dict[int, mx.array], taps: tuple[int, ...],
+        self,
+        h: mx.array,
+        captured: dict[int, mx.array],
+        taps: tuple[int, ...],
         cache: KVCache | None,
-    ) -> tuple[mx.array, tuple[mx.array, ...]]:  # fmt: skip
+    ) -> tuple[mx.array, tuple[mx.array, ...]]:
         return h, tuple(captured[i] for i in taps)
 
 

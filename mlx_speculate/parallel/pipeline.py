@@ -52,9 +52,12 @@ class PipelineStage:
         return h
 
     def leave(
-        self, h: mx.array, captured: dict[int, mx.array], taps: tuple[int, ...],
+        self,
+        h: mx.array,
+        captured: dict[int, mx.array],
+        taps: tuple[int, ...],
         cache: KVCache | None,
-    ) -> tuple[mx.array, tuple[mx.array, ...]]:  # fmt: skip
+    ) -> tuple[mx.array, tuple[mx.array, ...]]:
         for source in range(self.group.rank(), self.group.size()):
             h = self._from(source, h, [h])
         shared: list[mx.array] = []

@@ -69,18 +69,18 @@ class Prices:
     step after plain ones prices the catch-up instead (its time over its size's price, a
     median). Otherwise only a step between two steps of its own size is priced: a step's wall
     time also holds the building of the step queued after it, which a step before another
-    size does not queue (it reads in about 0.1 ms on stories260K), and the first step at
-    another size builds its own draft (a fused EAGLE step grows only the next tree of its own
-    size: 4-13 ms there against 1.5-2.5 for steady steps). A generation's first step is
-    beside nothing. A step that traced a graph comes with no time (`decode.Step.traced`). A
-    property of the machine, model and drafter, unlike acceptance: `default_policy` shares
-    one between the generations of a drafter, and between drafters over the same weights."""
+    size does not queue (it reads at once), and the first step at another size builds its
+    own draft (a fused EAGLE step grows only the next tree of its own size, so a switch costs
+    a step several times a steady one). A generation's first step is beside nothing. A step
+    that traced a graph comes with no time (`decode.Step.traced`). A property of the machine,
+    model and drafter, unlike acceptance: `default_policy` shares one between the generations
+    of a drafter, and between drafters over the same weights."""
 
     def __init__(self, costs: StepCosts, sizes: tuple[int, ...]):
         self.costs = costs
         self.calibrated = {k: costs.step(k) for k in sizes}
-        # Read every step (a tiny model's step takes a few milliseconds): kept up to date in
-        # `observe` rather than computed when read.
+        # Read every step (a tiny model's step is short): kept up to date in `observe` rather
+        # than computed when read.
         self.step = dict(self.calibrated)
         self._seen: dict[int, deque[float]] = {}  # k -> recent wall times of steps drafting k
         self._excess: deque[float] = deque(maxlen=SEEN)  # drafting steps: seen - calibrated
@@ -194,8 +194,8 @@ class AdaptivePolicy:
         """Goes on from where the drafter's last generation left off: its acceptance, worth
         at most `CARRIED` steps (it depends on the prompt, but says more of the next one than
         the prior of 1/2), whether it drafted and its size, and the exploration and re-check
-        schedule. Started afresh, an EAGLE head passing 80 % looked like a coin to every
-        generation, and one switched off waited a new gap: 256-token stories ended first."""
+        schedule. Started afresh, a head that passes most drafts looks like a coin to every
+        generation, and one switched off waits a new gap: short generations end first."""
         self.drafting, self._held, self._gap = before.drafting, before._held, before._gap
         self._until_explore, self._up = before._until_explore, before._up
         self._backoff, self._skips = dict(before._backoff), dict(before._skips)

@@ -150,7 +150,7 @@ def measure(
         # The longest draft is measured whatever the budget: the curve between it and the
         # last point within budget is then interpolated, never carried on in proportion,
         # which would price an EAGLE tree (whose draft cost stops growing once its levels
-        # are all expanded) at ten times its cost, and the policy would never grow one.
+        # are all expanded) at many times its cost, and the policy would never grow one.
         for i, k in enumerate(sizes):
             last = i == len(sizes) - 1
             if len(draft) >= 2 and not last and decide(time.perf_counter() - start > BUDGET):
@@ -212,7 +212,7 @@ def default_policy(
 ) -> Policy:
     """A fixed draft length when one is asked for, else the adaptive policy up to the
     drafter's own cap (`Drafter.max_draft`), on the costs calibrated for `target` and
-    `drafter` on this machine (measured now if not cached: a few seconds; `decide` as
+    `drafter` on this machine (measured now if not cached, within `BUDGET` a curve; `decide` as
     `load_costs`'s), priced as the drafter's last generations paid, and going on
     from where its last generation left off (`AdaptivePolicy._carry`)."""
     if num_draft_tokens is not None:

@@ -21,26 +21,43 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("kind", choices=KINDS)
     p.add_argument("--model", required=True, help="the target: a model folder or hub id")
     p.add_argument("--prompts", help="JSON/JSONL: strings, ShareGPT or `messages` items")
-    p.add_argument("--self-samples", type=positive_int, default=0,
-                   help="train on N samples from BOS (models without a chat template)")  # fmt: skip
-    p.add_argument("--sample-prefix", type=non_negative_int, default=Recipe.sample_prefix,
-                   help="self samples: tokens drawn at T=1 before answering")  # fmt: skip
+    p.add_argument(
+        "--self-samples",
+        type=positive_int,
+        default=0,
+        help="train on N samples from BOS (models without a chat template)",
+    )
+    p.add_argument(
+        "--sample-prefix",
+        type=non_negative_int,
+        default=Recipe.sample_prefix,
+        help="self samples: tokens drawn at T=1 before answering",
+    )
     p.add_argument("--out", required=True, help="a new folder for the head (official layout)")
-    p.add_argument("--layout", choices=LAYOUTS, default=Recipe.layout,
-                   help="EAGLE-3: SafeAILab's keys or vllm-project/speculators'")  # fmt: skip
+    p.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default=Recipe.layout,
+        help="EAGLE-3: SafeAILab's keys or vllm-project/speculators'",
+    )
     p.add_argument("--cache", help="where stages are cached (default: OUT.cache)")
-    p.add_argument("--max-tokens", type=positive_int, default=Recipe.max_tokens,
-                   help="answer length")  # fmt: skip
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=Recipe.max_tokens, help="answer length"
+    )
     p.add_argument("--temperature", type=non_negative_float, default=Recipe.temperature)
     p.add_argument("--data-batch", type=positive_int, default=Recipe.data_batch,
                    help="prompts answered together (32 is faster; self samples depend on it)")
-    p.add_argument("--top-k", type=positive_int, default=Recipe.top_k,
-                   help="target logits kept a token")  # fmt: skip
+    p.add_argument(
+        "--top-k", type=positive_int, default=Recipe.top_k, help="target logits kept a token"
+    )
     p.add_argument("--draft-vocab", type=positive_int, default=Recipe.draft_vocab, help="EAGLE-3")
     p.add_argument("--taps", type=int, nargs="+", help="EAGLE-3's target layers")
     p.add_argument("--ttt-steps", type=positive_int, default=Recipe.ttt_steps, help="EAGLE-3")
-    p.add_argument("--intermediate-size", type=positive_int,
-                   help="EAGLE: the draft layer's MLP width (default: the target's)")  # fmt: skip
+    p.add_argument(
+        "--intermediate-size",
+        type=positive_int,
+        help="EAGLE: the draft layer's MLP width (default: the target's)",
+    )
     p.add_argument("--medusa-heads", type=positive_int, default=Recipe.medusa_heads)
     p.add_argument("--medusa-layers", type=positive_int, default=Recipe.medusa_layers)
     p.add_argument("--epochs", type=positive_int, default=TrainConfig.epochs)
@@ -59,22 +76,41 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         config = TrainConfig(
-            epochs=args.epochs, learning_rate=args.lr, warmup=args.warmup,
-            batch_tokens=args.batch_tokens, holdout=args.holdout, patience=args.patience,
-            max_steps=args.max_steps, seed=args.seed,
-        )  # fmt: skip
+            epochs=args.epochs,
+            learning_rate=args.lr,
+            warmup=args.warmup,
+            batch_tokens=args.batch_tokens,
+            holdout=args.holdout,
+            patience=args.patience,
+            max_steps=args.max_steps,
+            seed=args.seed,
+        )
         recipe = Recipe(
-            args.kind, max_tokens=args.max_tokens, temperature=args.temperature,
-            self_samples=args.self_samples, sample_prefix=args.sample_prefix, top_k=args.top_k,
+            args.kind,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            self_samples=args.self_samples,
+            sample_prefix=args.sample_prefix,
+            top_k=args.top_k,
             data_batch=args.data_batch,
             draft_vocab=args.draft_vocab,
-            taps=None if args.taps is None else tuple(args.taps), ttt_steps=args.ttt_steps,
+            taps=None if args.taps is None else tuple(args.taps),
+            ttt_steps=args.ttt_steps,
             intermediate_size=args.intermediate_size,
-            medusa_heads=args.medusa_heads, medusa_layers=args.medusa_layers,
-            layout=args.layout, train=config,
-        )  # fmt: skip
-        result = train_head(args.kind, args.model, args.out, prompts=args.prompts,
-                            cache=args.cache, recipe=recipe, progress=not args.quiet)  # fmt: skip
+            medusa_heads=args.medusa_heads,
+            medusa_layers=args.medusa_layers,
+            layout=args.layout,
+            train=config,
+        )
+        result = train_head(
+            args.kind,
+            args.model,
+            args.out,
+            prompts=args.prompts,
+            cache=args.cache,
+            recipe=recipe,
+            progress=not args.quiet,
+        )
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume", file=sys.stderr)
         return INTERRUPTED

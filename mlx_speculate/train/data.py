@@ -30,8 +30,13 @@ from ..models.context import additive_mask
 from ..sampling import SamplingParams, pick
 
 DATA_FILE = "data.jsonl"
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-          "system": "system"}  # fmt: skip
+_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
 
 
 @dataclass(frozen=True)
@@ -119,8 +124,12 @@ def answer(
     allowed = causal & (real[:, None, :] | mx.eye(longest, dtype=mx.bool_))  # (B, P, P)
     tokens = mx.array([[0] * (longest - len(p)) + list(p) for p in prompts])  # (B, P)
     cache = model.make_cache()
-    logits = model(tokens, cache, positions=mx.maximum(cols - pads, 0),
-                   mask=additive_mask(allowed, dtype)[:, None]).logits[:, -1]  # fmt: skip
+    logits = model(
+        tokens,
+        cache,
+        positions=mx.maximum(cols - pads, 0),
+        mask=additive_mask(allowed, dtype)[:, None],
+    ).logits[:, -1]
     rows: list[list[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))  # the prompt each batch row answers
     while True:
@@ -170,7 +179,7 @@ def make_data(
     max_tokens: int = 200,
     temperature: float = 0.0,
     seed: int = 0,
-    batch: int = 16,  # 32 is 1.9x faster on SmolLM2, but self samples depend on the batch
+    batch: int = 16,  # larger is faster, but self samples depend on the batch
     progress: bool = True,
 ) -> list[Conversation]:
     """Conversations for every prompt (or `self_samples` samples from BOS: `sample_prefix`

@@ -76,8 +76,13 @@ def make_features(
     the final states (`width` = hidden size), else the concatenated taps."""
     folder.mkdir(parents=True, exist_ok=True)
     lengths = [len(c.tokens) for c in conversations]
-    meta = {"conversations": len(lengths), "tokens": sum(lengths), "taps": list(taps),
-            "width": width, "top_k": top_k}  # fmt: skip
+    meta = {
+        "conversations": len(lengths),
+        "tokens": sum(lengths),
+        "taps": list(taps),
+        "width": width,
+        "top_k": top_k,
+    }
     done = 0
     if (folder / META).exists():
         if _read_json(folder / META) != meta:
@@ -142,8 +147,14 @@ def open_features(folder: Path) -> Features:
         raise ValueError(f"the feature cache in {folder} is incomplete; run the stage again")
     arrays = {name: _open(folder, name, "r") for name in ARRAYS}
     n, k, width = meta["tokens"], meta["top_k"], meta["width"]
-    expected = {"tokens": (n,), "answer": (n,), "starts": (meta["conversations"] + 1,),
-                "features": (n, width), "top_ids": (n, k), "top_logits": (n, k)}  # fmt: skip
+    expected = {
+        "tokens": (n,),
+        "answer": (n,),
+        "starts": (meta["conversations"] + 1,),
+        "features": (n, width),
+        "top_ids": (n, k),
+        "top_logits": (n, k),
+    }
     for name, shape in expected.items():
         if arrays[name].shape != shape:
             raise ValueError(

@@ -54,10 +54,8 @@ def _weights(counted: mx.array, T: int, back: int) -> mx.array:
 @mx.custom_function
 def _logsumexp_keeping_softmax(z: mx.array) -> tuple[mx.array, mx.array]:
     """(logsumexp, softmax) over the last axis, in one exp pass. The backward pass reuses the
-    softmax where MLX's own logsumexp computes exp again: on a CPU the vocabulary-wide exp was
-    most of a training step (SmolLM2 EAGLE-1, 224 rows, the lm_head projection and this loss
-    forward and backward: 0.60-0.69 s -> 0.46-0.50 s; a whole step 0.70 -> 0.57 s). The exp
-    is fast_exp's (224 x 49,152 elements: 220 -> 36 ms on the CPU)."""
+    softmax where MLX's own logsumexp computes exp again: on a CPU the vocabulary-wide exp is
+    most of a training step. The exp is fast_exp's (fused, where MLX's CPU exp is scalar)."""
     m = mx.max(z, axis=-1, keepdims=True)
     e = exp(z - m)
     s = mx.sum(e, axis=-1, keepdims=True)
@@ -86,9 +84,14 @@ def _mean(x: mx.array, weights: mx.array) -> mx.array:
 
 
 def eagle1_loss(
-    head: Eagle1Head, batch: Batch, embed: mx.array, lm_head: mx.array, key: mx.array | None,
-    noise: float = 0.2, p_weight: float = 0.1,
-) -> tuple[mx.array, tuple[mx.array, mx.array]]:  # fmt: skip
+    head: Eagle1Head,
+    batch: Batch,
+    embed: mx.array,
+    lm_head: mx.array,
+    key: mx.array | None,
+    noise: float = 0.2,
+    p_weight: float = 0.1,
+) -> tuple[mx.array, tuple[mx.array, mx.array]]:
     """`key` None: no input noise (held-out evaluation, as the official test loader)."""
     tokens, _, feats, top_ids, top_logits, counted = batch
     T = tokens.shape[1]
@@ -107,9 +110,14 @@ def eagle1_loss(
 
 
 def eagle3_loss(
-    head: Eagle3Head, batch: Batch, embed: mx.array, t2d: mx.array, key: mx.array | None,
-    steps: int = 7, decay: float = 0.8,
-) -> tuple[mx.array, tuple[mx.array, mx.array]]:  # fmt: skip
+    head: Eagle3Head,
+    batch: Batch,
+    embed: mx.array,
+    t2d: mx.array,
+    key: mx.array | None,
+    steps: int = 7,
+    decay: float = 0.8,
+) -> tuple[mx.array, tuple[mx.array, mx.array]]:
     """`t2d`: (V,) int32 each target id's draft id, -1 outside the draft vocabulary."""
     tokens, _, feats, top_ids, top_logits, counted = batch
     T = tokens.shape[1]

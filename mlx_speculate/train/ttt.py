@@ -35,8 +35,7 @@ def unroll(head: Eagle3Head, embeds: list[mx.array], taps: mx.array) -> Iterator
     for i, embed in enumerate(embeds):
         x, residual = layer.mix(embed, hidden)  # (B, T, 2h), (B, T, h)
         q = _rotate(rope, attn.q_proj(x).reshape(B, T, H, D).transpose(0, 2, 1, 3), i)
-        keys.append(_rotate(rope, attn.k_proj(x).reshape(B, T, KV, D).transpose(0, 2, 1, 3),
-                            i))  # fmt: skip
+        keys.append(_rotate(rope, attn.k_proj(x).reshape(B, T, KV, D).transpose(0, 2, 1, 3), i))
         values.append(attn.v_proj(x).reshape(B, T, KV, D).transpose(0, 2, 1, 3))
         q = q.reshape(B, KV, H // KV, T, D) * attn.scale  # (B, KV, G, T, D): G queries a key
         prefix = q @ keys[0][:, :, None].swapaxes(-1, -2)  # (B, KV, G, T, T)
