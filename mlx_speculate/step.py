@@ -28,12 +28,12 @@ from .sampling import SamplingParams, pick
 from .tree import DeviceTree, PaddedTree, Tree
 from .verify import Acceptance, AcceptanceRule
 
-# Half-octave steps past 8: on a CPU a verify's cost jumps with its rows (Medusa's 20-node
-# tree padded to 32 rows cost twice its 24-row bucket on stories260K).
+# Half-octave steps past 8: on a CPU a verify's cost grows with its rows, so a tree padded
+# to the next power of two would pay for many rows it does not use.
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 # Chains up to this many rows verify unpadded, one graph per exact row count: a draft model's
 # or lookup's k is mostly fixed, so the few graphs are reused, and on an overhead-bound target
-# the padding rows of a bucket (k = 4: 8 rows for 5) cost a third of the step.
+# a bucket's padding rows are a large share of the step.
 EXACT_CHAIN = 8
 
 
