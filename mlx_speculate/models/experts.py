@@ -9,7 +9,7 @@ layers are mlx-lm's `SwitchGLU` / `SwitchLinear` (quantized by `nn.quantize` int
 Checkpoints that store one tensor per expert are stacked at load time (`stack_experts`), each
 per-expert tensor dropped from the checkpoint's dict as it is taken, and each stack read at
 once: the memory-mapped parts of one stack are all that is held beside the model (reading
-every stack in the model's one evaluation held all the parts at once: 1.5x the weights).
+every stack in the model's one evaluation would hold all the parts at once).
 """
 
 from __future__ import annotations

@@ -27,9 +27,13 @@ from .rope import RotaryEmbedding
 
 # transformers' GptOssConfig default rope (theta: its `default_theta`, 150000).
 _YARN = {
-    "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-    "truncate": False, "original_max_position_embeddings": 4096,
-}  # fmt: skip
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 _FUSED = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 
 
@@ -179,6 +183,12 @@ class Model(CausalLM):
                 f"mlx-lm's gpt_oss computes swiglu_alpha 1.702 and swiglu_limit 7.0; this model "
                 f"has {args.swiglu_alpha} and {args.swiglu_limit}"
             )
-        fields = ("layer_types", "sliding_window", "head_dim", "num_local_experts",
-                  "num_experts_per_tok", "rms_norm_eps")  # fmt: skip
+        fields = (
+            "layer_types",
+            "sliding_window",
+            "head_dim",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "rms_norm_eps",
+        )
         return {**config, **{k: getattr(args, k) for k in fields}}, weights

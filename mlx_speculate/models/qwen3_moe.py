@@ -110,9 +110,18 @@ class Model(CausalLM):
         """mlx-lm requires the MoE fields transformers leaves to defaults or saves under other
         names (`num_local_experts`), and `head_dim`."""
         args = self.args
-        fields = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                  "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob", "head_dim",
-                  "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")  # fmt: skip
+        fields = (
+            "num_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "decoder_sparse_step",
+            "mlp_only_layers",
+            "norm_topk_prob",
+            "head_dim",
+            "rms_norm_eps",
+            "max_position_embeddings",
+            "tie_word_embeddings",
+        )
         return {**config, **{k: getattr(args, k) for k in fields}}, weights
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
