@@ -138,6 +138,17 @@ class KVCache:
         view.start = start
         return view
 
+    def adopt(self, arrays: Sequence[mx.array]) -> None:
+        """Takes a whole `state` list into a cache fresh from `make_cache` (a compiled step's
+        view of its cache inputs, which has no storage to mirror); none: a stand-in's."""
+        if arrays:
+            layers = len(arrays) // 2
+            self.keys, self.values = list(arrays[:layers]), list(arrays[layers:])
+
+    def restorable(self, length: int) -> int:
+        """The longest prefix of at most `length` slots that `truncate` can return to."""
+        return length
+
     def set_arrays(self, arrays: Sequence[mx.array]) -> None:
         """Takes a compiled step's cache outputs back (the order of `state`)."""
         it = iter(arrays)

@@ -253,9 +253,7 @@ def cache_view(model, arrays, start, span: int) -> KVCache | None:
     """The cache a traced forward writes into: a view over the step's cache inputs, whose
     attention reads the leading `span` slots."""
     cache = model.make_cache()
-    if arrays:
-        layers = len(arrays) // 2
-        cache.keys, cache.values = list(arrays[:layers]), list(arrays[layers:])
+    cache.adopt(arrays)
     cache.start, cache.attended = start, span
     return cache
 

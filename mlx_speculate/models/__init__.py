@@ -1,6 +1,6 @@
 """Model families by HF `model_type`."""
 
-from . import gemma3, llama, phi3, qwen2, qwen3
+from . import gemma3, llama, phi3, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_next
 
 MODEL_TYPES = {
     "llama": llama,
@@ -9,4 +9,9 @@ MODEL_TYPES = {
     "phi3": phi3,
     "gemma3_text": gemma3,
     "gemma3": gemma3,
+    "qwen3_next": qwen3_next,
+    "qwen3_5_text": qwen3_5,
+    "qwen3_5": qwen3_5,
+    "qwen3_5_moe_text": qwen3_5_moe,
+    "qwen3_5_moe": qwen3_5_moe,
 }
