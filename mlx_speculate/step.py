@@ -102,6 +102,7 @@ def verify(
         )
     n = tree.num_nodes
     rows = verify_rows(tree)
+    model.check_verify(rows, tree.is_chain)
     padded = _bounded(tree.padded(rows))
     pad = rows - n
     drafted = mx.zeros((0,), mx.int32) if draft is None else draft.astype(mx.int32)

@@ -287,6 +287,11 @@ class CausalLM(nn.Module):
     def make_cache(self) -> KVCache:
         return KVCache(len(self.model.layers))
 
+    def check_verify(self, rows: int, is_chain: bool) -> None:
+        """Raises a one-line ValueError when this model cannot verify a draft of `rows`
+        (padded) rows of that shape; every draft fits an attention-only model. Asked before
+        a verify step is traced: an error inside a trace would leave its inputs half-built."""
+
     def rename(self, name: str) -> str | None:
         """A checkpoint's parameter or module path in this model's names; None for what is not
         part of it (families with other checkpoint layouts map theirs here)."""

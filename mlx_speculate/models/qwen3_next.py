@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from ..state_cache import HybridCache
+from ..state_cache import ROWS, HybridCache
 from .base import BaseModelArgs, CausalLM, ModelOutput, attend
 from .context import ForwardContext
 from .gated_delta import GatedDeltaNet, state_shape
@@ -230,6 +230,12 @@ class Model(CausalLM):
         if mask is not None:  # a tree's (or any non-causal) visibility
             raise ValueError(chains_only(self.args.model_type))
         return super().__call__(tokens, cache, positions=positions, taps=taps)
+
+    def check_verify(self, rows: int, is_chain: bool) -> None:
+        if not is_chain:
+            raise ValueError(chains_only(self.args.model_type))
+        if rows > ROWS:
+            raise ValueError(f"recurrent layers verify at most {ROWS} rows at once, got {rows}")
 
     def make_cache(self) -> HybridCache:
         linear = [layer.linear for layer in self.model.layers]
