@@ -124,6 +124,21 @@ class KVCache:
         """The arrays to evaluate together with a step's outputs."""
         return [a for a in self.keys + self.values if a is not None]
 
+    def adopt(self, arrays: Sequence[mx.array]) -> None:
+        """Takes a whole `state` list into a cache fresh from `make_cache` (a compiled step's
+        view of its cache inputs, which has no storage to mirror); none: a model without keys."""
+        if arrays:
+            layers = len(arrays) // 2
+            self.keys, self.values = list(arrays[:layers]), list(arrays[layers:])
+
+    def check_verify(self, rows: int, is_chain: bool) -> None:
+        """Raises a one-line ValueError when the cache cannot follow a verify of `rows` (padded)
+        rows of that shape; keys and values follow any tree. Asked before a step is traced."""
+
+    def restorable(self, length: int) -> int:
+        """The longest prefix of at most `length` slots that `truncate` can return to."""
+        return length
+
     def set_arrays(self, arrays: Sequence[mx.array]) -> None:
         """Takes a compiled step's cache outputs back (the order of `state`)."""
         it = iter(arrays)

@@ -143,12 +143,13 @@ class Decoder:
 
     def reusable(self, prompt: Sequence[int]) -> int:
         """How many tokens of `prompt` the cache holds already: the prefix it shares with the
-        last context, short of the prompt's last token (whose forward gives the first token)."""
+        last context, short of the prompt's last token (whose forward gives the first token), and
+        no longer than the cache can roll back to (a hybrid's recurrent state: see state_cache)."""
         cached = self.context[: self.cache.offset]
         kept, most = 0, min(len(cached), len(prompt) - 1)
         while kept < most and cached[kept] == prompt[kept]:
             kept += 1
-        return kept
+        return self.cache.restorable(kept)  # recurrent state: only what the cache can restore
 
     def _check_ids(self, prompt: Sequence[int]) -> list[int]:
         """The ids as ints, each inside the vocabulary: the embedding would read past its end

@@ -98,6 +98,7 @@ def verify(
     (`CausalLM.traceable`) runs the same step eagerly."""
     n = tree.num_nodes
     rows = verify_rows(tree)
+    cache.check_verify(rows, tree.is_chain)  # before tracing: a refusal inside would not undo
     padded = _bounded(tree.padded(rows))
     pad = rows - n
     drafted = mx.zeros((0,), mx.int32) if draft is None else draft.astype(mx.int32)
@@ -213,9 +214,7 @@ def cache_view(model, arrays, start, span: int) -> KVCache | None:
     """The cache a traced forward writes into: a view over the step's cache inputs, whose
     attention reads the leading `span` slots."""
     cache = model.make_cache()
-    if arrays:
-        layers = len(arrays) // 2
-        cache.keys, cache.values = list(arrays[:layers]), list(arrays[layers:])
+    cache.adopt(arrays)
     cache.start, cache.attended = start, span
     return cache
 

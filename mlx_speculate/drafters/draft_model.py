@@ -112,6 +112,11 @@ class DraftModelSpec(DrafterSpec):
     def build(self, target: CausalLM, tokenizer=None) -> DraftModelDrafter:
         spec = self.resolve(target)
         model, draft_tokenizer = spec.model, spec.tokenizer
+        if model.recurrent:  # its cache restarts and rewinds past what a HybridCache keeps
+            raise ValueError(
+                f"a {model.args.model_type} draft model is not supported (recurrent layers): "
+                "use a draft model with attention layers only"
+            )
         check_vocabularies(
             target.args.vocab_size,
             model.args.vocab_size,

@@ -37,7 +37,9 @@ class LookupSpec(DrafterSpec):
     }
 
     max_ngram: int = 3
-    branches: int = BRANCHES  # matches verified together as one tree (1: a chain)
+    # Matches verified together as one tree (1: a chain); by default BRANCHES, or 1 for a
+    # target with recurrent layers, which verifies chains only.
+    branches: int | None = None
 
     @classmethod
     def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
@@ -74,12 +76,13 @@ class LookupSpec(DrafterSpec):
         super().__post_init__()
         if self.max_ngram < 1:
             raise ValueError(f"the longest n-gram must be >= 1, got {self.max_ngram}")
-        if self.branches < 1:
+        if self.branches is not None and self.branches < 1:
             raise ValueError(f"lookup_branches must be >= 1, got {self.branches}")
 
     def build(self, target: CausalLM, tokenizer=None) -> LookupDrafter:
-        most = self.num_draft_tokens or MAX_DRAFT * self.branches  # a chain's worth per branch
-        return LookupDrafter(self.max_ngram, most, self.branches)
+        branches = self.branches or (1 if target.recurrent else BRANCHES)
+        most = self.num_draft_tokens or MAX_DRAFT * branches  # a chain's worth per branch
+        return LookupDrafter(self.max_ngram, most, branches)
 
 
 MAX_MATCH = 64  # tokens a match is measured back over: its length ranks it

@@ -1,6 +1,17 @@
 """Model families by HF `model_type`."""
 
-from . import gemma3, gpt_oss, llama, phi3, qwen2, qwen3, qwen3_moe
+from . import (
+    gemma3,
+    gpt_oss,
+    llama,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_moe,
+    qwen3_next,
+)
 
 MODEL_TYPES = {
     "llama": llama,
@@ -11,4 +22,9 @@ MODEL_TYPES = {
     "gemma3_text": gemma3,
     "gemma3": gemma3,
     "gpt_oss": gpt_oss,
+    "qwen3_next": qwen3_next,
+    "qwen3_5_text": qwen3_5,
+    "qwen3_5": qwen3_5,
+    "qwen3_5_moe_text": qwen3_5_moe,
+    "qwen3_5_moe": qwen3_5_moe,
 }

@@ -25,7 +25,7 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -249,6 +249,8 @@ class CausalLM(nn.Module):
 
     model: DecoderStack
     origin: Origin = Origin()  # set once by `load`
+    # Layers with recurrent state (hybrids): a HybridCache rolls back chains, never trees.
+    recurrent: ClassVar[bool] = False
 
     def __init__(
         self,

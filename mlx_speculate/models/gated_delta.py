@@ -1,0 +1,140 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3-Next and Qwen3.5: a depthwise causal
+conv1d over the q/k/v projections, then the gated delta rule, a recurrence over a (H, Dk, Dv)
+state per sequence, read out by the queries and normed under a SiLU gate.
+
+The recurrence runs token by token on MLX ops (transformers' torch reference, in float32):
+
+    S <- S * exp(g_t);  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
+
+Its state lives in the hybrid cache (state_cache.py), which keeps the state after every row of
+a short forward, so that a verify forward's rejected rows can be rolled back exactly.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..state_cache import ROWS, RecurrentShape
+from .context import ForwardContext
+
+
+def l2norm(x: mx.array, eps: float = 1e-6) -> mx.array:
+    """x / sqrt(sum x^2 + eps) over the last axis (FLA's and transformers' form)."""
+    return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
+
+
+def gated_delta_rule(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    every: bool,
+) -> tuple[mx.array, list[mx.array]]:
+    """(B, L, H, Dk) queries and keys, (B, L, H, Dv) values, (B, L, H) log-decays and betas,
+    all float32, from the (B, H, Dk, Dv) `state`: the (B, L, H, Dv) outputs and the states,
+    the entering one and one after each row when `every`, else the final one alone."""
+    decay = mx.exp(g)[..., None, None]  # (B, L, H, 1, 1)
+    outputs, states = [], [state]
+    for t in range(q.shape[1]):
+        state = state * decay[:, t]
+        remembered = (k[:, t, :, None, :] @ state)[:, :, 0]  # (B, H, Dv)
+        delta = (v[:, t] - remembered) * beta[:, t, :, None]
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        outputs.append((q[:, t, :, None, :] @ state)[:, :, 0])
+        if every:
+            states.append(state)
+    return mx.stack(outputs, axis=1), states if every else [state]
+
+
+def state_shape(args) -> RecurrentShape:
+    """The recurrent state of the layers `args` (a hybrid family's) describes."""
+    key_dim = args.linear_key_head_dim * args.linear_num_key_heads
+    value_dim = args.linear_value_head_dim * args.linear_num_value_heads
+    return RecurrentShape(
+        2 * key_dim + value_dim, args.linear_conv_kernel_dim, args.linear_num_value_heads,
+        args.linear_key_head_dim, args.linear_value_head_dim,
+    )  # fmt: skip
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm per value head (weight, not 1 + weight), times SiLU of the gate, in float32."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
+        h = x.astype(mx.float32)
+        h = h * mx.rsqrt((h * h).mean(axis=-1, keepdims=True) + self.eps)
+        h = self.weight * h.astype(x.dtype)
+        return (h * nn.silu(gate.astype(mx.float32))).astype(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """The layer's shared core; a family's subclass names its input projections (`project`).
+    Parameters keep HF names; `conv1d.weight` is MLX's (channels, kernel, 1)."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.num_k_heads = args.linear_num_key_heads
+        self.num_v_heads = args.linear_num_value_heads
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.num_k_heads})"
+            )
+        self.head_k_dim = args.linear_key_head_dim
+        self.head_v_dim = args.linear_value_head_dim
+        self.key_dim = self.head_k_dim * self.num_k_heads
+        self.value_dim = self.head_v_dim * self.num_v_heads
+        self.kernel = args.linear_conv_kernel_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, kernel_size=self.kernel, groups=self.conv_dim, bias=False
+        )
+        self.dt_bias = mx.ones((self.num_v_heads,))
+        self.A_log = mx.zeros((self.num_v_heads,))
+        self.norm = GatedRMSNorm(self.head_v_dim, args.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, args.hidden_size, bias=False)
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """(B, L, hidden) -> q|k|v (B, L, conv_dim), z (B, L, Hv, Dv), b and a (B, L, Hv)."""
+        raise NotImplementedError
+
+    def __call__(self, x: mx.array, ctx: ForwardContext, layer: int) -> mx.array:
+        B, L, _ = x.shape
+        mixed, z, b, a = self.project(x)
+        cache = ctx.cache
+        if cache is None:
+            window = mx.zeros((B, self.kernel - 1, self.conv_dim), mixed.dtype)
+            shape = (B, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+            state = mx.zeros(shape, mx.float32)
+        else:
+            if ctx.end is None and L > ROWS:  # a compiled step: its rows must be rollable
+                raise ValueError(
+                    f"recurrent layers verify at most {ROWS} rows at once, got {L}"
+                )
+            window, state = cache.recurrent(layer, ctx.start, B, mixed.dtype)
+        conv_in = mx.concatenate([window.astype(mixed.dtype), mixed], axis=1)
+        conv = nn.silu(self.conv1d(conv_in))  # (B, L, conv_dim)
+        q, k, v = mx.split(conv, [self.key_dim, 2 * self.key_dim], axis=-1)
+        q = l2norm(q.reshape(B, L, self.num_k_heads, -1).astype(mx.float32))
+        k = l2norm(k.reshape(B, L, self.num_k_heads, -1).astype(mx.float32))
+        q = q * self.head_k_dim**-0.5
+        if self.num_v_heads != self.num_k_heads:  # each k head serves consecutive v heads
+            q = mx.repeat(q, self.num_v_heads // self.num_k_heads, axis=2)
+            k = mx.repeat(k, self.num_v_heads // self.num_k_heads, axis=2)
+        v = v.reshape(B, L, self.num_v_heads, -1).astype(mx.float32)
+        beta = mx.sigmoid(b).astype(mx.float32)
+        dt = a.astype(mx.float32) + self.dt_bias.astype(mx.float32)
+        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(dt)
+        every = cache is not None and L <= ROWS
+        out, states = gated_delta_rule(q, k, v, g, beta, state, every)
+        if cache is not None:
+            cache.keep(layer, ctx.start, conv_in, states)
+        out = self.norm(out.astype(x.dtype), z)  # (B, L, Hv, Dv)
+        return self.out_proj(out.reshape(B, L, -1))
