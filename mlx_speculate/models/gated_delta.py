@@ -54,9 +54,12 @@ def state_shape(args) -> RecurrentShape:
     key_dim = args.linear_key_head_dim * args.linear_num_key_heads
     value_dim = args.linear_value_head_dim * args.linear_num_value_heads
     return RecurrentShape(
-        2 * key_dim + value_dim, args.linear_conv_kernel_dim, args.linear_num_value_heads,
-        args.linear_key_head_dim, args.linear_value_head_dim,
-    )  # fmt: skip
+        2 * key_dim + value_dim,
+        args.linear_conv_kernel_dim,
+        args.linear_num_value_heads,
+        args.linear_key_head_dim,
+        args.linear_value_head_dim,
+    )
 
 
 class GatedRMSNorm(nn.Module):

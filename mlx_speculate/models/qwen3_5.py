@@ -22,9 +22,10 @@ from .qwen3_next import ModelArgs as Qwen3NextArgs
 
 # Checkpoint prefixes of the language model (mlx-community, transformers) and what is not text.
 _PREFIXES = (
-    ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
     ("model.language_model.", "model."),
-)  # fmt: skip
+)
 _NOT_TEXT = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.")
 WRAPPERS = ("qwen3_5", "qwen3_5_moe")
 

@@ -31,9 +31,12 @@ from .rope import RotaryEmbedding
 
 # transformers' names of the (1 + weight) norms, whose checkpoints get 1 added.
 SHIFTED_NORMS = (
-    ".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
-    ".q_norm.weight", ".k_norm.weight",
-)  # fmt: skip
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    "model.norm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
