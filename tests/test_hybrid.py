@@ -14,15 +14,16 @@ from mlx.utils import tree_flatten
 
 from mlx_speculate.convert import convert
 from mlx_speculate.decode import Decoder
-from mlx_speculate.drafters.base import Draft
+from mlx_speculate.drafters.base import Draft, Drafter
 from mlx_speculate.drafters.draft_model import DraftModelSpec
 from mlx_speculate.drafters.lookup import LookupDrafter, LookupSpec
 from mlx_speculate.loading import build_model, load
-from mlx_speculate.policy import FixedPolicy
+from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.state_cache import ROWS
 from mlx_speculate.step import verify
 from mlx_speculate.tree import Tree
+from mlx_speculate.verify import AcceptanceRule
 
 from .helpers import decode, greedy_reference, random_weights, tiny_config
 from .test_convert import save_tokenizer
@@ -164,8 +165,8 @@ def test_rejected_rows_leave_no_recurrent_state(model_type):
         model(mx.array([prompt]), cache)
         draft = greedy[1 : 1 + accepted] + [(greedy[1 + accepted] + 1) % VOCAB]
         draft += [5] * (4 - len(draft))  # k = 4: the accepted ones, one wrong, then filler
-        out = verify(model, cache, mx.array(greedy[:1]), Tree.chain(4), mx.array(draft), None,
-                     GREEDY)  # fmt: skip
+        rule = AcceptanceRule(GREEDY)
+        out = verify(model, cache, mx.array(greedy[:1]), Tree.chain(4), mx.array(draft), None, rule)
         n = out.acceptance.num_accepted.item()
         assert n == accepted
         cache.truncate(len(prompt) + n + 1)
@@ -209,12 +210,16 @@ def test_prompt_prefix_reuse_keeps_the_recurrent_state_right():
         assert step.tokens == next(fresh.steps(GREEDY)).tokens
 
 
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Proposes the reference continuation with one wrong token at a seeded position, so that
     nearly every step accepts part of its draft and rejects the rest."""
 
     taps: tuple[int, ...] = ()
     max_draft = 8
+    follows_context = True
+
+    def weights(self) -> tuple:
+        return ()
 
     def __init__(self, prompt: Sequence[int], reference: Sequence[int], seed: int = 0):
         self.prompt, self.reference = list(prompt), list(reference)
