@@ -77,6 +77,7 @@ class HybridCache(KVCache):
         self.base = mx.array(0, dtype=mx.int32)  # slot of ring row 0
         self._next_base: mx.array | None = None  # set by a forward, taken by `advance`
         self._kept = (0, 0)  # host: the slots whose state the ring holds (first, last)
+        self._every: bool | None = None  # set by `keep`: whether it kept every row's state
 
     # Attention layers.
     def write(self, layer, keys, values, start, end):
@@ -100,7 +101,8 @@ class HybridCache(KVCache):
         window, then its L inputs) and produced `states` (the entering one and one per row,
         or, past ROWS rows, the final one alone)."""
         r, length = self._rec[layer], conv.shape[1] - (self.shape.kernel - 1)
-        if len(states) == length + 1:
+        self._every = len(states) == length + 1
+        if self._every:
             self.conv[r], self.ring[r] = conv, mx.stack(states)
             self._next_base = start
         else:
@@ -118,7 +120,11 @@ class HybridCache(KVCache):
     def advance(self, length: int) -> None:
         if self._next_base is not None:
             self.base, self._next_base = self._next_base, None
-        first = self.offset if length <= ROWS else self.offset + length
+        # What the forward kept (`keep`); a step's view kept it, where the cache only advances
+        # past the step (its rows, at most ROWS, each with its state).
+        every = length <= ROWS if self._every is None else self._every
+        self._every = None
+        first = self.offset if every else self.offset + length
         self._kept = (first, self.offset + length)
         super().advance(length)
 

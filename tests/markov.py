@@ -21,6 +21,7 @@ class MarkovLM(nn.Module):
     so its steps compile as a real target's do (it keeps no keys)."""
 
     traceable = True
+    recurrent = False
 
     def __init__(self, table):
         super().__init__()

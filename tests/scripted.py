@@ -26,6 +26,7 @@ def token_cache() -> KVCache:
 
 class ScriptedLM:
     traceable = False  # it reads its context on the host
+    recurrent = False  # its cache rolls back to any length
 
     def __init__(self, tokenizer, max_context: int = 4096):
         self.tokenizer = tokenizer

@@ -93,6 +93,7 @@ def test_draft_never_reruns_cached_tokens():
     class Counting:
         args = draft.args
         traceable = False  # counted per call, so never compiled
+        recurrent = False
 
         def make_cache(self):
             return draft.make_cache()

@@ -135,7 +135,10 @@ class GatedDeltaNet(nn.Module):
         beta = mx.sigmoid(b).astype(mx.float32)
         dt = a.astype(mx.float32) + self.dt_bias.astype(mx.float32)
         g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(dt)
-        every = cache is not None and L <= ROWS
+        # Per-row states only where a rollback may follow: a verify step's view (no host end);
+        # a prompt's forward keeps its final state (per-row states of a real model's layers
+        # would hold gigabytes for a short prompt).
+        every = cache is not None and L <= ROWS and ctx.end is None
         out, states = gated_delta_rule(q, k, v, g, beta, state, every)
         if cache is not None:
             cache.keep(layer, ctx.start, conv_in, states)
