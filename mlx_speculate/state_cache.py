@@ -132,20 +132,22 @@ class HybridCache(KVCache):
         return length if length >= self._kept[0] or length == 0 else 0
 
     def truncate(self, length: int) -> None:
+        """As `KVCache.truncate`, where the recurrent state can be restored: within the last
+        forward's kept rows, or 0 (a fresh state); else a ValueError, and nothing changes."""
         if length == self.offset:
             return
+        first, last = self._kept
+        if length != 0 and not first <= length <= last:
+            raise ValueError(
+                f"cannot restore the recurrent state at {length} tokens: only {first} to "
+                f"{last} (the last forward's rows) are kept"
+            )
         super().truncate(length)
         if length == 0:  # a fresh state, in storage of the same shapes (compiled steps keep theirs)
             window = self.shape.kernel - 1
             self.conv = [None if a is None else mx.zeros_like(a[:, :window]) for a in self.conv]
             self.ring = [None if a is None else mx.zeros_like(a[:1]) for a in self.ring]
             self.base, self._kept = mx.array(0, dtype=mx.int32), (0, 0)
-        elif not self._kept[0] <= length <= self._kept[1]:
-            first, last = self._kept
-            raise ValueError(
-                f"cannot restore the recurrent state at {length} tokens: only {first} to "
-                f"{last} (the last forward's rows) are kept"
-            )
 
     @property
     def state(self) -> list[mx.array]:

@@ -178,16 +178,22 @@ def test_rejected_rows_leave_no_recurrent_state(model_type):
 
 
 def test_truncate_restores_only_what_the_ring_holds():
-    """Within the last forward's rows or to 0: restored; further back: a one-line error, and
-    the prompt-prefix reuse re-prefills instead."""
+    """A prompt's forward keeps its final state, a verify step every row's: truncation is
+    restored within the last verify's rows or to 0; further back it is a one-line error (and
+    the prompt-prefix reuse re-prefills instead)."""
     model = tiny_hybrid()
     cache = model.make_cache()
-    model(mx.array(tokens(12)), cache)  # keeps the state after each of its 12 rows
-    cache.truncate(5)
-    model(mx.array(tokens(3)), cache)  # now 5..8
-    assert cache.restorable(6) == 6 and cache.restorable(4) == 0
-    with pytest.raises(ValueError, match="cannot restore the recurrent state at 4 tokens"):
-        cache.truncate(4)
+    model(mx.array(tokens(12)), cache)  # a prompt: its final state alone
+    assert cache.restorable(12) == 12 and cache.restorable(5) == 0
+    with pytest.raises(ValueError, match="cannot restore the recurrent state at 5 tokens"):
+        cache.truncate(5)
+    rule = AcceptanceRule(GREEDY)
+    verify(model, cache, mx.array([1]), Tree.chain(3), mx.array([2, 3, 4]), None, rule)
+    assert cache.offset == 16  # rows 12..15, each with its state
+    assert cache.restorable(14) == 14 and cache.restorable(11) == 0
+    cache.truncate(14)
+    with pytest.raises(ValueError, match="cannot restore the recurrent state at 11 tokens"):
+        cache.truncate(11)
     cache.truncate(0)
     assert cache.offset == 0
 
