@@ -303,3 +303,89 @@ def test_a_template_without_tools_is_400(smollm2):
     assert refused.value.status_code == 400
     error = refused.value.response.json()["error"]
     assert error["param"] == "tools" and "does not take tools" in error["message"]
+
+
+NODE = {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}, "required": ["next"]}
+ENDLESS = {  # schemas whose every instance would be infinite
+    "required-ref": {"$defs": {"node": NODE}, "$ref": "#/$defs/node"},
+    "root-ref": {"type": "object", "properties": {"me": {"$ref": "#"}}, "required": ["me"]},
+    "array": {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+    "mutual": {
+        "$defs": {
+            "a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+            "b": {"type": "array", "items": {"$ref": "#/$defs/a"}, "minItems": 2},
+        },
+        "$ref": "#/$defs/a",
+    },
+    "every-option": {
+        "anyOf": [
+            {"type": "string", "minLength": 3, "maxLength": 1},
+            {"type": "array", "prefixItems": [{"$ref": "#"}], "minItems": 1},
+        ]
+    },
+    "optional-endless": {  # the model may take the optional key, then never end
+        "type": "object",
+        "properties": {"x": {"$ref": "#/$defs/node"}},
+        "$defs": {"node": NODE},
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENDLESS))
+def test_endless_schemas_are_400_up_front(server, name):
+    schema = ENDLESS[name]
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client().chat.completions.create(
+            model="stories",
+            messages=PROMPT,
+            max_tokens=20,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        )
+    error = refused.value.response.json()["error"]
+    assert error["param"] == "response_format" and "no finite instance" in error["message"]
+    assert "\n" not in error["message"]
+
+
+def test_a_grammar_that_fails_midway_is_a_clean_error(server, monkeypatch):
+    """A grammar that compiles and then cannot go on (here: the up-front check turned off, so
+    an endless schema reaches generation) ends the request with a one-line 400, or a streamed
+    error event, never a 500 with the engine's state dump."""
+    import mlx_speculate.grammar
+
+    monkeypatch.setattr(mlx_speculate.grammar, "check_finite", lambda schema: None)
+    args = dict(
+        model="stories",
+        messages=PROMPT,
+        max_tokens=20,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": ENDLESS["required-ref"]},
+        },
+    )
+    labels = {"endpoint": "/v1/chat/completions", "outcome": "400"}
+    before = server.metric("mlx_speculate_requests_total", **labels)
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client().chat.completions.create(**args)
+    error = refused.value.response.json()["error"]
+    assert error["code"] == "grammar_error" and error["type"] == "invalid_request_error"
+    assert "\n" not in error["message"] and "<state>" not in error["message"]
+    assert server.metric("mlx_speculate_requests_total", **labels) == before + 1
+    with pytest.raises(openai.APIError) as failed:
+        for _ in server.client().chat.completions.create(**args, stream=True):
+            pass
+    assert "cannot follow the requested format" in str(failed.value)
+    assert "<state>" not in str(failed.value)
+    # Anthropic's route: a 400 of its own shape.
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client.messages.create(
+            model="stories",
+            max_tokens=20,
+            messages=[{"role": "user", "content": "Hi"}],
+            extra_body={
+                "output_config": {
+                    "format": {"type": "json_schema", "schema": ENDLESS["required-ref"]}
+                }
+            },
+        )
+    assert bad.value.response.json()["error"]["type"] == "invalid_request_error"

@@ -154,7 +154,7 @@ class Gateway:
         finally:
             done()
         if isinstance(end, Failed):
-            raise APIError(500, end.message, type_="server_error")
+            raise APIError(end.status, end.message, type_=end.type, code=end.code)
         if result is None:
             raise APIError(503, "the generation was cancelled", type_="server_error")
         return JSONResponse(result)

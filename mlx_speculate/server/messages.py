@@ -234,7 +234,7 @@ class Message:
                 message = (
                     event.message if isinstance(event, Failed) else "the generation was cancelled"
                 )
-                status = 500 if isinstance(event, Failed) else 503
+                status = event.status if isinstance(event, Failed) else 503
                 yield _event("error", anthropic_error_body(status, message))
             else:
                 rest = [] if parser is None else parser.end()

@@ -192,7 +192,7 @@ class Completion:
                     yield chunk
             elif isinstance(event, Failed):
                 self.outcome = "error"
-                yield _sse(error_body(event.message, "server_error", code="internal"))
+                yield _sse(error_body(event.message, event.type, code=event.code))
             elif event.reason == "cancelled":  # by the server shutting down, if anyone reads
                 yield _sse(
                     error_body("the generation was cancelled", "server_error", None, "cancelled")

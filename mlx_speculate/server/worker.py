@@ -28,6 +28,7 @@ import mlx.core as mx
 from ..cli import one_line
 from ..device import clear_cache
 from ..generation import GenerationResponse
+from ..grammar import GrammarError
 from ..policy import FixedPolicy
 from .lockstep import Lockstep, Mirror, Solo
 from .metrics import Metrics
@@ -35,6 +36,7 @@ from .records import Delta, Failed, Finished, Generation, Job, TokenLogprob, Usa
 from .sessions import SessionPool
 
 log = logging.getLogger("mlx_speculate.server")
+GRAMMAR = "grammar_error"  # the error code of a grammar that could not go on
 
 
 class QueueFull(Exception):
@@ -149,6 +151,9 @@ class Worker:
         self._running = job
         try:
             self._generate(job)
+        except GrammarError as e:  # the request's grammar, not a bug: no traceback
+            log.warning("generation stopped: %s", e)
+            job.emit(Failed(f"the output cannot follow the requested format: {e}", 400, GRAMMAR))
         except Exception as e:  # the server outlives any one request
             log.exception("generation failed")
             job.emit(Failed(f"generation failed: {type(e).__name__}: {one_line(e)}"))
