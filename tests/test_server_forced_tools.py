@@ -2,7 +2,7 @@
 with the real openai and anthropic clients against a real server, the scripted stand-in model
 under the Hermes, Llama 3.1 (JSON) and pythonic test templates: arguments are held to their
 schema strictly (no invented keys unless the schema allows them), schemas with `$defs` and
-`$ref` (pydantic's nested models) are enforced as written, and endless schemas are refused."""
+`$ref` (pydantic's nested models) are enforced as written, and a named tool is one call."""
 
 from __future__ import annotations
 
@@ -159,6 +159,52 @@ def test_anthropic_enforced_tool_with_defs(hermes, choice):
     uses = [b for b in message.content if b.type == "tool_use"]
     assert [(u.name, u.input) for u in uses] == [("plan_trip", TRIP_ARGUMENTS)]
     assert message.stop_reason == "tool_use"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("format_", ["hermes", "pythonic"])  # the formats with several calls
+def test_a_named_tool_is_one_call(request, format_, stream):
+    """The model goes on to a second call: under a named tool_choice the grammar ends after
+    the first (whatever parallel_tool_calls says), and nothing of the second comes back."""
+    running, model, tokenizer = request.getfixturevalue(format_)
+    tokenize = ll_tokenizer(tokenizer).tokenize_str
+    if format_ == "hermes":
+        once = hermes_call("get_weather", {"city": "Paris"})
+        twice = f"{once}\n{hermes_call('get_weather', {'city': 'Rome'})}"
+    else:
+        once = '[get_weather(city="Paris")]'
+        twice = '[get_weather(city="Paris"), get_weather(city="Rome")]'
+    model.script = tokenize(twice)
+    # The second: room for the first call and its EOS, not for the second call.
+    for max_tokens in (200, len(tokenize(once)) + 3):
+        content, calls, finish = ask(
+            running, stream, tools=[WEATHER, TIME], tool_choice=NAMED, max_tokens=max_tokens
+        )
+        assert (content, finish) == (None, "tool_calls"), max_tokens
+        assert names_and_arguments(calls) == [("get_weather", {"city": "Paris"})]
+    # "required" with parallel calls allowed keeps both.
+    _, calls, _ = ask(running, stream, tools=[WEATHER, TIME], tool_choice="required")
+    assert names_and_arguments(calls) == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_weather", {"city": "Rome"}),
+    ]
+
+
+def test_anthropic_named_tool_is_one_call(hermes):
+    running, model, tokenizer = hermes
+    twice = "\n".join(hermes_call("get_weather", {"city": c}) for c in ("Paris", "Rome"))
+    model.script = ll_tokenizer(tokenizer).tokenize_str(twice)
+    tools = [{"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}]
+    message = anthropic_client(running).messages.create(
+        model="scripted",
+        max_tokens=200,
+        messages=ASK,
+        tools=tools,
+        tool_choice={"type": "tool", "name": "get_weather"},
+    )
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert [(u.name, u.input) for u in uses] == [("get_weather", {"city": "Paris"})]
+    assert [b.type for b in message.content] == ["tool_use"]
 
 
 def test_an_endless_tool_schema_is_400(hermes):

@@ -266,6 +266,29 @@ def test_required_and_named_calls_are_well_formed(smollm2, method, temperature, 
     assert completion.usage.speculative["fast_forwarded_tokens"] > 0
 
 
+def test_named_call_with_an_ordinary_schema_is_one_call(smollm2):
+    """Schemas as users write them (nothing says whether other keys may come): SmolLM2 once
+    invented keys here until max_tokens, then called the tool a second time. Enforced
+    arguments are strict and a named tool is one call, so it ends with one valid call."""
+    running, _ = smollm2
+    ordinary = json.loads(json.dumps(WEATHER))
+    del ordinary["function"]["parameters"]["additionalProperties"]
+    ordinary["function"]["parameters"]["properties"]["unit"] = {"type": "string"}
+    completion = running.client(timeout=600).chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[ordinary],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=80,
+        temperature=0,
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    strict = {**ordinary["function"]["parameters"], "additionalProperties": False}
+    jsonschema.validate(json.loads(call.function.arguments), strict)
+
+
 @pytest.mark.parametrize(
     "choice",
     [

@@ -106,13 +106,15 @@ def create_app(
             offered = body.tools or []
             tools = [tool.as_template_input() for tool in offered]
             names = frozenset(tool.function.name for tool in offered)
-            parser = Tools(format_, names, body.parallel_tool_calls)
+            # A named function is one call, as vLLM and llama.cpp read it.
+            parallel = body.parallel_tool_calls and mode != "function"
+            parser = Tools(format_, names, parallel)
             if mode in ("required", "function"):
                 schemas = {t.function.name: t.arguments_schema() for t in offered}
                 if body.forced_tool is not None:
                     schemas = {body.forced_tool: schemas[body.forced_tool]}
                 try:
-                    grammar = call_grammar(format_, schemas, body.parallel_tool_calls)
+                    grammar = call_grammar(format_, schemas, parallel)
                 except ValueError as e:
                     raise APIError(400, f"a tool's parameters: {e}", param="tools") from e
         messages_in = [m.as_template_input() for m in body.messages]

@@ -60,7 +60,11 @@ def install(app: FastAPI, gateway: Gateway, authorized: Callable[..., None]) -> 
 
 
 def _parallel(body: Conversation) -> bool:
-    return body.tool_choice is None or not body.tool_choice.disable_parallel_tool_use
+    """Whether the model may make several calls: not when told so, nor when tool_choice names
+    the one tool to call (one call, as vLLM and llama.cpp read a named choice)."""
+    if body.tool_choice is None:
+        return True
+    return not body.tool_choice.disable_parallel_tool_use and body.tool_mode != "tool"
 
 
 def _prompt(
