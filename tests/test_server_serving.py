@@ -317,3 +317,97 @@ def test_soak_keeps_memory_flat_and_the_server_up(stories, draft):
         assert rss_mb() - peak_rss < 40
         assert len(running.worker.pool) <= 4
         assert httpx.get(f"{running.url}/health").status_code == 200
+
+
+def health_latencies(url: str, busy: threading.Thread) -> list[float]:
+    """Seconds each GET /health took, polled (a real client) for as long as `busy` runs."""
+    latencies = []
+    with httpx.Client(timeout=60) as client:
+        while busy.is_alive():
+            start = time.perf_counter()
+            assert client.get(f"{url}/health").status_code == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.05)
+    return latencies
+
+
+def test_a_big_prompt_holds_up_neither_health_nor_streams(endless_server):
+    """A megabyte of prompt takes seconds to tokenize (then a 400: past the context); it is
+    tokenized off the event loop, so /health answers and a running stream keeps coming."""
+    running = endless_server
+    client = running.client()
+    arrivals: list[float] = []
+    stream = client.completions.create(
+        model="stories", prompt="Once upon a time", max_tokens=LONG, temperature=0, stream=True
+    )
+    chunks = iter(stream)
+    next(chunks)  # generating now
+
+    def read_stream() -> None:
+        for _ in chunks:
+            arrivals.append(time.perf_counter())
+
+    refused = []
+
+    def big_request() -> None:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model="stories", prompt=PROMPTS[1] * 25_000, max_tokens=1)
+        refused.append(error.value.response.json()["error"]["code"])
+
+    reader = threading.Thread(target=read_stream)
+    big = threading.Thread(target=big_request)
+    reader.start()
+    big.start()
+    latencies = health_latencies(running.url, big)
+    reader.join(120)
+    assert refused == ["context_length_exceeded"]
+    assert len(latencies) >= 3 and max(latencies) < 2.0, latencies
+    assert len(arrivals) == LONG  # the stream's own chunks after the first, and its finish
+    assert max(b - a for a, b in zip(arrivals, arrivals[1:], strict=False)) < 2.0
+
+
+def test_thousands_of_tools_hold_up_no_one(tokenizer_path):
+    """3,000 tools under tool_choice "required": the template and the grammar of the calls
+    take seconds, off the event loop (then a 400: the prompt is past the context)."""
+    from .scripted import scripted
+
+    model, tokenizer = scripted(tokenizer_path, "hermes")
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "description": f"Does thing number {i}",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+                    "required": ["a"],
+                },
+            },
+        }
+        for i in range(3000)
+    ]
+    with serve(model, tokenizer, model_id="scripted") as running:
+        refused = []
+
+        def many_tools() -> None:
+            with pytest.raises(openai.BadRequestError) as error:
+                running.client().chat.completions.create(
+                    model="scripted",
+                    messages=[{"role": "user", "content": "Hi"}],
+                    tools=tools,
+                    tool_choice="required",
+                    max_tokens=4,
+                )
+            refused.append(error.value.response.json()["error"]["code"])
+
+        busy = threading.Thread(target=many_tools)
+        busy.start()
+        latencies = health_latencies(running.url, busy)
+        assert refused == ["context_length_exceeded"]
+        assert len(latencies) >= 3 and max(latencies) < 2.0, latencies
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path():
+    return require(SHARED / "models" / "stories260K-llama", BESIDE)

@@ -2,13 +2,21 @@
 through the chat template, the checks before queueing, the queue, cancellation when the client
 goes away, and the request metric. A route brings its request body and a `Responder` that
 writes the response in its API's shape, whole or streamed.
+
+A prompt is prepared (chat template, tokenization, grammar compilation) on the gateway's own
+thread (`prepare`): that work grows with the request (seconds for megabytes of text or
+thousands of tools), and meanwhile the event loop keeps answering /health and relaying the
+running streams. One thread, because a Hugging Face tokenizer is not safe to share between
+threads; the tokenizers and llguidance release the GIL while they work.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, Protocol
+import functools
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -44,11 +52,25 @@ class Responder(Protocol):
     def stream(self, job: Job) -> AsyncIterator[str]: ...
 
 
+T = TypeVar("T")
+
+
 class Gateway:
     def __init__(self, worker: Worker, model_id: str, metrics: Metrics):
         self.worker = worker
         self.model_id = model_id
         self.metrics = metrics
+        self._prompts = ThreadPoolExecutor(1, thread_name_prefix="mlx-prompts")
+
+    async def prepare(self, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)` on the prompt thread (see the module's docstring); what it raises
+        (an APIError, say) comes back here."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._prompts, functools.partial(work, *args))
+
+    def close(self) -> None:
+        """Drops the prompts not yet started (the server is stopping)."""
+        self._prompts.shutdown(wait=False, cancel_futures=True)
 
     def loaded(self) -> SessionPool:
         if self.worker.pool is None:
