@@ -411,3 +411,43 @@ def test_thousands_of_tools_hold_up_no_one(tokenizer_path):
 @pytest.fixture(scope="module")
 def tokenizer_path():
     return require(SHARED / "models" / "stories260K-llama", BESIDE)
+
+
+class SlowPrefill:
+    """The model with each prefill chunk slowed by `delay` seconds per token (a slow machine:
+    the default model without a BLAS took 31.7 s over a 256-token chunk)."""
+
+    def __init__(self, model, delay: float):
+        self._model = model
+        self.delay = delay
+        self.started = threading.Event()  # a prefill chunk began
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, tokens, *args, **kwargs):
+        if tokens.shape[1] > 1:
+            self.started.set()
+            time.sleep(self.delay * tokens.shape[1])
+        return self._model(tokens, *args, **kwargs)
+
+
+def test_a_client_leaving_during_prefill_frees_the_worker_within_a_short_chunk(stories):
+    """20 ms a token: a 256-token chunk would hold the worker 5 s after its client left. The
+    server's chunks are sized to about CANCEL_SECONDS, so the next request is served soon."""
+    model, tokenizer = stories
+    slow = SlowPrefill(model, 0.02)
+    with serve(slow, tokenizer) as running:
+        prompt = [1] + [tokenizer.encode("dog")[-1]] * 480
+        body = {"model": "stories", "prompt": prompt, "max_tokens": 4, "stream": True}
+        with httpx.Client(timeout=120) as client:
+            with client.stream("POST", f"{running.url}/v1/completions", json=body):
+                assert slow.started.wait(60)  # the first chunk runs: leave now
+        left = time.perf_counter()
+        completion = running.client().completions.create(
+            model="stories", prompt="Once", max_tokens=2, temperature=0
+        )
+        assert completion.choices[0].finish_reason in ("stop", "length")
+        assert time.perf_counter() - left < 2.0
+        labels = {"endpoint": "/v1/completions", "outcome": "cancelled"}
+        assert running.metric_reaching("mlx_speculate_requests_total", 1, **labels) == 1
