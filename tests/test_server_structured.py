@@ -412,3 +412,51 @@ def test_a_grammar_that_fails_midway_is_a_clean_error(server, monkeypatch):
             },
         )
     assert bad.value.response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_text_completions_follow_response_format(server):
+    """/v1/completions takes response_format as chat does (it was silently ignored)."""
+    for stream in (False, True):
+        args = dict(
+            model="stories",
+            prompt="Lily and Tom went to the park.",
+            max_tokens=120,
+            temperature=0.8,
+            seed=3,
+            extra_body={"response_format": response_format("nested")},
+        )
+        if stream:
+            chunks = list(server.client().completions.create(**args, stream=True))
+            text = "".join(c.choices[0].text for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            choice = server.client().completions.create(**args).choices[0]
+            text, finish = choice.text, choice.finish_reason
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMAS["nested"])
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client().completions.create(
+            model="stories", prompt="Hi", extra_body={"response_format": bad}
+        )
+    assert refused.value.response.json()["error"]["param"] == "response_format"
+
+
+def test_a_strict_response_format_takes_only_declared_keys(server):
+    """`strict: true` holds the schema's objects to the properties they declare, as OpenAI's
+    strict mode does; a schema that says nothing lets the model add keys otherwise."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}}
+    closed = {**schema, "additionalProperties": False}
+    for seed in range(3):
+        text, finish = chat(
+            server,
+            False,
+            temperature=0.8,
+            seed=seed,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": schema, "strict": True},
+            },
+        )
+        assert finish == "stop", text  # a name of 8 characters at most, then nothing more
+        jsonschema.validate(json.loads(text), closed)

@@ -24,7 +24,7 @@ from .errors import APIError, BodyLimit, install
 from .gateway import Gateway
 from .metrics import Metrics
 from .responses import Completion
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, ResponseFormat
 from .sessions import SessionPool
 from .tool_parser import Tools
 from .tools import call_grammar, tool_format
@@ -105,11 +105,13 @@ def create_app(
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         pool = gateway.served(body.model)
-        tokens = await gateway.prepare(_text_prompt, pool, body)
+        tokens, grammar = await gateway.prepare(_text_prompt, pool, body)
         completion = Completion(
             False, model_id, body.top_count() is not None, body.stream and body.include_usage
         )
-        return await gateway.respond(request, body, tokens, pool, completion, where="prompt")
+        return await gateway.respond(
+            request, body, tokens, pool, completion, where="prompt", grammar=grammar
+        )
 
     messages.install(app, gateway, authorized)
     return app
@@ -130,10 +132,7 @@ def _chat_prompt(
                 "response_format and a required tool call cannot both shape the output",
                 param="response_format",
             )
-        try:
-            grammar = body.response_format.grammar()
-        except ValueError as e:
-            raise APIError(400, str(e), param="response_format") from e
+        grammar = _response_grammar(body.response_format)
     if mode != "none":
         format_ = tool_format(pool.tokenizer)
         if format_ is None:
@@ -156,12 +155,21 @@ def _chat_prompt(
     return Gateway.chat_tokens(pool, messages_in, tools), parser, grammar
 
 
-def _text_prompt(pool: SessionPool, body: CompletionRequest) -> list[int]:
-    """The completion's prompt tokens (runs on the gateway's prompt thread)."""
+def _text_prompt(pool: SessionPool, body: CompletionRequest) -> tuple[list[int], Grammar | None]:
+    """The completion's prompt tokens and response_format's grammar (runs on the gateway's
+    prompt thread)."""
+    grammar = _response_grammar(body.response_format)
     prompt = body.text_or_ids()
     if isinstance(prompt, str):
-        return list(pool.tokenizer.encode(prompt))
+        return list(pool.tokenizer.encode(prompt)), grammar
     vocab = pool.model.args.vocab_size
     if not all(0 <= t < vocab for t in prompt):
         raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-    return prompt
+    return prompt, grammar
+
+
+def _response_grammar(response_format: ResponseFormat | None) -> Grammar | None:
+    try:
+        return None if response_format is None else response_format.grammar()
+    except ValueError as e:
+        raise APIError(400, str(e), param="response_format") from e
