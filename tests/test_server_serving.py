@@ -157,14 +157,58 @@ def test_killed_stream_stops_its_generation(endless_server, long_generation):
     assert 3 <= spent - 1 < LONG
 
 
+def unavailable(running) -> float:
+    return running.metric("mlx_speculate_requests_total", endpoint="/v1/completions", outcome="503")
+
+
 def test_disconnect_cancels_a_whole_response(endless_server, long_generation):
     running = endless_server
-    before = cancelled(running)
+    before, refused = cancelled(running), unavailable(running)
     body = {"model": "stories", "prompt": "Once upon a time", "max_tokens": LONG, "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{running.url}/v1/completions", json=body, timeout=long_generation / 8)
     assert timed_request(running) < long_generation / 4
     assert cancelled(running) == before + 1
+    assert unavailable(running) == refused  # counted once: not as a 503 too
+
+
+def test_generations_ended_by_shutdown_say_so(endless):
+    """At the shutdown deadline the server cancels what still runs or waits (what SIGTERM
+    leads to): each whole request gets a 503 with code server_shutdown, a stream an error
+    event with that code, and each is counted once in /metrics."""
+    with serve(*endless) as running:
+        client = running.client()
+        args = dict(model="stories", prompt="Once upon a time", max_tokens=LONG, temperature=0)
+        stream = client.completions.create(**args, stream=True)
+        chunks = iter(stream)
+        next(chunks)  # generating now
+        errors: list = []
+
+        def whole() -> None:
+            with pytest.raises(openai.APIStatusError) as error:
+                client.completions.create(**args)
+            errors.append((error.value.status_code, error.value.response.json()["error"]))
+
+        waiting = [threading.Thread(target=whole) for _ in range(2)]
+        for thread in waiting:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while running.metric("mlx_speculate_queue_depth") < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        running.worker.cancel_all()
+        with pytest.raises(openai.APIError) as ended:
+            for _ in chunks:
+                pass
+        assert "shutting down" in str(ended.value)
+        for thread in waiting:
+            thread.join(60)
+        assert [(status, e["code"], e["type"]) for status, e in errors] == [
+            (503, "server_shutdown", "server_error")
+        ] * 2
+        assert unavailable(running) == 2
+        labels = {"endpoint": "/v1/completions", "outcome": "cancelled"}
+        assert running.metric_reaching("mlx_speculate_requests_total", 1, **labels) == 1
 
 
 def test_full_queue_answers_429(endless):

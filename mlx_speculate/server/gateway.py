@@ -53,6 +53,9 @@ class Responder(Protocol):
 
 
 T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's status for a request its client closed (nobody reads it)
+# A generation cancelled with its client still there: the server is stopping.
+SHUTDOWN, SHUTDOWN_MESSAGE = "server_shutdown", "the server is shutting down; retry later"
 
 
 class Gateway:
@@ -155,12 +158,17 @@ class Gateway:
         endpoint = request.scope["route"].path
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
 
-        def done() -> None:
+        def done() -> bool:
+            """Ends the watch; whether the client went away."""
+            left = watcher.done() and not watcher.cancelled()
             watcher.cancel()
             job.cancel()  # a no-op once it finished; otherwise nobody is left to read it
-            self.metrics.requests.labels(endpoint, responder.outcome).inc()
+            return left
 
-        if body.stream:
+        def count(outcome: str) -> None:
+            self.metrics.requests.labels(endpoint, outcome).inc()
+
+        if body.stream:  # counted once, by how it ended: its status line went out long ago
 
             async def events():
                 try:
@@ -168,17 +176,26 @@ class Gateway:
                         yield chunk
                 finally:
                     done()
+                    count(responder.outcome)
 
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
         try:
             result, end = await responder.collect(job)
-        finally:
+        except BaseException:
             done()
+            count(responder.outcome)
+            raise
+        left = done()
+        # An error response is counted once, by its status (the error handler counts it).
         if isinstance(end, Failed):
             raise APIError(end.status, end.message, type_=end.type, code=end.code)
+        if result is None and left:  # nobody reads the answer: counted as cancelled
+            count("cancelled")
+            return Response(status_code=CLIENT_CLOSED)
         if result is None:
-            raise APIError(503, "the generation was cancelled", type_="server_error")
+            raise APIError(503, SHUTDOWN_MESSAGE, type_="server_error", code=SHUTDOWN)
+        count(responder.outcome)
         return JSONResponse(result)
 
 
