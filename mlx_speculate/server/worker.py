@@ -119,8 +119,10 @@ class Worker:
                 try:
                     self.pool = self._load()
                 except Exception as e:  # a bad model folder must not kill the process silently
-                    log.exception("loading the model failed")
-                    self.load_error = f"loading the model failed: {e}"
+                    # One line for the user (the command line prints it); the traceback only
+                    # under --log-level debug.
+                    log.debug("loading the model failed", exc_info=True)
+                    self.load_error = f"loading the model failed: {one_line(e)}"
                 finally:
                     self.loaded.set()
                     self._lockstep.idle()
