@@ -13,6 +13,11 @@ from typing import Any
 def check_prompt(prompt: Any) -> None:
     if isinstance(prompt, str):
         return
+    if isinstance(prompt, (bytes, bytearray, memoryview)):  # a sequence of ints, not token ids
+        raise TypeError(
+            f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}"
+            " (decode it to a str first)"
+        )
     if not isinstance(prompt, Sequence) and not _is_array(prompt):
         raise TypeError(
             f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}"

@@ -64,7 +64,7 @@ import mlx.core as mx
 import numpy as np
 
 from .drafters.base import Draft
-from .grammar import Grammar, ll_tokenizer
+from .grammar import Grammar, GrammarError, first_line, ll_tokenizer
 from .tree import Tree
 
 
@@ -136,8 +136,7 @@ class Constraint:
                 rows.append(np.ones(self.vocab_size, dtype=bool))
                 forced.append(False)
                 return False
-            if not matcher.consume_token(token):
-                raise RuntimeError(f"the grammar refused token {token}: {matcher.get_error()}")
+            self._consume(token)
             walked += 1
             allowed, point = self._row()
             rows.append(allowed)
@@ -252,7 +251,7 @@ class Constraint:
                 token = int(np.flatnonzero(rows[node][0])[0])
                 if token in self._eos:  # the target's own token after the run is this EOS
                     break
-                self._matcher.consume_token(token)
+                self._consume(token)
                 walked += 1
                 child = len(parents)
                 parents[child], depths[child], token_of[child] = node, depths[node] + 1, token
@@ -271,8 +270,7 @@ class Constraint:
                 if token in self._eos:  # nothing follows an EOS: its row is never read
                     rows[child] = (anything, False)
                     continue
-                if not self._matcher.consume_token(token):
-                    raise RuntimeError(f"the grammar refused token {token}")
+                self._consume(token)
                 row, forced = self._row()
                 rows[child] = (row, forced is not None)
                 visit(child)
@@ -306,7 +304,7 @@ class Constraint:
                     return (*run, point)
                 if len(run) >= room:
                     return None
-                self._matcher.consume_token(point)
+                self._consume(point)
                 run.append(point)
         finally:
             self._matcher.rollback(len(run))
@@ -318,10 +316,17 @@ class Constraint:
                 return
             if token in self._eos:
                 self.finished = True
-            elif not self._matcher.consume_token(int(token)):
-                raise RuntimeError(
-                    f"the grammar refused token {token}: {self._matcher.get_error()}"
-                )
+            else:
+                self._consume(int(token))
+
+    def _consume(self, token: int) -> None:
+        """The matcher moves past `token`; GrammarError where the grammar cannot (an engine
+        limit reached, say: a grammar that only recurses)."""
+        if not self._matcher.consume_token(token):
+            raise GrammarError(
+                f"the grammar cannot go on after token {token}: "
+                f"{first_line(self._matcher.get_error())}"
+            )
 
     def _row(self) -> tuple[np.ndarray, int | None]:
         """(V,) bool tokens allowed next, and the forced token, if any."""
@@ -338,14 +343,8 @@ class Constraint:
             allowed = np.pad(allowed, (0, self.vocab_size - len(allowed)))
         count = int(allowed.sum())
         if count == 0:
-            raise ValueError(
-                "the grammar allows no token of the model's vocabulary here"
-                + (
-                    f" ({self._matcher.get_error().splitlines()[0]})"
-                    if self._matcher.is_error()
-                    else ""
-                )
-            )
+            why = f" ({first_line(self._matcher.get_error())})" if self._matcher.is_error() else ""
+            raise GrammarError(f"the grammar allows no token of the model's vocabulary here{why}")
         return allowed, int(np.flatnonzero(allowed)[0]) if count == 1 else None
 
     def _draft(self, chain: list[int], q_rows: list[int], sampled: Draft | None) -> Draft | None:

@@ -180,6 +180,7 @@ class Session:
         between prefill chunks: when it says so, the stream ends with no response (the prompt's
         prefix done so far stays cached). Between tokens the caller stops reading. `grammar`
         constrains the output (constraint.py)."""
+        arguments.check_prompt(prompt)
         with wired_limit(self.model):
             yield from self._stream(
                 prompt, sampling, max_tokens, stop, policy, cancelled, grammar

@@ -27,8 +27,16 @@ from typing import Any
 import llguidance
 import llguidance.hf
 
+from .json_schema import check_finite, strict_objects
+
 # llguidance's JSON options: json.dumps' separators and no free whitespace.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A generation's grammar could not go on (its engine refused a token or allowed none),
+    found mid-generation: a grammar that compiled and still has no way forward there. The
+    message is one line, without the engine's state dump."""
 
 
 @dataclass(frozen=True)
@@ -39,19 +47,16 @@ class Grammar:
     description: str  # what it was built from, for messages
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any] | str) -> Grammar:
-        """Output is one JSON value valid against `schema` (a dict or its JSON text)."""
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
-        if not isinstance(schema, dict):
-            raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
+    def json_schema(cls, schema: dict[str, Any] | str, *, strict: bool = False) -> Grammar:
+        """Output is one JSON value valid against `schema` (a dict or its JSON text). With
+        `strict`, objects take only the properties they declare unless their schema allows
+        others (`additionalProperties`), as xgrammar's strict mode (json_schema.py says why).
+        A schema with no finite instance (a `$ref` that only recurses) is a ValueError."""
+        schema = checked_schema(schema, strict=strict)
         try:
             source = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"the JSON schema cannot be compiled: {_line(str(e))}") from None
+            raise ValueError(f"the JSON schema cannot be compiled: {first_line(str(e))}") from None
         return cls._checked(source, "JSON schema")
 
     @classmethod
@@ -71,12 +76,29 @@ class Grammar:
     def _checked(cls, source: str, description: str) -> Grammar:
         error = llguidance.LLMatcher.validate_grammar(source)
         if error:
-            raise ValueError(f"the {description} is invalid: {_line(error)}")
+            raise ValueError(f"the {description} is invalid: {first_line(error)}")
         return cls(source, description)
 
 
-def _line(message: str) -> str:
-    """The first line of an llguidance message (later lines quote the grammar)."""
+def checked_schema(schema: dict[str, Any] | str, *, strict: bool = False) -> dict[str, Any]:
+    """`schema` (a dict or its JSON text) as a dict, made strict if asked; a ValueError when
+    it is not an object or has no finite instance."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"a JSON schema is an object, got {type(schema).__name__}")
+    if strict:
+        schema = strict_objects(schema)
+    check_finite(schema)
+    return schema
+
+
+def first_line(message: str) -> str:
+    """The first line of an llguidance message (later lines quote the grammar or dump the
+    parser's state)."""
     return message.strip().splitlines()[0] if message.strip() else "unknown error"
 
 
@@ -104,6 +126,7 @@ def ll_tokenizer(tokenizer) -> llguidance.LLTokenizer:
         try:
             built = llguidance.hf.from_tokenizer(inner, eos_token=eos or None)
         except ValueError as e:
-            raise ValueError(f"grammars need a fast Hugging Face tokenizer: {_line(str(e))}") from e
+            message = f"grammars need a fast Hugging Face tokenizer: {first_line(str(e))}"
+            raise ValueError(message) from e
     _TOKENIZERS[tokenizer] = built
     return built

@@ -103,6 +103,21 @@ def test_a_prompt_that_is_neither_text_nor_ids(model, prompt):
     one_line(error, "prompt must be a string or a sequence of token ids")
 
 
+@pytest.mark.parametrize("prompt", [b"\x01\x05\t", bytearray(b"\x01\x05"), memoryview(b"\x01")])
+def test_a_bytes_prompt_is_not_read_as_token_ids(model, prompt):
+    """Bytes are a sequence of ints, which once went in as token ids."""
+    from mlx_speculate.generation import Session
+    from mlx_speculate.sampling import SamplingParams
+
+    with pytest.raises(TypeError) as error:
+        next(stream_generate(model, StubTokenizer(), prompt))
+    one_line(error, "got " + type(prompt).__name__, "decode it to a str first")
+    session = Session(model, StubTokenizer())
+    with pytest.raises(TypeError) as error:
+        next(session.stream(prompt, sampling=SamplingParams(), max_tokens=2))
+    one_line(error, "decode it to a str first")
+
+
 def test_edge_seeds_and_a_lone_stop_string_run(model):
     for seed in (0, 2**64 - 1):
         out = list(stream_generate(model, StubTokenizer(), PROMPT, max_tokens=3, seed=seed,

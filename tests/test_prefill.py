@@ -17,7 +17,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_speculate.decode import PREFILL_STEP, Decoder, PrefillCancelled
+from mlx_speculate.decode import CANCELLABLE_STEPS, PREFILL_STEP, Decoder, PrefillCancelled
 from mlx_speculate.generation import stream_generate
 from mlx_speculate.loading import build_model, load
 from mlx_speculate.models import quantized_prefill
@@ -100,6 +100,7 @@ class Gated:
     def __init__(self, model, on_chunk=None):
         self._model = model
         self.chunks = 0
+        self.sizes: list[int] = []  # tokens per chunk
         self.entered = threading.Event()
         self.go = threading.Event()
         self.go.set()
@@ -111,6 +112,7 @@ class Gated:
     def __call__(self, tokens, *args, **kwargs):
         if tokens.shape[1] > 1:
             self.chunks += 1
+            self.sizes.append(tokens.shape[1])
             if self.on_chunk is not None:
                 self.on_chunk(self.chunks)
             self.entered.set()
@@ -125,10 +127,11 @@ def test_a_cancelled_prefill_stops_between_chunks_and_keeps_its_prefix(quantized
     with pytest.raises(PrefillCancelled):
         decoder.prefill(LONG_PROMPT, cancelled=lambda: gated.chunks == 2)
     assert gated.chunks == 2
-    assert decoder.cache.offset == 2 * PREFILL_STEP
-    assert decoder.context == LONG_PROMPT[: 2 * PREFILL_STEP]
+    done = sum(gated.sizes)  # a cancellable prefill's chunks are sized by their time
+    assert decoder.cache.offset == done and 2 * CANCELLABLE_STEPS[0] <= done <= 2 * PREFILL_STEP
+    assert decoder.context == LONG_PROMPT[:done]
     # The same prompt again continues from the chunks done, to the same first token.
-    assert decoder.prefill(LONG_PROMPT) == 2 * PREFILL_STEP
+    assert decoder.prefill(LONG_PROMPT) == done
     fresh = Decoder(model)
     fresh.prefill(LONG_PROMPT)
     assert mx.allclose(decoder._prompt_logits, fresh._prompt_logits, atol=1e-4)
@@ -206,3 +209,19 @@ def test_verbose_reports_prompt_tokens_per_second(quantized, monkeypatch, capsys
     count, rate = line.removeprefix("Prompt: ").split(" tokens, ")
     assert int(count) == 600
     assert 600 / elapsed <= float(rate.removesuffix(" tokens-per-sec")) <= 600 / 0.6
+
+
+def test_a_cancellable_prefill_sizes_its_chunks_by_their_time(quantized):
+    """With a `cancelled` callback, chunks start at 32 tokens and then take what fits in
+    CANCEL_SECONDS at the rate measured: 16 where each token takes 20 ms (a slow machine),
+    more where the model is fast. Without one they are PREFILL_STEP tokens."""
+    model, _ = quantized
+    slow = Gated(model, on_chunk=lambda _: time.sleep(0.02 * slow.sizes[-1]))
+    Decoder(slow).prefill(LONG_PROMPT[:100], cancelled=lambda: False)
+    assert slow.sizes == [32, 16, 16, 16, 16, 4]  # 100 tokens, the last chunk what is left
+    fast = Gated(model)
+    Decoder(fast).prefill(LONG_PROMPT, cancelled=lambda: False)
+    assert fast.sizes[0] == 32 and max(fast.sizes) > 32 and sum(fast.sizes) == len(LONG_PROMPT)
+    plain = Gated(model)
+    Decoder(plain).prefill(LONG_PROMPT)
+    assert plain.sizes[:-1] == [PREFILL_STEP] * (len(plain.sizes) - 1)

@@ -105,6 +105,42 @@ def test_serves_with_a_draft_model_and_stops_cleanly(shared_models):
     assert "Traceback" not in process.stderr.read()
 
 
+def test_requests_waiting_at_sigterm_get_a_503_that_says_why(shared_models):
+    """Once a 503 with `code: null`."""
+    target = require(shared_models / "stories260K-llama", BESIDE)
+    process = start("--model", str(target), "--shutdown-timeout", "0")
+    try:
+        url = wait_for_url(process)
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)
+        args = dict(model="stories260K-llama", prompt="Once upon a time", max_tokens=500)
+        errors = []
+
+        def ask() -> None:
+            try:
+                client.completions.create(**args)
+            except openai.APIStatusError as error:
+                errors.append((error.status_code, error.response.json()["error"]))
+
+        threads = [threading.Thread(target=ask) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        metrics = url.removesuffix("/v1") + "/metrics"
+        deadline = time.monotonic() + 60
+        while "mlx_speculate_queue_depth 0.0" in httpx.get(metrics).text:  # none waits yet
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert stop(process) == 0
+        for thread in threads:
+            thread.join(30)
+        assert errors  # at least the ones still waiting
+        assert {(status, e["code"], e["type"]) for status, e in errors} == {
+            (503, "server_shutdown", "server_error")
+        }
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
 def test_idle_server_exits_0_on_sigterm(shared_models):
     process = start("--model", str(require(shared_models / "stories260K-llama", BESIDE)))
     wait_for_url(process)
@@ -119,7 +155,10 @@ def test_a_model_that_does_not_load_exits_1(tmp_path):
         if process.poll() is None:
             process.kill()
     err = process.stderr.read()
-    assert f"no config.json in {tmp_path}" in err and "Traceback" not in err.split("error:")[-1]
+    assert f"no config.json in {tmp_path}" in err and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.strip()] == [
+        f"error: loading the model failed: no config.json in {tmp_path}"
+    ]
 
 
 def test_bad_flags_exit_2(capsys, shared_models):
@@ -151,6 +190,75 @@ def test_bad_values_exit_2_before_loading(capsys, flag, value, why):
 def test_missing_chat_template_exits_2(capsys, tmp_path):
     assert main(["--model", "never/loaded", "--chat-template", str(tmp_path / "none.jinja")]) == 2
     assert "none.jinja" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ("{% for m in messages %}{{ m.content }}", "is not a Jinja template: line 1"),
+        ("{{ messages[0].content }", "is not a Jinja template: line 1"),
+        (b"\xff\xfe{{ x }}", "is not UTF-8 text: invalid start byte at byte 0"),
+        (None, "Is a directory"),
+    ],
+    ids=["unclosed-for", "unclosed-expression", "not-utf8", "directory"],
+)
+def test_a_chat_template_that_is_not_one_exits_2_before_loading(capsys, tmp_path, content, why):
+    """Once every chat request got a 400 instead; now the server does not start."""
+    path = tmp_path / "template.jinja"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert main(["--model", "never/loaded", "--chat-template", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and why in err and "Traceback" not in err
+
+
+def test_a_chat_template_that_fails_on_a_conversation_exits_1(shared_models, tmp_path):
+    """A template that parses and raises on every conversation stops the server at load."""
+    path = tmp_path / "refuses.jinja"
+    path.write_text('{{ raise_exception("this template takes no conversation") }}')
+    model = str(shared_models / "stories260K-llama")
+    process = start("--model", model, "--chat-template", str(path))
+    try:
+        assert process.wait(120) == 1
+    finally:
+        if process.poll() is None:
+            process.kill()
+    err = process.stderr.read()
+    assert "this template takes no conversation" in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.strip()]) == 1
+
+
+@pytest.mark.parametrize("key", ["", "   "])
+def test_an_empty_api_key_exits_2(capsys, key):
+    with pytest.raises(SystemExit) as exit:
+        main(["--model", "never/loaded", "--api-key", key])
+    assert exit.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "error: argument --api-key: must not be empty" in last
+
+
+def test_help_says_metrics_stay_open_under_an_api_key():
+    from mlx_speculate.server.__main__ import build_parser
+
+    assert "/metrics stay open" in " ".join(build_parser().format_help().split())
+
+
+@pytest.mark.parametrize("missing", ["fastapi", "uvicorn"])
+def test_without_the_server_extra_it_says_how_to_install_it(missing):
+    """Without the [server] extra, one line that says what to install, not a traceback."""
+    code = (
+        f"import sys; sys.modules[{missing!r}] = None; import runpy; "
+        "runpy.run_module('mlx_speculate.server', run_name='__main__')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
+    stderr = done.stderr.decode()
+    assert done.returncode == 1 and "Traceback" not in stderr
+    assert stderr.strip().splitlines() == [
+        f"error: the server needs {missing}, which is not installed: "
+        'pip install -e ".[server]" (or "mlx_speculate[server]")'
+    ]
 
 
 def test_chat_template_gives_a_model_tools(shared_models):

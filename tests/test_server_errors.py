@@ -175,6 +175,9 @@ def test_api_key(server):
     assert server.client(api_key="sesame").models.list().data[0].id == "stories"
     assert post(server, "/v1/chat/completions", CHAT).status_code == 200
     assert httpx.get(f"{server.url}/health").status_code == 200  # probes need no key
+    # /metrics stays open too, as vLLM leaves it (the --api-key help says so).
+    metrics = httpx.get(f"{server.url}/metrics")
+    assert metrics.status_code == 200 and "mlx_speculate_requests_total" in metrics.text
 
 
 def test_unknown_route_and_method(server):

@@ -115,7 +115,8 @@ def test_pythonic_grammar_takes_exactly_calls_of_the_tools(tokenizer_path):
 
     tables = ll_tokenizer(load_tokenizer(tokenizer_path))
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
-    schemas["ping"] = {"type": "object"}  # no properties: any keywords
+    schemas["ping"] = {"type": "object", "additionalProperties": True}  # any keywords
+    schemas["noop"] = {"type": "object"}  # strict: no properties, so no keywords
 
     def takes(text: str, parallel: bool = True) -> bool:
         matcher = llguidance.LLMatcher(tables, call_grammar(PYTHONIC, schemas, parallel).source)
@@ -127,12 +128,15 @@ def test_pythonic_grammar_takes_exactly_calls_of_the_tools(tokenizer_path):
         "[get_time()]",
         '[get_time(zone="CET")]',
         '[ping(a=1, b={"x": [true, null]})]',
+        "[noop()]",
     ]
     for text in good:
         assert takes(text) and parse_pythonic_calls(text, set(schemas)) is not None
     assert takes('[get_weather(city="Paris"), get_time()]')
     assert not takes('[get_weather(city="Paris"), get_time()]', parallel=False)
-    for text in ["[get_weather()]", "[get_weather(city=3)]", '[launch(x="y")]', "Sure."]:
+    refused = ["[get_weather()]", "[get_weather(city=3)]", '[launch(x="y")]', "Sure."]
+    refused += ['[get_weather(city="Paris", unit="C")]', "[noop(a=1)]"]  # undeclared keywords
+    for text in refused:
         assert not takes(text)
     with pytest.raises(ValueError, match="pythonic"):
         call_grammar(PYTHONIC, {"get-weather": {"type": "object"}}, True)

@@ -157,14 +157,58 @@ def test_killed_stream_stops_its_generation(endless_server, long_generation):
     assert 3 <= spent - 1 < LONG
 
 
+def unavailable(running) -> float:
+    return running.metric("mlx_speculate_requests_total", endpoint="/v1/completions", outcome="503")
+
+
 def test_disconnect_cancels_a_whole_response(endless_server, long_generation):
     running = endless_server
-    before = cancelled(running)
+    before, refused = cancelled(running), unavailable(running)
     body = {"model": "stories", "prompt": "Once upon a time", "max_tokens": LONG, "temperature": 0}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{running.url}/v1/completions", json=body, timeout=long_generation / 8)
     assert timed_request(running) < long_generation / 4
     assert cancelled(running) == before + 1
+    assert unavailable(running) == refused  # counted once: not as a 503 too
+
+
+def test_generations_ended_by_shutdown_say_so(endless):
+    """At the shutdown deadline the server cancels what still runs or waits (what SIGTERM
+    leads to): each whole request gets a 503 with code server_shutdown, a stream an error
+    event with that code, and each is counted once in /metrics."""
+    with serve(*endless) as running:
+        client = running.client()
+        args = dict(model="stories", prompt="Once upon a time", max_tokens=LONG, temperature=0)
+        stream = client.completions.create(**args, stream=True)
+        chunks = iter(stream)
+        next(chunks)  # generating now
+        errors: list = []
+
+        def whole() -> None:
+            with pytest.raises(openai.APIStatusError) as error:
+                client.completions.create(**args)
+            errors.append((error.value.status_code, error.value.response.json()["error"]))
+
+        waiting = [threading.Thread(target=whole) for _ in range(2)]
+        for thread in waiting:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while running.metric("mlx_speculate_queue_depth") < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        running.worker.cancel_all()
+        with pytest.raises(openai.APIError) as ended:
+            for _ in chunks:
+                pass
+        assert "shutting down" in str(ended.value)
+        for thread in waiting:
+            thread.join(60)
+        assert [(status, e["code"], e["type"]) for status, e in errors] == [
+            (503, "server_shutdown", "server_error")
+        ] * 2
+        assert unavailable(running) == 2
+        labels = {"endpoint": "/v1/completions", "outcome": "cancelled"}
+        assert running.metric_reaching("mlx_speculate_requests_total", 1, **labels) == 1
 
 
 def test_full_queue_answers_429(endless):
@@ -317,3 +361,137 @@ def test_soak_keeps_memory_flat_and_the_server_up(stories, draft):
         assert rss_mb() - peak_rss < 40
         assert len(running.worker.pool) <= 4
         assert httpx.get(f"{running.url}/health").status_code == 200
+
+
+def health_latencies(url: str, busy: threading.Thread) -> list[float]:
+    """Seconds each GET /health took, polled (a real client) for as long as `busy` runs."""
+    latencies = []
+    with httpx.Client(timeout=60) as client:
+        while busy.is_alive():
+            start = time.perf_counter()
+            assert client.get(f"{url}/health").status_code == 200
+            latencies.append(time.perf_counter() - start)
+            time.sleep(0.05)
+    return latencies
+
+
+def test_a_big_prompt_holds_up_neither_health_nor_streams(endless_server):
+    """A megabyte of prompt takes seconds to tokenize (then a 400: past the context); it is
+    tokenized off the event loop, so /health answers and a running stream keeps coming."""
+    running = endless_server
+    client = running.client()
+    arrivals: list[float] = []
+    stream = client.completions.create(
+        model="stories", prompt="Once upon a time", max_tokens=LONG, temperature=0, stream=True
+    )
+    chunks = iter(stream)
+    next(chunks)  # generating now
+
+    def read_stream() -> None:
+        for _ in chunks:
+            arrivals.append(time.perf_counter())
+
+    refused = []
+
+    def big_request() -> None:
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model="stories", prompt=PROMPTS[1] * 25_000, max_tokens=1)
+        refused.append(error.value.response.json()["error"]["code"])
+
+    reader = threading.Thread(target=read_stream)
+    big = threading.Thread(target=big_request)
+    reader.start()
+    big.start()
+    latencies = health_latencies(running.url, big)
+    reader.join(120)
+    assert refused == ["context_length_exceeded"]
+    assert len(latencies) >= 3 and max(latencies) < 2.0, latencies
+    assert len(arrivals) == LONG  # the stream's own chunks after the first, and its finish
+    assert max(b - a for a, b in zip(arrivals, arrivals[1:], strict=False)) < 2.0
+
+
+def test_thousands_of_tools_hold_up_no_one(tokenizer_path):
+    """3,000 tools under tool_choice "required": the template and the grammar of the calls
+    take seconds, off the event loop (then a 400: the prompt is past the context)."""
+    from .scripted import scripted
+
+    model, tokenizer = scripted(tokenizer_path, "hermes")
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{i}",
+                "description": f"Does thing number {i}",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"a": {"type": "string"}, "b": {"type": "integer"}},
+                    "required": ["a"],
+                },
+            },
+        }
+        for i in range(3000)
+    ]
+    with serve(model, tokenizer, model_id="scripted") as running:
+        refused = []
+
+        def many_tools() -> None:
+            with pytest.raises(openai.BadRequestError) as error:
+                running.client().chat.completions.create(
+                    model="scripted",
+                    messages=[{"role": "user", "content": "Hi"}],
+                    tools=tools,
+                    tool_choice="required",
+                    max_tokens=4,
+                )
+            refused.append(error.value.response.json()["error"]["code"])
+
+        busy = threading.Thread(target=many_tools)
+        busy.start()
+        latencies = health_latencies(running.url, busy)
+        assert refused == ["context_length_exceeded"]
+        assert len(latencies) >= 3 and max(latencies) < 2.0, latencies
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path():
+    return require(SHARED / "models" / "stories260K-llama", BESIDE)
+
+
+class SlowPrefill:
+    """The model with each prefill chunk slowed by `delay` seconds per token (a slow machine:
+    the default model without a BLAS took 31.7 s over a 256-token chunk)."""
+
+    def __init__(self, model, delay: float):
+        self._model = model
+        self.delay = delay
+        self.started = threading.Event()  # a prefill chunk began
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, tokens, *args, **kwargs):
+        if tokens.shape[1] > 1:
+            self.started.set()
+            time.sleep(self.delay * tokens.shape[1])
+        return self._model(tokens, *args, **kwargs)
+
+
+def test_a_client_leaving_during_prefill_frees_the_worker_within_a_short_chunk(stories):
+    """20 ms a token: a 256-token chunk would hold the worker 5 s after its client left. The
+    server's chunks are sized to about CANCEL_SECONDS, so the next request is served soon."""
+    model, tokenizer = stories
+    slow = SlowPrefill(model, 0.02)
+    with serve(slow, tokenizer) as running:
+        prompt = [1] + [tokenizer.encode("dog")[-1]] * 480
+        body = {"model": "stories", "prompt": prompt, "max_tokens": 4, "stream": True}
+        with httpx.Client(timeout=120) as client:
+            with client.stream("POST", f"{running.url}/v1/completions", json=body):
+                assert slow.started.wait(60)  # the first chunk runs: leave now
+        left = time.perf_counter()
+        completion = running.client().completions.create(
+            model="stories", prompt="Once", max_tokens=2, temperature=0
+        )
+        assert completion.choices[0].finish_reason in ("stop", "length")
+        assert time.perf_counter() - left < 2.0
+        labels = {"endpoint": "/v1/completions", "outcome": "cancelled"}
+        assert running.metric_reaching("mlx_speculate_requests_total", 1, **labels) == 1

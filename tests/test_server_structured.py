@@ -266,6 +266,29 @@ def test_required_and_named_calls_are_well_formed(smollm2, method, temperature, 
     assert completion.usage.speculative["fast_forwarded_tokens"] > 0
 
 
+def test_named_call_with_an_ordinary_schema_is_one_call(smollm2):
+    """Schemas as users write them (nothing says whether other keys may come): SmolLM2 once
+    invented keys here until max_tokens, then called the tool a second time. Enforced
+    arguments are strict and a named tool is one call, so it ends with one valid call."""
+    running, _ = smollm2
+    ordinary = json.loads(json.dumps(WEATHER))
+    del ordinary["function"]["parameters"]["additionalProperties"]
+    ordinary["function"]["parameters"]["properties"]["unit"] = {"type": "string"}
+    completion = running.client(timeout=600).chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[ordinary],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        max_tokens=80,
+        temperature=0,
+    )
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    strict = {**ordinary["function"]["parameters"], "additionalProperties": False}
+    jsonschema.validate(json.loads(call.function.arguments), strict)
+
+
 @pytest.mark.parametrize(
     "choice",
     [
@@ -303,3 +326,137 @@ def test_a_template_without_tools_is_400(smollm2):
     assert refused.value.status_code == 400
     error = refused.value.response.json()["error"]
     assert error["param"] == "tools" and "does not take tools" in error["message"]
+
+
+NODE = {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}, "required": ["next"]}
+ENDLESS = {  # schemas whose every instance would be infinite
+    "required-ref": {"$defs": {"node": NODE}, "$ref": "#/$defs/node"},
+    "root-ref": {"type": "object", "properties": {"me": {"$ref": "#"}}, "required": ["me"]},
+    "array": {"type": "array", "items": {"$ref": "#"}, "minItems": 1},
+    "mutual": {
+        "$defs": {
+            "a": {"type": "object", "properties": {"b": {"$ref": "#/$defs/b"}}, "required": ["b"]},
+            "b": {"type": "array", "items": {"$ref": "#/$defs/a"}, "minItems": 2},
+        },
+        "$ref": "#/$defs/a",
+    },
+    "every-option": {
+        "anyOf": [
+            {"type": "string", "minLength": 3, "maxLength": 1},
+            {"type": "array", "prefixItems": [{"$ref": "#"}], "minItems": 1},
+        ]
+    },
+    "optional-endless": {  # the model may take the optional key, then never end
+        "type": "object",
+        "properties": {"x": {"$ref": "#/$defs/node"}},
+        "$defs": {"node": NODE},
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENDLESS))
+def test_endless_schemas_are_400_up_front(server, name):
+    schema = ENDLESS[name]
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client().chat.completions.create(
+            model="stories",
+            messages=PROMPT,
+            max_tokens=20,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        )
+    error = refused.value.response.json()["error"]
+    assert error["param"] == "response_format" and "no finite instance" in error["message"]
+    assert "\n" not in error["message"]
+
+
+def test_a_grammar_that_fails_midway_is_a_clean_error(server, monkeypatch):
+    """A grammar that compiles and then cannot go on (here: the up-front check turned off, so
+    an endless schema reaches generation) ends the request with a one-line 400, or a streamed
+    error event, never a 500 with the engine's state dump."""
+    import mlx_speculate.grammar
+
+    monkeypatch.setattr(mlx_speculate.grammar, "check_finite", lambda schema: None)
+    args = dict(
+        model="stories",
+        messages=PROMPT,
+        max_tokens=20,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": ENDLESS["required-ref"]},
+        },
+    )
+    labels = {"endpoint": "/v1/chat/completions", "outcome": "400"}
+    before = server.metric("mlx_speculate_requests_total", **labels)
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client().chat.completions.create(**args)
+    error = refused.value.response.json()["error"]
+    assert error["code"] == "grammar_error" and error["type"] == "invalid_request_error"
+    assert "\n" not in error["message"] and "<state>" not in error["message"]
+    assert server.metric("mlx_speculate_requests_total", **labels) == before + 1
+    with pytest.raises(openai.APIError) as failed:
+        for _ in server.client().chat.completions.create(**args, stream=True):
+            pass
+    assert "cannot follow the requested format" in str(failed.value)
+    assert "<state>" not in str(failed.value)
+    # Anthropic's route: a 400 of its own shape.
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client.messages.create(
+            model="stories",
+            max_tokens=20,
+            messages=[{"role": "user", "content": "Hi"}],
+            extra_body={
+                "output_config": {
+                    "format": {"type": "json_schema", "schema": ENDLESS["required-ref"]}
+                }
+            },
+        )
+    assert bad.value.response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_text_completions_follow_response_format(server):
+    """/v1/completions takes response_format as chat does (it was silently ignored)."""
+    for stream in (False, True):
+        args = dict(
+            model="stories",
+            prompt="Lily and Tom went to the park.",
+            max_tokens=120,
+            temperature=0.8,
+            seed=3,
+            extra_body={"response_format": response_format("nested")},
+        )
+        if stream:
+            chunks = list(server.client().completions.create(**args, stream=True))
+            text = "".join(c.choices[0].text for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            choice = server.client().completions.create(**args).choices[0]
+            text, finish = choice.text, choice.finish_reason
+        assert finish == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMAS["nested"])
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client().completions.create(
+            model="stories", prompt="Hi", extra_body={"response_format": bad}
+        )
+    assert refused.value.response.json()["error"]["param"] == "response_format"
+
+
+def test_a_strict_response_format_takes_only_declared_keys(server):
+    """`strict: true` holds the schema's objects to the properties they declare, as OpenAI's
+    strict mode does; a schema that says nothing lets the model add keys otherwise."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}}
+    closed = {**schema, "additionalProperties": False}
+    for seed in range(3):
+        text, finish = chat(
+            server,
+            False,
+            temperature=0.8,
+            seed=seed,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": schema, "strict": True},
+            },
+        )
+        assert finish == "stop", text  # a name of 8 characters at most, then nothing more
+        jsonschema.validate(json.loads(text), closed)

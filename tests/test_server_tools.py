@@ -76,7 +76,7 @@ def ask(running, stream: bool = False, messages=ASK, **kwargs):
     """The assistant message (content, tool calls as dicts) and the finish reason, whole or
     put together from the stream's deltas (which must follow OpenAI's protocol)."""
     client = running.client()
-    args = dict(model="scripted", messages=messages, temperature=0, max_tokens=200, **kwargs)
+    args = dict(model="scripted", messages=messages, temperature=0, **{"max_tokens": 200, **kwargs})
     if not stream:
         choice = client.chat.completions.create(**args).choices[0]
         calls = [c.model_dump() for c in choice.message.tool_calls or []]

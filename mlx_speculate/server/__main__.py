@@ -19,7 +19,21 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import jinja2
+import jinja2.sandbox
+
 from .. import cli
+
+try:  # the [server] extra; without it, say how to get it rather than a traceback
+    import fastapi  # noqa: F401
+    import uvicorn
+except ImportError as missing:
+    sys.exit(
+        f"error: the server needs {missing.name}, which is not installed: "
+        'pip install -e ".[server]" (or "mlx_speculate[server]")'
+    )
+
+from ..chat import apply_chat_template
 from ..drafters import cli as drafter_cli
 from ..parallel import group as distributed
 from ..parallel.group import init_group
@@ -30,7 +44,30 @@ from .metrics import Metrics
 from .sessions import SessionPool
 from .worker import Worker
 
+LOOP_CONTROLS = "jinja2.ext.loopcontrols"  # {% break %}, which transformers' templates may use
 PORT = cli.bounded(int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
+
+
+def api_key(text: str) -> str:
+    """An argparse type: a key that is not empty."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty (leave the flag out for no key)")
+    return text
+
+
+def chat_template(path: Path) -> str:
+    """The Jinja source in `path`, parsed: a ValueError (or OSError) of one line where it
+    cannot be read or is not a template, before the model loads."""
+    try:
+        source = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text: {e.reason} at byte {e.start}") from None
+    environment = jinja2.sandbox.ImmutableSandboxedEnvironment(extensions=[LOOP_CONTROLS])
+    try:
+        environment.parse(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"{path} is not a Jinja template: line {e.lineno}: {e.message}") from None
+    return source
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,8 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=PORT, default=8080, help="port (0: any free one)")
     parser.add_argument(
         "--api-key",
+        type=api_key,
         default=None,
-        help="require `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on /v1/*",
+        help="require `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) on /v1/*; "
+        "/health and /metrics stay open, as in vLLM (keep the port private, or put a proxy "
+        "in front, to hide them)",
     )
     parser.add_argument(
         "--max-queue", type=cli.positive_int, default=16, help="requests waiting at most (then 429)"
@@ -95,11 +135,9 @@ def model_id(source: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import uvicorn
-
     try:
         spec = drafter_cli.spec_from_args(args)
-        template = None if args.chat_template is None else args.chat_template.read_text()
+        template = None if args.chat_template is None else chat_template(args.chat_template)
         source = model_source(args.model)
     except (ValueError, OSError, ImportError) as e:
         return cli.fail(e)
@@ -117,6 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if template is not None:
             tokenizer.chat_template = template
             tokenizer.has_chat_template = True
+            try:  # a template that parses may still fail on every conversation
+                apply_chat_template(tokenizer, [{"role": "user", "content": "Hi"}])
+            except (jinja2.TemplateError, ValueError, TypeError) as e:
+                raise ValueError(f"the chat template {args.chat_template} fails: {e}") from None
         return SessionPool(model, tokenizer, spec, args.prompt_cache_size, group)
 
     metrics = Metrics()

@@ -1,8 +1,9 @@
 """The FastAPI app: OpenAI's routes, and Anthropic's (messages.py), over the generation worker.
 
-The event loop only validates, tokenizes and relays: every MLX call happens on the worker's
-thread. Each generation request watches its connection, so a client that goes away cancels its
-generation, streamed or not.
+The event loop only validates and relays: every MLX call happens on the worker's thread, and
+templates, tokenization and grammar compilation on the gateway's prompt thread. Each
+generation request watches its connection, so a client that goes away cancels its generation,
+streamed or not.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..grammar import Grammar
 from . import messages
 from .errors import APIError, BodyLimit, install
 from .gateway import Gateway
 from .metrics import Metrics
 from .responses import Completion
-from .schemas import ChatCompletionRequest, CompletionRequest
+from .schemas import ChatCompletionRequest, CompletionRequest, ResponseFormat
+from .sessions import SessionPool
 from .tool_parser import Tools
 from .tools import call_grammar, tool_format
 from .worker import Worker
@@ -46,6 +49,7 @@ def create_app(
     async def lifespan(app: FastAPI):
         worker.start()
         yield
+        gateway.close()
         worker.close()
 
     app = FastAPI(title="mlx_speculate", lifespan=lifespan)
@@ -86,37 +90,7 @@ def create_app(
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         pool = gateway.served(body.model)
-        mode = body.tool_mode
-        tools, parser, grammar = None, None, None
-        if body.response_format is not None:
-            if mode in ("required", "function") and body.response_format.type != "text":
-                raise APIError(
-                    400,
-                    "response_format and a required tool call cannot both shape the output",
-                    param="response_format",
-                )
-            try:
-                grammar = body.response_format.grammar()
-            except ValueError as e:
-                raise APIError(400, str(e), param="response_format") from e
-        if mode != "none":
-            format_ = tool_format(pool.tokenizer)
-            if format_ is None:
-                raise APIError(400, "the model's chat template does not take tools", param="tools")
-            offered = body.tools or []
-            tools = [tool.as_template_input() for tool in offered]
-            names = frozenset(tool.function.name for tool in offered)
-            parser = Tools(format_, names, body.parallel_tool_calls)
-            if mode in ("required", "function"):
-                schemas = {t.function.name: t.arguments_schema() for t in offered}
-                if body.forced_tool is not None:
-                    schemas = {body.forced_tool: schemas[body.forced_tool]}
-                try:
-                    grammar = call_grammar(format_, schemas, body.parallel_tool_calls)
-                except ValueError as e:
-                    raise APIError(400, f"a tool's parameters: {e}", param="tools") from e
-        messages_in = [m.as_template_input() for m in body.messages]
-        tokens = gateway.chat_tokens(pool, messages_in, tools)
+        tokens, parser, grammar = await gateway.prepare(_chat_prompt, pool, body)
         completion = Completion(
             True,
             model_id,
@@ -131,18 +105,71 @@ def create_app(
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         pool = gateway.served(body.model)
-        prompt = body.text_or_ids()
-        if isinstance(prompt, str):
-            tokens = list(pool.tokenizer.encode(prompt))
-        else:
-            vocab = pool.model.args.vocab_size
-            if not all(0 <= t < vocab for t in prompt):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-            tokens = prompt
+        tokens, grammar = await gateway.prepare(_text_prompt, pool, body)
         completion = Completion(
             False, model_id, body.top_count() is not None, body.stream and body.include_usage
         )
-        return await gateway.respond(request, body, tokens, pool, completion, where="prompt")
+        return await gateway.respond(
+            request, body, tokens, pool, completion, where="prompt", grammar=grammar
+        )
 
     messages.install(app, gateway, authorized)
     return app
+
+
+def _chat_prompt(
+    pool: SessionPool, body: ChatCompletionRequest
+) -> tuple[list[int], Tools | None, Grammar | None]:
+    """The chat's prompt tokens, the parser of tool calls when the model may make them, and
+    the grammar the output must follow (response_format, or the calls when one is required).
+    Runs on the gateway's prompt thread."""
+    mode = body.tool_mode
+    tools, parser, grammar = None, None, None
+    if body.response_format is not None:
+        if mode in ("required", "function") and body.response_format.type != "text":
+            raise APIError(
+                400,
+                "response_format and a required tool call cannot both shape the output",
+                param="response_format",
+            )
+        grammar = _response_grammar(body.response_format)
+    if mode != "none":
+        format_ = tool_format(pool.tokenizer)
+        if format_ is None:
+            raise APIError(400, "the model's chat template does not take tools", param="tools")
+        offered = body.tools or []
+        tools = [tool.as_template_input() for tool in offered]
+        names = frozenset(tool.function.name for tool in offered)
+        # A named function is one call, as vLLM and llama.cpp read it.
+        parallel = body.parallel_tool_calls and mode != "function"
+        parser = Tools(format_, names, parallel)
+        if mode in ("required", "function"):
+            schemas = {t.function.name: t.arguments_schema() for t in offered}
+            if body.forced_tool is not None:
+                schemas = {body.forced_tool: schemas[body.forced_tool]}
+            try:
+                grammar = call_grammar(format_, schemas, parallel)
+            except ValueError as e:
+                raise APIError(400, f"a tool's parameters: {e}", param="tools") from e
+    messages_in = [m.as_template_input() for m in body.messages]
+    return Gateway.chat_tokens(pool, messages_in, tools), parser, grammar
+
+
+def _text_prompt(pool: SessionPool, body: CompletionRequest) -> tuple[list[int], Grammar | None]:
+    """The completion's prompt tokens and response_format's grammar (runs on the gateway's
+    prompt thread)."""
+    grammar = _response_grammar(body.response_format)
+    prompt = body.text_or_ids()
+    if isinstance(prompt, str):
+        return list(pool.tokenizer.encode(prompt)), grammar
+    vocab = pool.model.args.vocab_size
+    if not all(0 <= t < vocab for t in prompt):
+        raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+    return prompt, grammar
+
+
+def _response_grammar(response_format: ResponseFormat | None) -> Grammar | None:
+    try:
+        return None if response_format is None else response_format.grammar()
+    except ValueError as e:
+        raise APIError(400, str(e), param="response_format") from e

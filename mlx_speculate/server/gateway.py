@@ -2,13 +2,21 @@
 through the chat template, the checks before queueing, the queue, cancellation when the client
 goes away, and the request metric. A route brings its request body and a `Responder` that
 writes the response in its API's shape, whole or streamed.
+
+A prompt is prepared (chat template, tokenization, grammar compilation) on the gateway's own
+thread (`prepare`): that work grows with the request (seconds for megabytes of text or
+thousands of tools), and meanwhile the event loop keeps answering /health and relaying the
+running streams. One thread, because a Hugging Face tokenizer is not safe to share between
+threads; the tokenizers and llguidance release the GIL while they work.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any, Protocol
+import functools
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -44,11 +52,28 @@ class Responder(Protocol):
     def stream(self, job: Job) -> AsyncIterator[str]: ...
 
 
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's status for a request its client closed (nobody reads it)
+# A generation cancelled with its client still there: the server is stopping.
+SHUTDOWN, SHUTDOWN_MESSAGE = "server_shutdown", "the server is shutting down; retry later"
+
+
 class Gateway:
     def __init__(self, worker: Worker, model_id: str, metrics: Metrics):
         self.worker = worker
         self.model_id = model_id
         self.metrics = metrics
+        self._prompts = ThreadPoolExecutor(1, thread_name_prefix="mlx-prompts")
+
+    async def prepare(self, work: Callable[..., T], *args: Any) -> T:
+        """`work(*args)` on the prompt thread (see the module's docstring); what it raises
+        (an APIError, say) comes back here."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._prompts, functools.partial(work, *args))
+
+    def close(self) -> None:
+        """Drops the prompts not yet started (the server is stopping)."""
+        self._prompts.shutdown(wait=False, cancel_futures=True)
 
     def loaded(self) -> SessionPool:
         if self.worker.pool is None:
@@ -133,12 +158,17 @@ class Gateway:
         endpoint = request.scope["route"].path
         watcher = asyncio.create_task(_cancel_on_disconnect(request, job))
 
-        def done() -> None:
+        def done() -> bool:
+            """Ends the watch; whether the client went away."""
+            left = watcher.done() and not watcher.cancelled()
             watcher.cancel()
             job.cancel()  # a no-op once it finished; otherwise nobody is left to read it
-            self.metrics.requests.labels(endpoint, responder.outcome).inc()
+            return left
 
-        if body.stream:
+        def count(outcome: str) -> None:
+            self.metrics.requests.labels(endpoint, outcome).inc()
+
+        if body.stream:  # counted once, by how it ended: its status line went out long ago
 
             async def events():
                 try:
@@ -146,17 +176,26 @@ class Gateway:
                         yield chunk
                 finally:
                     done()
+                    count(responder.outcome)
 
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
         try:
             result, end = await responder.collect(job)
-        finally:
+        except BaseException:
             done()
+            count(responder.outcome)
+            raise
+        left = done()
+        # An error response is counted once, by its status (the error handler counts it).
         if isinstance(end, Failed):
-            raise APIError(500, end.message, type_="server_error")
+            raise APIError(end.status, end.message, type_=end.type, code=end.code)
+        if result is None and left:  # nobody reads the answer: counted as cancelled
+            count("cancelled")
+            return Response(status_code=CLIENT_CLOSED)
         if result is None:
-            raise APIError(503, "the generation was cancelled", type_="server_error")
+            raise APIError(503, SHUTDOWN_MESSAGE, type_="server_error", code=SHUTDOWN)
+        count(responder.outcome)
         return JSONResponse(result)
 
 

@@ -34,19 +34,7 @@ def install(app: FastAPI, gateway: Gateway, authorized: Callable[..., None]) -> 
     @app.post("/v1/messages", dependencies=[Depends(authorized)])
     async def messages(body: MessagesRequest, request: Request) -> Response:
         pool = gateway.served(body.model)
-        tokens, parser, grammar = _prompt(gateway, pool, body)
-        output = body.output_config.format if body.output_config is not None else None
-        if output is not None:
-            if grammar is not None:
-                raise APIError(
-                    400,
-                    "output_config.format and a required tool call cannot both shape the output",
-                    param="output_config",
-                )
-            try:
-                grammar = Grammar.json_schema(output.schema_)
-            except ValueError as e:
-                raise APIError(400, str(e), param="output_config") from e
+        tokens, parser, grammar = await gateway.prepare(_prompt, pool, body)
         message = Message(gateway.model_id, len(tokens), parser)
         return await gateway.respond(
             request, body, tokens, pool, message, where="messages", grammar=grammar
@@ -55,42 +43,63 @@ def install(app: FastAPI, gateway: Gateway, authorized: Callable[..., None]) -> 
     @app.post("/v1/messages/count_tokens", dependencies=[Depends(authorized)])
     async def count_tokens(body: Conversation) -> dict[str, int]:
         pool = gateway.served(body.model)
-        tokens, _, _ = _prompt(gateway, pool, body)
+        tokens, _, _ = await gateway.prepare(_prompt, pool, body)
         return {"input_tokens": len(tokens)}
 
 
 def _parallel(body: Conversation) -> bool:
-    return body.tool_choice is None or not body.tool_choice.disable_parallel_tool_use
+    """Whether the model may make several calls: not when told so, nor when tool_choice names
+    the one tool to call (one call, as vLLM and llama.cpp read a named choice)."""
+    if body.tool_choice is None:
+        return True
+    return not body.tool_choice.disable_parallel_tool_use and body.tool_mode != "tool"
 
 
 def _prompt(
-    gateway: Gateway, pool: SessionPool, body: Conversation
+    pool: SessionPool, body: Conversation
 ) -> tuple[list[int], Tools | None, Grammar | None]:
     """The prompt's tokens, the parser of tool calls when the model may make them, and the
-    grammar of the calls when one is required (tool_choice "any" or "tool")."""
+    grammar the output must follow: the calls' when one is required (tool_choice "any" or
+    "tool"), or output_config.format's. Runs on the gateway's prompt thread."""
     try:
         messages = body.template_messages()
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from e
+    grammar = _output_grammar(body)
     if body.tool_mode == "none":
-        return gateway.chat_tokens(pool, messages), None, None
+        return Gateway.chat_tokens(pool, messages), None, grammar
     format_ = tool_format(pool.tokenizer)
     if format_ is None:
         raise APIError(400, "the model's chat template does not take tools", param="tools")
-    tokens = gateway.chat_tokens(pool, messages, body.template_tools())
     tools = body.tools or []
     parser = Tools(format_, frozenset(tool.name for tool in tools), _parallel(body))
-    if body.tool_mode not in ("any", "tool"):
-        return tokens, parser, None
-    schemas = {tool.name: tool.input_schema for tool in tools}
-    if body.tool_mode == "tool":
-        name = body.tool_choice.name
-        schemas = {name: schemas[name]}
+    if body.tool_mode in ("any", "tool"):
+        if grammar is not None:
+            raise APIError(
+                400,
+                "output_config.format and a required tool call cannot both shape the output",
+                param="output_config",
+            )
+        schemas = {tool.name: tool.input_schema for tool in tools}
+        if body.tool_mode == "tool":
+            name = body.tool_choice.name
+            schemas = {name: schemas[name]}
+        try:
+            grammar = call_grammar(format_, schemas, _parallel(body))
+        except ValueError as e:
+            raise APIError(400, f"a tool's input_schema: {e}", param="tools") from e
+    return Gateway.chat_tokens(pool, messages, body.template_tools()), parser, grammar
+
+
+def _output_grammar(body: Conversation) -> Grammar | None:
+    """output_config.format's grammar, on the Messages route (count_tokens has none)."""
+    config = body.output_config if isinstance(body, MessagesRequest) else None
+    if config is None or config.format is None:
+        return None
     try:
-        grammar = call_grammar(format_, schemas, _parallel(body))
+        return Grammar.json_schema(config.format.schema_)
     except ValueError as e:
-        raise APIError(400, f"a tool's input_schema: {e}", param="tools") from e
-    return tokens, parser, grammar
+        raise APIError(400, str(e), param="output_config") from e
 
 
 def _tool_use(call: CallDelta) -> dict[str, Any]:
@@ -234,7 +243,7 @@ class Message:
                 message = (
                     event.message if isinstance(event, Failed) else "the generation was cancelled"
                 )
-                status = 500 if isinstance(event, Failed) else 503
+                status = event.status if isinstance(event, Failed) else 503
                 yield _event("error", anthropic_error_body(status, message))
             else:
                 rest = [] if parser is None else parser.end()

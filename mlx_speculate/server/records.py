@@ -63,6 +63,13 @@ class Finished:
 @dataclass(frozen=True)
 class Failed:
     message: str
+    status: int = 500  # 400: the request's own grammar could not be followed
+    code: str = "internal"
+
+    @property
+    def type(self) -> str:
+        """OpenAI's error type for it."""
+        return "server_error" if self.status >= 500 else "invalid_request_error"
 
 
 Event = Delta | Finished | Failed

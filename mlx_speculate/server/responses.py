@@ -192,11 +192,10 @@ class Completion:
                     yield chunk
             elif isinstance(event, Failed):
                 self.outcome = "error"
-                yield _sse(error_body(event.message, "server_error", code="internal"))
+                yield _sse(error_body(event.message, event.type, code=event.code))
             elif event.reason == "cancelled":  # by the server shutting down, if anyone reads
-                yield _sse(
-                    error_body("the generation was cancelled", "server_error", None, "cancelled")
-                )
+                message = "the server is shutting down; the generation was cancelled"
+                yield _sse(error_body(message, "server_error", None, "server_shutdown"))
             else:
                 if parser is not None:
                     for chunk in self._piece_chunks(parser.end(), []):

@@ -222,13 +222,15 @@ class ResponseFormat(_Body):
         return self
 
     def grammar(self) -> Grammar | None:
-        """What the output must follow; every schema is enforced, `strict` or not. A schema
-        the engine cannot compile is a ValueError."""
+        """What the output must follow; every schema is enforced, and with `strict` its
+        objects take only the properties they declare (as OpenAI's strict mode requires of
+        a schema). A schema the engine cannot compile is a ValueError."""
         if self.type == "text":
             return None
         if self.json_schema is None or self.json_schema.schema_ is None:
             return Grammar.json_object()
-        return Grammar.json_schema(self.json_schema.schema_)
+        strict = bool(self.json_schema.strict)
+        return Grammar.json_schema(self.json_schema.schema_, strict=strict)
 
 
 class ChatCompletionRequest(_Generation):
@@ -292,6 +294,7 @@ class CompletionRequest(_Generation):
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
+    response_format: ResponseFormat | None = None  # as chat's (vLLM takes it here too)
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -34,7 +34,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from ..grammar import JSON_LAYOUT, Grammar
+from ..grammar import JSON_LAYOUT, Grammar, checked_schema
+from ..json_schema import rooted
 
 HERMES, JSON, PYTHONIC = "hermes", "json", "pythonic"
 FORMATS = (HERMES, JSON, PYTHONIC)
@@ -86,20 +87,29 @@ def tool_format(tokenizer) -> str | None:
 def call_grammar(format_: str, tools: dict[str, dict[str, Any]], parallel: bool) -> Grammar:
     """A Lark grammar of output that is only calls in `format_` of `tools` (name -> JSON schema
     of its arguments): one call, or with `parallel` one or more (hermes and pythonic; the json
-    format writes one). A schema llguidance cannot compile is a ValueError."""
+    format writes one).
+
+    Arguments are held to their schema strictly, as xgrammar's strict mode and OpenAI's strict
+    function calling hold them: an object takes only the properties its schema declares unless
+    the schema allows others (`additionalProperties`), so a small model cannot invent keys
+    without end. Each schema keeps its own `$defs` and `$ref`s (it sits under the grammar's
+    `$defs`, its references moved with it). A schema llguidance cannot compile, or one with
+    no finite instance, is a ValueError."""
+    schemas = {name: checked_schema(schema, strict=True) for name, schema in tools.items()}
     if format_ == PYTHONIC:
-        return _pythonic_grammar(tools, parallel)
+        return _pythonic_grammar(schemas, parallel)
     key = "arguments" if format_ == HERMES else "parameters"
     calls = [
         {
             "type": "object",
-            "properties": {"name": {"const": name}, key: schema},
+            "properties": {"name": {"const": name}, key: {"$ref": f"#/$defs/tool{t}"}},
             "required": ["name", key],
             "additionalProperties": False,
         }
-        for name, schema in tools.items()
+        for t, name in enumerate(schemas)
     ]
-    body = json.dumps({"anyOf": calls, "x-guidance": JSON_LAYOUT})
+    defs = {f"tool{t}": rooted(schema, f"tool{t}") for t, schema in enumerate(schemas.values())}
+    body = json.dumps({"anyOf": calls, "$defs": defs, "x-guidance": JSON_LAYOUT})
     if format_ == JSON:
         return Grammar.lark(f"start: body\nbody: %json {body}\n")
     start = 'call ("\\n" call)*' if parallel else "call"
@@ -110,7 +120,8 @@ def call_grammar(format_: str, tools: dict[str, dict[str, Any]], parallel: bool)
 def _pythonic_grammar(tools: dict[str, dict[str, Any]], parallel: bool) -> Grammar:
     """`[name(key=value, ...)]`: each value a JSON value of its property's schema (JSON that
     `parse_pythonic_calls` reads back), the schema's properties in its order, the required
-    ones always there; a schema without properties takes any keywords."""
+    ones always there; a schema without properties takes no keywords, or any where it allows
+    other properties (`additionalProperties`)."""
     calls = 'call (", " call)*' if parallel else "call"
     rules = [f'start: "[" {calls} "]"']
     rules.append("call: " + " | ".join(f"c{t}" for t in range(len(tools))))
@@ -120,17 +131,20 @@ def _pythonic_grammar(tools: dict[str, dict[str, Any]], parallel: bool) -> Gramm
             if not word.isidentifier() or keyword.iskeyword(word):
                 raise ValueError(f"{word!r} cannot be a name in a pythonic call")
         if not isinstance(properties, dict) or not properties:
-            any_value = json.dumps({"x-guidance": JSON_LAYOUT})
+            extra = schema.get("additionalProperties", False)
+            if extra is False:
+                rules.append(f'c{t}: "{name}()"')
+                continue
             rules.append(f'c{t}: "{name}(" (k{t} (", " k{t})*)? ")"')
             rules.append(f'k{t}: /[A-Za-z_][A-Za-z0-9_]*/ "=" v{t}')
-            rules.append(f"v{t}: %json {any_value}")
+            rules.append(f"v{t}: {_value(schema, '/additionalProperties')}")
             continue
         required = set(schema.get("required", ()))
         # f{t}_{i}: properties i.. when none came before; m{t}_{i}: the same after one did.
         first, more = "", ""
         for i in reversed(range(len(properties))):
-            key, value = list(properties.items())[i]
-            rules.append(f"v{t}_{i}: %json {json.dumps({**value, 'x-guidance': JSON_LAYOUT})}")
+            key = list(properties)[i]
+            rules.append(f"v{t}_{i}: {_value(schema, '/properties/' + key)}")
             item = f'"{key}=" v{t}_{i}'
             if key in required:
                 new_first, new_more = f"{item} {more}", f'", " {item} {more}'
@@ -142,6 +156,13 @@ def _pythonic_grammar(tools: dict[str, dict[str, Any]], parallel: bool) -> Gramm
             first, more = f"f{t}_{i}", f"m{t}_{i}"
         rules.append(f'c{t}: "{name}(" {first} ")"')
     return Grammar.lark("\n".join(rules) + "\n")
+
+
+def _value(schema: dict[str, Any], pointer: str) -> str:
+    """The %json rule of the subschema at `pointer` in a tool's `schema` (whose own `$defs`
+    and `$ref`s come with it)."""
+    root = {"$defs": {"tool": rooted(schema, "tool")}, "x-guidance": JSON_LAYOUT}
+    return f"%json {json.dumps({**root, '$ref': '#/$defs/tool' + pointer})}"
 
 
 def call_id() -> str:

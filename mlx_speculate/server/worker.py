@@ -28,6 +28,7 @@ import mlx.core as mx
 from ..cli import one_line
 from ..device import clear_cache
 from ..generation import GenerationResponse
+from ..grammar import GrammarError
 from ..policy.adaptive import FixedPolicy
 from .lockstep import Lockstep, Mirror, Solo
 from .metrics import Metrics
@@ -35,6 +36,7 @@ from .records import Delta, Failed, Finished, Generation, Job, TokenLogprob, Usa
 from .sessions import SessionPool
 
 log = logging.getLogger("mlx_speculate.server")
+GRAMMAR = "grammar_error"  # the error code of a grammar that could not go on
 
 
 class QueueFull(Exception):
@@ -117,8 +119,10 @@ class Worker:
                 try:
                     self.pool = self._load()
                 except Exception as e:  # a bad model folder must not kill the process silently
-                    log.exception("loading the model failed")
-                    self.load_error = f"loading the model failed: {e}"
+                    # One line for the user (the command line prints it); the traceback only
+                    # under --log-level debug.
+                    log.debug("loading the model failed", exc_info=True)
+                    self.load_error = f"loading the model failed: {one_line(e)}"
                 finally:
                     self.loaded.set()
                     self._lockstep.idle()
@@ -149,6 +153,9 @@ class Worker:
         self._running = job
         try:
             self._generate(job)
+        except GrammarError as e:  # the request's grammar, not a bug: no traceback
+            log.warning("generation stopped: %s", e)
+            job.emit(Failed(f"the output cannot follow the requested format: {e}", 400, GRAMMAR))
         except Exception as e:  # the server outlives any one request
             log.exception("generation failed")
             job.emit(Failed(f"generation failed: {type(e).__name__}: {one_line(e)}"))
