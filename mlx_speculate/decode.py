@@ -29,9 +29,9 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from .cache import KVCache
-from .constraint import Constraint, Guide, masked, points
 from .device import GENERATION_STREAM
 from .drafters.base import Draft, Drafter, FusedDrafter, PipelinedDrafter, TargetFeatures
+from .grammar.constraint import Constraint, Guide, masked, points
 from .graphs import built
 from .models.base import CausalLM
 from .models.quantized_prefill import prefilling

@@ -11,7 +11,6 @@ import mlx.core as mx
 
 from . import arguments
 from .chat import plain_tokens
-from .constraint import Constraint
 from .decode import Decoder, PrefillCancelled
 from .device import wired_limit
 from .drafters import (
@@ -22,6 +21,7 @@ from .drafters import (
     speculative_keywords,
 )
 from .grammar import Grammar
+from .grammar.constraint import Constraint
 from .models.base import CausalLM
 from .policy.adaptive import FixedPolicy, Policy
 from .policy.measure import default_policy
@@ -95,7 +95,7 @@ def stream_generate(
     """Yields one response per emitted token.
 
     `grammar` (`Grammar.json_schema(...)`, `.json_object()`, `.lark(...)`) constrains the
-    output, with speculation still exact for the constrained distribution (constraint.py):
+    output, with speculation still exact for the constrained distribution (grammar/constraint.py):
     with any drafter (chains and trees alike).
 
     `drafter` is a method's spec (`LookupSpec()`, `DraftModelSpec(model=...)`, `MedusaSpec()`,

@@ -11,7 +11,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_speculate.constraint import Constraint
 from mlx_speculate.convert import convert
 from mlx_speculate.drafters import Draft, Drafter, DraftModelSpec, EagleSpec, LookupSpec, MedusaSpec
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
@@ -19,6 +18,7 @@ from mlx_speculate.drafters.eagle import EagleGrowth
 from mlx_speculate.drafters.lookup import LookupDrafter
 from mlx_speculate.generation import stream_generate
 from mlx_speculate.grammar import Grammar, ll_tokenizer
+from mlx_speculate.grammar.constraint import Constraint
 from mlx_speculate.loading import load
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams

@@ -7,10 +7,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from mlx_speculate.constraint import Constraint
 from mlx_speculate.drafters import Draft, LookupSpec
 from mlx_speculate.generation import stream_generate
 from mlx_speculate.grammar import Grammar
+from mlx_speculate.grammar.constraint import Constraint
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.tree import Tree

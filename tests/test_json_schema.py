@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from mlx_speculate.generation import stream_generate
 from mlx_speculate.grammar import Grammar, GrammarError
-from mlx_speculate.json_schema import check_finite, rooted, strict_objects
+from mlx_speculate.grammar.json_schema import check_finite, rooted, strict_objects
 
 from .helpers import SHARED, require
 from .test_server_structured import ENDLESS

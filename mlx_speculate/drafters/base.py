@@ -80,7 +80,7 @@ class Drafter(Protocol):
     #: True when `propose` drafts after whatever context it is handed (a draft model, prompt
     #: lookup), so a grammar's forced run may come before its draft; False when it drafts
     #: from the target's features at the pending position (heads), so its draft hangs below
-    #: that token and a forced run is a step of its own (constraint.py)
+    #: that token and a forced run is a step of its own (grammar/constraint.py)
     follows_context: bool
 
     def weights(self) -> tuple[nn.Module, ...]:

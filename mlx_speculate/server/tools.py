@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..grammar import JSON_LAYOUT, Grammar, checked_schema
-from ..json_schema import rooted
+from ..grammar.json_schema import rooted
 
 HERMES, JSON, PYTHONIC = "hermes", "json", "pythonic"
 FORMATS = (HERMES, JSON, PYTHONIC)

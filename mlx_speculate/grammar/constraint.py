@@ -63,9 +63,9 @@ import llguidance
 import mlx.core as mx
 import numpy as np
 
-from .drafters.base import Draft
-from .grammar import Grammar, GrammarError, first_line, ll_tokenizer
-from .tree import Tree
+from ..drafters.base import Draft
+from ..tree import Tree
+from . import Grammar, GrammarError, first_line, ll_tokenizer
 
 
 @dataclass(frozen=True)
