@@ -18,7 +18,7 @@ from mlx_speculate.drafters.base import Draft
 from mlx_speculate.drafters.draft_model import DraftModelSpec
 from mlx_speculate.drafters.lookup import LookupDrafter, LookupSpec
 from mlx_speculate.loading import build_model, load
-from mlx_speculate.policy import FixedPolicy
+from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.state_cache import ROWS
 from mlx_speculate.step import verify
