@@ -11,9 +11,10 @@ lm_head are the target's own.
 
 Checkpoint names: `mtp.fc.weight`, `mtp.pre_fc_norm_embedding.weight`,
 `mtp.pre_fc_norm_hidden.weight`, `mtp.layers.0.*`, `mtp.norm.weight`. A transformers folder
-stores its norms as (1 + weight) and its experts per expert or fused, as the model's own layers
-(models/qwen3_next.py `mlx_layout`); a folder `convert` wrote holds them in this module's form,
-quantized with the model when it is.
+keeps them among the model's tensors, its norms as (1 + weight) and its experts per expert or
+fused, as the model's own layers (models/qwen3_next.py `mlx_layout`). A folder `convert` wrote
+holds them in `mtp.safetensors` beside the model, in this module's form, quantized with the
+model when it is: mlx-lm reads `model*.safetensors` and would refuse tensors it does not hold.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..cache import KVCache
-from ..checkpoint import load_into
+from ..checkpoint import load_into, read_weights, write_safetensors
 from ..loading import load_config, load_weights
 from ..models import qwen3_next
 from ..models.base import CausalLM
@@ -35,6 +37,7 @@ from ..models.context import ForwardContext, build_context
 from ..models.qwen3_5 import text_config
 from ..models.rope import RotaryEmbedding
 
+MTP_FILE = "mtp.safetensors"  # the head beside a converted model
 PREFIXES = ("mtp.", "model.mtp.")  # where checkpoints keep the head (the first is the usual)
 # Config keys that count the head's layers (Qwen3-Next's, Qwen3.5's).
 LAYER_COUNTS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
@@ -167,12 +170,25 @@ def build_mtp(
     )
 
 
+def head_file(folder: Path) -> dict[str, mx.array]:
+    """The tensors of the head's own file in a model folder (none when it has no such file)."""
+    path = folder / MTP_FILE
+    return read_weights([path]) if path.is_file() else {}
+
+
+def save_mtp(folder: Path, head: MtpHead) -> None:
+    """Writes `head` into `folder`'s head file, in checkpoint names."""
+    weights = {f"mtp.{k}": v for k, v in tree_flatten(head.parameters())}
+    write_safetensors(folder / MTP_FILE, weights)
+
+
 def load_mtp(folder: str | Path, target: CausalLM) -> MtpHead:
     """The MTP head in the model folder `folder` for `target` (in its compute dtype); a
     one-line ValueError naming what is missing when the folder holds none."""
     folder = Path(folder).expanduser()
     config = load_config(folder)
-    head = build_mtp(target, load_weights(folder), config, str(folder), target.compute_dtype)
+    weights = load_weights(folder) | head_file(folder)
+    head = build_mtp(target, weights, config, str(folder), target.compute_dtype)
     if head is None:
         raise ValueError(
             f"{folder} holds no MTP weights (mtp.*; mlx-community conversions drop them): "
