@@ -23,6 +23,7 @@ from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.state_cache import ROWS
 from mlx_speculate.step import verify
 from mlx_speculate.tree import Tree
+from mlx_speculate.verify import AcceptanceRule
 
 from .helpers import decode, greedy_reference, random_weights, tiny_config
 from .test_convert import save_tokenizer
@@ -48,6 +49,7 @@ FAMILIES = {
     "qwen3_5_moe_text": MOE,
 }
 GREEDY = SamplingParams()
+RULE = AcceptanceRule(GREEDY)
 
 
 def config(model_type: str, **overrides) -> dict:
@@ -164,8 +166,8 @@ def test_rejected_rows_leave_no_recurrent_state(model_type):
         model(mx.array([prompt]), cache)
         draft = greedy[1 : 1 + accepted] + [(greedy[1 + accepted] + 1) % VOCAB]
         draft += [5] * (4 - len(draft))  # k = 4: the accepted ones, one wrong, then filler
-        out = verify(model, cache, mx.array(greedy[:1]), Tree.chain(4), mx.array(draft), None,
-                     GREEDY)  # fmt: skip
+        chain, drafted = Tree.chain(4), mx.array(draft)
+        out = verify(model, cache, mx.array(greedy[:1]), chain, drafted, None, RULE)
         n = out.acceptance.num_accepted.item()
         assert n == accepted
         cache.truncate(len(prompt) + n + 1)
