@@ -15,6 +15,10 @@ Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/TQ1_0/TQ2_0 tensors bit for bit (MLX's affine
 group size 32 represents them exactly) and quantizes the others (Q2_K, Q3_K, Q6_K, IQ*, *FP4)
 again at group size 32 with their bits; it says per type which it did. A mixed file (Q4_K_M)
 gives per-module bits in config.json, as mlx-lm reads them.
+
+A Qwen3-Next or Qwen3.5 checkpoint's multi-token-prediction head (`mtp.*`, heads/mtp.py) is kept
+beside the model in `mtp.safetensors`, in the same dtype and quantized with it: native MTP drafts
+with it, and mlx-lm does not read it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from . import cli
 from .atomic import carry_over, check_space, check_writable, move_into_place, staging_folder
 from .checkpoint import quantize_model, write_safetensors
 from .gguf.arch import ARCHITECTURES
+from .heads.mtp import MTP_FILE, build_mtp, has_mtp, head_file, save_mtp
 from .loading import DTYPES, build_model, load_config, load_weights, resolve_path
 from .models import MODEL_TYPES
 from .models.rope import rope_both_forms
@@ -134,7 +139,16 @@ def convert(
     q_bits = q_bits or DEFAULT_BITS
 
     model = _build(config, weights)
+    head = None
+    if has_mtp(model):  # among the checkpoint's tensors, or in a converted folder's own file
+        try:
+            head = build_mtp(model, weights | head_file(src), config, str(src))
+        except ValueError as e:  # the model converts all the same; native MTP then refuses it
+            print(f"note: the multi-token-prediction head is not kept: {e}", file=sys.stderr)
+    if head is not None:
+        print("keeping the multi-token-prediction head (mtp.*)")
     del weights
+    modules = [model] if head is None else [model, head]
     config = rope_both_forms(config)
     if dtype is not None or gguf:
         # A GGUF's scales and biases stay as read unless a dtype is asked for: exact.
@@ -147,18 +161,22 @@ def convert(
                 return a
             return a if keep_scales and name.endswith((".scales", ".biases")) else a.astype(target)
 
-        model.update(tree_unflatten([(k, cast(k, v)) for k, v in tree_flatten(model.parameters())]))
+        for module in modules:
+            params = tree_flatten(module.parameters())
+            module.update(tree_unflatten([(k, cast(k, v)) for k, v in params]))
         config["torch_dtype"] = config["dtype"] = dtype
     if kept is not None:
         config["quantization_config"] = dict(kept)
     elif quantize:
-        settings = quantize_model(model, q_bits, q_group_size)
+        for module in modules:
+            settings = quantize_model(module, q_bits, q_group_size)
         config["quantization"] = dict(settings)
         config["quantization_config"] = dict(settings)
 
     written, weights = model.mlx_lm_layout(config, dict(tree_flatten(model.parameters())))
     dst.parent.mkdir(parents=True, exist_ok=True)
-    check_space(dst.parent, sum(v.nbytes for v in weights.values()))
+    params = [v for m in modules[1:] for _, v in tree_flatten(m.parameters())]
+    check_space(dst.parent, sum(v.nbytes for v in [*weights.values(), *params]))
     tmp = staging_folder(dst)
     try:
         # Heads first: heads that do not fit fail before the model is written.
@@ -177,6 +195,8 @@ def convert(
 
             convert_eagle_heads(eagle_path, tmp / "eagle", target=model, **options)
         write_weights(tmp, weights, max_shard_bytes)
+        if head is not None:
+            save_mtp(tmp, head)
         (tmp / "config.json").write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
         if gguf:
             gguf_tokenizer.save(tmp)  # chat template included
@@ -253,7 +273,7 @@ def _write_shard(path: Path, shard: dict[str, mx.array]) -> None:
     write_safetensors(path, shard)
 
 
-MODEL_FILES = ("config.json", "model*.safetensors", "model.safetensors.index.json")
+MODEL_FILES = ("config.json", "model*.safetensors", "model.safetensors.index.json", MTP_FILE)
 
 
 def check_destination(dst: Path, overwrite: bool) -> None:

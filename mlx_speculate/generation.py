@@ -106,7 +106,8 @@ def stream_generate(
     is not given, and mlx-lm style shortcuts for a spec, each method's own (drafters.METHODS):
     `draft_model=` (with `draft_tokenizer=`), `prompt_lookup=True` (with `max_ngram=`,
     `lookup_branches=`), `medusa=` (with `medusa_tree=`, `typical_acceptance=`: LOSSY, opt-in)
-    and `eagle=` (with `eagle_tree=`), and `num_draft_tokens=` for any of them.
+    `eagle=` (with `eagle_tree=`) and `mtp=True` (a Qwen3-Next / Qwen3.5 checkpoint's own head),
+    and `num_draft_tokens=` for any of them.
     """
     arguments.check_prompt(prompt)
     arguments.check_max_tokens(max_tokens)

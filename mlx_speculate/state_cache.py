@@ -32,8 +32,8 @@ def chains_only(model_type: str) -> str:
     """The one-line refusal of a tree on a hybrid target, naming the chain settings to use."""
     return (
         f"{model_type} targets verify chains only (their recurrent layers cannot follow a "
-        "tree): use a draft model, prompt lookup with --lookup-branches 1 (lookup_branches=1) "
-        "or EAGLE with --tree-top-k 1; Medusa trees are not supported"
+        "tree): use a draft model, native MTP (--mtp), prompt lookup with --lookup-branches 1 "
+        "(lookup_branches=1) or EAGLE with --tree-top-k 1; Medusa trees are not supported"
     )
 
 

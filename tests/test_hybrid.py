@@ -49,6 +49,7 @@ FAMILIES = {
     "qwen3_5_moe_text": MOE,
 }
 GREEDY = SamplingParams()
+RULE = AcceptanceRule(GREEDY)
 
 
 def config(model_type: str, **overrides) -> dict:
@@ -165,8 +166,7 @@ def test_rejected_rows_leave_no_recurrent_state(model_type):
         model(mx.array([prompt]), cache)
         draft = greedy[1 : 1 + accepted] + [(greedy[1 + accepted] + 1) % VOCAB]
         draft += [5] * (4 - len(draft))  # k = 4: the accepted ones, one wrong, then filler
-        rule = AcceptanceRule(GREEDY)
-        out = verify(model, cache, mx.array(greedy[:1]), Tree.chain(4), mx.array(draft), None, rule)
+        out = verify(model, cache, mx.array(greedy[:1]), Tree.chain(4), mx.array(draft), None, RULE)
         n = out.acceptance.num_accepted.item()
         assert n == accepted
         cache.truncate(len(prompt) + n + 1)
@@ -187,8 +187,7 @@ def test_truncate_restores_only_what_the_ring_holds():
     assert cache.restorable(12) == 12 and cache.restorable(5) == 0
     with pytest.raises(ValueError, match="cannot restore the recurrent state at 5 tokens"):
         cache.truncate(5)
-    rule = AcceptanceRule(GREEDY)
-    verify(model, cache, mx.array([1]), Tree.chain(3), mx.array([2, 3, 4]), None, rule)
+    verify(model, cache, mx.array([1]), Tree.chain(3), mx.array([2, 3, 4]), None, RULE)
     assert cache.offset == 16  # rows 12..15, each with its state
     assert cache.restorable(14) == 14 and cache.restorable(11) == 0
     cache.truncate(14)

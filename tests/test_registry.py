@@ -10,6 +10,7 @@ from mlx_speculate.drafters import (
     EagleSpec,
     LookupSpec,
     MedusaSpec,
+    MtpSpec,
     spec_from_keywords,
 )
 from mlx_speculate.generation import stream_generate
@@ -24,6 +25,7 @@ def test_every_method_registers_itself():
         "eagle": EagleSpec,
         "prompt_lookup": LookupSpec,
         "medusa": MedusaSpec,
+        "mtp": MtpSpec,
     }
     for spec in METHODS.values():
         assert set(spec.flags) <= set(spec.keywords)
@@ -35,6 +37,7 @@ def test_typed_tree_keywords():
     # The old tree= keyword still works where its type fits the method.
     assert spec_from_keywords(medusa=True, tree=[[0], [1], [0, 0]]).tree == [[0], [1], [0, 0]]
     assert spec_from_keywords(eagle=True, tree=EagleGrowth(5)).tree == EagleGrowth(5)
+    assert spec_from_keywords(mtp=True, num_draft_tokens=2).head is True
     spec = spec_from_keywords(prompt_lookup=True, max_ngram=2, num_draft_tokens=3)
     assert (type(spec), spec.max_ngram, spec.num_draft_tokens) == (LookupSpec, 2, 3)
 

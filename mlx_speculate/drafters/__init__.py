@@ -19,6 +19,7 @@ from .draft_model import DraftModelSpec
 from .eagle import EagleGrowth, EagleSpec
 from .lookup import LookupSpec
 from .medusa import MedusaSpec
+from .mtp import MtpSpec
 
 __all__ = [
     "COMMON",
@@ -32,6 +33,7 @@ __all__ = [
     "EagleGrowth",
     "LookupSpec",
     "MedusaSpec",
+    "MtpSpec",
     "TargetFeatures",
     "make_drafter",
     "spec_from_keywords",
@@ -56,9 +58,10 @@ def speculative_keywords() -> tuple[str, ...]:
 
 def spec_from_keywords(**keywords: Any) -> DrafterSpec | None:
     """The spec that mlx-lm style keywords ask for (`draft_model=`, `prompt_lookup=True`,
-    `medusa=`, `eagle=`, each method's own options and `num_draft_tokens=`), or None when they
-    ask for none. None and False mean "not given". A keyword no method owns is a TypeError; one
-    that belongs to another method than the one chosen, a ValueError naming its owners."""
+    `medusa=`, `eagle=`, `mtp=`, each method's own options and `num_draft_tokens=`), or None
+    when they ask for none. None and False mean "not given". A keyword no method owns is a
+    TypeError; one that belongs to another method than the one chosen, a ValueError naming its
+    owners."""
     owners: dict[str, list[str]] = {}
     for spec in METHODS.values():
         for keyword in spec.keywords:

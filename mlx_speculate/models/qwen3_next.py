@@ -11,7 +11,7 @@ at load. Experts are stacked (`switch_mlp`, mlx-lm's names and `SwitchGLU`): one
 
 The recurrent layers keep their state in a `HybridCache` (state_cache.py); they can follow a
 chain of verified rows but not a tree, so a tree mask is refused in one line.
-`mtp.*` (the multi-token-prediction head) is not loaded.
+`mtp.*` (the multi-token-prediction head) is not part of the model: heads/mtp.py reads it.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ SHIFTED_NORMS = (
     "model.norm.weight",
     ".q_norm.weight",
     ".k_norm.weight",
+    "mtp.norm.weight",  # the MTP head's (heads/mtp.py), which the model itself drops
+    ".pre_fc_norm_embedding.weight",
+    ".pre_fc_norm_hidden.weight",
 )
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -238,33 +241,40 @@ class Model(CausalLM):
         return super().rename(name)
 
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
-        """transformers' layout (per-expert or fused `gate_up_proj` experts, (C, 1, K) conv
-        weights, (1 + weight) norms) to this model's; an MLX folder's passes as it is."""
+        """transformers' layout to this model's (`mlx_layout`); an MLX folder's passes as it is."""
         weights = super().sanitize(weights)
-        transformers = any(
-            k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items()
-        )
-        out: dict[str, mx.array] = {}
-        experts: dict[str, dict[int, mx.array]] = {}
-        for k, v in weights.items():
-            if ".mlp.experts." in k:
-                prefix, rest = k.split(".mlp.experts.")
-                if rest == "gate_up_proj":  # (E, 2 I, H): gate rows, then up rows
-                    gate, up = mx.split(v, 2, axis=-2)
-                    out[f"{prefix}.mlp.switch_mlp.gate_proj.weight"] = gate
-                    out[f"{prefix}.mlp.switch_mlp.up_proj.weight"] = up
-                elif rest == "down_proj":
-                    out[f"{prefix}.mlp.switch_mlp.down_proj.weight"] = v
-                else:  # "{e}.{projection}.weight"
-                    e, projection, _ = rest.split(".")
-                    experts.setdefault(f"{prefix}.mlp.switch_mlp.{projection}.weight", {})
-                    experts[f"{prefix}.mlp.switch_mlp.{projection}.weight"][int(e)] = v
-                continue
-            if k.endswith("conv1d.weight") and v.shape[-1] != 1:
-                v = v.moveaxis(2, 1)  # (C, 1, K) -> (C, K, 1)
-            if transformers and k.endswith(SHIFTED_NORMS) and v.ndim == 1:
-                v = v + 1.0
-            out[k] = v
-        for name, per_expert in experts.items():
-            out[name] = mx.stack([per_expert[e] for e in sorted(per_expert)])
-        return out
+        return mlx_layout(weights, transformers_layout(weights))
+
+
+def transformers_layout(weights: dict[str, mx.array]) -> bool:
+    """Whether a checkpoint is laid out as transformers saves it: (C, 1, K) conv weights."""
+    return any(k.endswith("conv1d.weight") and v.shape[-1] != 1 for k, v in weights.items())
+
+
+def mlx_layout(weights: dict[str, mx.array], transformers: bool) -> dict[str, mx.array]:
+    """Per-expert or fused `gate_up_proj` experts stacked as `switch_mlp`; with `transformers`,
+    (C, 1, K) conv weights as (C, K, 1) and 1 added to the (1 + weight) norms."""
+    out: dict[str, mx.array] = {}
+    experts: dict[str, dict[int, mx.array]] = {}
+    for k, v in weights.items():
+        if ".mlp.experts." in k:
+            prefix, rest = k.split(".mlp.experts.")
+            if rest == "gate_up_proj":  # (E, 2 I, H): gate rows, then up rows
+                gate, up = mx.split(v, 2, axis=-2)
+                out[f"{prefix}.mlp.switch_mlp.gate_proj.weight"] = gate
+                out[f"{prefix}.mlp.switch_mlp.up_proj.weight"] = up
+            elif rest == "down_proj":
+                out[f"{prefix}.mlp.switch_mlp.down_proj.weight"] = v
+            else:  # "{e}.{projection}.weight"
+                e, projection, _ = rest.split(".")
+                experts.setdefault(f"{prefix}.mlp.switch_mlp.{projection}.weight", {})
+                experts[f"{prefix}.mlp.switch_mlp.{projection}.weight"][int(e)] = v
+            continue
+        if k.endswith("conv1d.weight") and v.shape[-1] != 1:
+            v = v.moveaxis(2, 1)  # (C, 1, K) -> (C, K, 1)
+        if transformers and k.endswith(SHIFTED_NORMS) and v.ndim == 1:
+            v = v + 1.0
+        out[k] = v
+    for name, per_expert in experts.items():
+        out[name] = mx.stack([per_expert[e] for e in sorted(per_expert)])
+    return out

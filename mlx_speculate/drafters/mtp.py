@@ -1,0 +1,255 @@
+"""Native multi-token prediction (Qwen3-Next, Qwen3.5): the MTP head the checkpoint carries
+(heads/mtp.py) drafts a chain of k tokens, run k times, each step reading its own output and the
+token it drafted before.
+
+The one-token shift is EAGLE's: position t reads the target's state at t and the embedding of
+token t+1, and predicts token t+2. Features of committed positions arrive through `extend`; a
+proposal first runs the head over the positions it has not seen (their next tokens are all in
+the context, the pending one last), which leaves its output at the last committed position,
+whose prediction is the chain's first token. The head's KV cache holds the committed positions;
+the chain's steps write past them, and the next proposal (or a rewind) drops them.
+
+Sampling: each token is drawn from the processed distribution (the target's settings) of the
+head's logits, and those distributions come back as `Draft.logprobs`, so rejection sampling
+stays exact. Catching up and drafting are one compiled graph per (catch-up row bucket, k,
+sampling, attended span), with no host sync; a prompt's rows (more than the last bucket) run
+through the head once, uncompiled, before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..graphs import compiled
+from ..heads.mtp import MtpHead, has_mtp, load_mtp
+from ..memo import from_folder
+from ..models.base import CausalLM
+from ..models.context import build_context
+from ..sampling import SamplingParams, pick
+from ..step import BUCKETS, bucket, cache_view
+from ..tree import Tree
+from .base import MAX_DRAFT, Draft, Drafter, DrafterSpec, TargetFeatures
+
+FAMILIES = "qwen3_next, qwen3_5, qwen3_5_moe"  # what `has_mtp` accepts, for errors
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class MtpSpec(DrafterSpec):
+    """Chains drafted by the target's own MTP head. `head`: True for the one in the loaded
+    model's folder (`mtp.*`, which `convert` keeps), a model folder that holds it (the original
+    checkpoint of a conversion that dropped it), or an `MtpHead`."""
+
+    keywords: ClassVar[dict[str, str | None]] = {"mtp": "head"}
+    flags: ClassVar[dict[str, str]] = {"mtp": "--mtp"}
+
+    head: bool | str | Path | MtpHead = True
+
+    @classmethod
+    def add_arguments(cls, group: argparse._ArgumentGroup) -> None:
+        group.add_argument(
+            "--mtp",
+            nargs="?",
+            const=True,
+            default=False,
+            metavar="DIR",
+            help="draft chains with the model's own multi-token-prediction head (Qwen3-Next, "
+            "Qwen3.5: mtp.* in its folder, or in the model folder DIR)",
+        )
+
+    @classmethod
+    def keywords_from_args(cls, args: argparse.Namespace) -> dict[str, Any]:
+        return {"mtp": args.mtp}
+
+    def resolve(self, target: CausalLM) -> MtpSpec:
+        if not has_mtp(target):
+            raise ValueError(
+                f"{target.args.model_type} models carry no MTP head (native MTP drafts for "
+                f"{FAMILIES})"
+            )
+        head = self.head
+        if isinstance(head, MtpHead):
+            return self
+        if head is True:
+            if target.origin.folder is None:
+                raise ValueError(
+                    "the model was not loaded from a folder: name the folder that holds its MTP "
+                    "weights (mtp=DIR)"
+                )
+            head = target.origin.folder
+        if not isinstance(head, str | Path):
+            raise ValueError(f"mtp must be True, a model folder or an MtpHead, got {head!r}")
+        loaded = from_folder(target, "mtp", head, lambda: load_mtp(head, target))
+        return replace(self, head=loaded)
+
+    def build(self, target: CausalLM, tokenizer=None) -> MtpDrafter:
+        head = self.resolve(target).head
+        if head.args.hidden_size != target.args.hidden_size:
+            raise ValueError(
+                f"the MTP head reads hidden size {head.args.hidden_size}, the target's is "
+                f"{target.args.hidden_size}"
+            )
+        return MtpDrafter(head, target, self.num_draft_tokens or MAX_DRAFT)
+
+
+class MtpDrafter(Drafter):
+    """Drafts chains with the MTP head from its output at the last committed position."""
+
+    taps: tuple[int, ...] = ()
+    follows_context = False
+
+    def __init__(self, head: MtpHead, target: CausalLM, max_draft: int = MAX_DRAFT):
+        self.head = head
+        self.target = target
+        self.max_draft = max_draft
+        self.cache = head.make_cache()
+        self._pending: list[mx.array] = []  # target states of committed positions not yet run
+        self._fed = 0  # committed positions in the head's cache
+        self._known = 0  # committed positions whose states it has: fed + pending
+        self._last: mx.array | None = None  # (h,) the head's output at position _fed - 1
+
+    def weights(self) -> tuple[nn.Module, ...]:
+        return (self.head,)
+
+    def extend(self, features: TargetFeatures) -> None:
+        self._pending.append(features.hidden)
+        self._known += features.hidden.shape[0]
+
+    def rewind(self, length: int) -> None:
+        if length >= self._known:
+            return
+        if length >= self._fed:
+            rows = mx.concatenate(self._pending)[: length - self._fed]
+            self._pending = [rows] if rows.shape[0] else []
+        else:
+            self.cache.truncate(min(self.cache.offset, length))
+            self._fed, self._pending, self._last = length, [], None
+        self._known = length
+
+    def propose(self, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft | None:
+        committed = len(context) - 1
+        k = min(k, self.max_draft)
+        if k <= 0 or self._known != committed:
+            return None
+        self.cache.truncate(self._fed)  # the last chain's slots
+        m = committed - self._fed  # positions to catch up on
+        features = mx.concatenate(self._pending) if m else None  # (m, h)
+        tokens = mx.array(context[self._fed + 1 : committed + 1], dtype=mx.int32)  # (m,)
+        if m > BUCKETS[-1]:  # a prompt's rows: one forward, whose shape seldom comes again
+            out = self.head(self._embed(tokens)[None], features[None], self.cache)
+            self._last, self._fed, self._pending, m = out[0, -1], committed, [], 0
+        if m == 0 and self._last is None:
+            return None
+        return self._chain(m, features, tokens, k, sampling)
+
+    def _chain(
+        self,
+        m: int,
+        features: mx.array | None,
+        tokens: mx.array,
+        k: int,
+        sampling: SamplingParams,
+    ) -> Draft:
+        """Catches up on the m positions from `_fed` (padded to their row bucket; none: from
+        `_last`) and drafts k tokens from the last of them, in one compiled graph whose inputs
+        are the first slot (an array), the rows and the head's cache, read over its span."""
+        rows = bucket(m) if m else 0
+        start, committed = self._fed, self._fed + m
+        end = max(start + rows, committed + k - 1)  # past every slot it writes
+        self.cache.reserve(end)
+        span = self.cache.span(end)
+        sampling = replace(sampling, seed=None)  # the seed went into the generator already
+        key = ("mtp", id(self.target), rows, k, sampling, span)
+        head, embed, project = self.head, self._embed, self._project
+
+        def build() -> Callable:
+            return _draft_fn(head, embed, project, rows, k, sampling, span)
+
+        fn = compiled(head, key, build, traced=head.traceable)
+        if rows:
+            h = features.shape[-1]
+            padded = mx.concatenate([features, mx.zeros((rows - m, h), features.dtype)])
+            ids = mx.concatenate([tokens, mx.zeros((rows - m,), mx.int32)])
+            inputs = (padded, ids, mx.array(m - 1, mx.int32))
+        else:
+            inputs = (self._last,)
+        out = fn(mx.array(start, mx.int32), *inputs, *self.cache.state)
+        outputs = 2 if sampling.greedy else 3
+        self.cache.set_arrays(out[outputs:])
+        self.cache.advance(committed + k - 1 - self.cache.offset)
+        self._last, self._fed, self._pending = out[0], committed, []
+        logprobs = None if sampling.greedy else out[2]
+        return Draft(out[1], Tree.chain(k), logprobs)
+
+    def _embed(self, tokens: mx.array) -> mx.array:
+        return self.target.model.embed_tokens(tokens)
+
+    def _project(self, out: mx.array) -> mx.array:
+        return self.target.project(out)
+
+
+def _draft_fn(
+    head: MtpHead,
+    embed: Callable[[mx.array], mx.array],
+    project: Callable[[mx.array], mx.array],
+    rows: int,
+    k: int,
+    sampling: SamplingParams,
+    span: int,
+) -> Callable:
+    """The graph of `MtpDrafter._chain`: (start, rows' states (R, h), their next tokens (R,),
+    the last real row) or (start, the head's last output (h,)), then the cache's arrays ->
+    (the output at the last committed position, the k tokens, [their (k, V) distributions when
+    sampling], the cache's arrays)."""
+
+    def fn(start, *inputs):
+        if rows:
+            features, tokens, index, *arrays = inputs
+        else:
+            last, *arrays = inputs
+        view = cache_view(head, arrays, start, span)
+        first = start
+        if rows:
+            out = head(embed(tokens)[None], features[None], view).squeeze(0)  # (R, h)
+            last, first = mx.take(out, index, axis=0), start + index + 1
+        drafted = chain(head, embed, project, last, view, first, k, sampling)
+        return (last, *drafted, *view.state)
+
+    return fn
+
+
+def chain(
+    head: MtpHead,
+    embed: Callable[[mx.array], mx.array],
+    project: Callable[[mx.array], mx.array],
+    last: mx.array,
+    cache,
+    first: mx.array,
+    k: int,
+    sampling: SamplingParams,
+) -> tuple[mx.array, ...]:
+    """k tokens after the pending one from `last` (h,), the head's output at the slot before
+    `first`: token i + 1 is picked from the head's output after step i, which reads token i
+    and the output before it at slot `first + i - 1`. Returns the tokens (k,) and, when
+    sampling, the processed log-probabilities each was drawn from (k, V). The steps' rotations
+    and causal masks are built once for all of them."""
+    token, logprobs = pick(project(last).astype(mx.float32), sampling)
+    tokens, rows = [token.reshape(1)], [logprobs]
+    hidden = last.reshape(1, 1, -1)
+    cache.start = first
+    if k > 1:
+        steps = build_context(head.rope, cache, k - 1, None, None, None, (False,), last.dtype)
+    for i in range(k - 1):
+        ctx = steps.row(i, head.rope, last.dtype)
+        hidden = head(embed(tokens[-1][None]), hidden, cache, ctx)  # (1, 1, h)
+        token, logprobs = pick(project(hidden[0, 0]).astype(mx.float32), sampling)
+        tokens.append(token.reshape(1))
+        rows.append(logprobs)
+    drafted = mx.concatenate(tokens)
+    return (drafted,) if sampling.greedy else (drafted, mx.stack(rows))
