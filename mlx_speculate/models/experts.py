@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from ..fast_exp import silu
+from .fast_exp import silu
 
 __all__ = ["SwitchGLU", "SwiGLU", "stack_experts", "top_k"]
 
