@@ -14,7 +14,7 @@ import numpy as np
 
 from mlx_speculate.convert import convert
 from mlx_speculate.decode import Decoder
-from mlx_speculate.drafters import EagleSpec, EagleTree, make_drafter
+from mlx_speculate.drafters import EagleGrowth, EagleSpec, make_drafter
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
 from mlx_speculate.drafters.lookup import LookupDrafter
 from mlx_speculate.drafters.medusa import MedusaDrafter
@@ -164,7 +164,7 @@ def check_greedy_methods(target, draft, n: int = 40) -> None:
     layers = target.args.num_hidden_layers  # at least 3: EAGLE-3 taps three layers
     for version, taps in ((1, None), (3, (0, layers // 2, layers - 1))):
         head = random_eagle_head(config, version, 5, draft_vocab=None, taps=taps)
-        for settings in (EagleTree(16, 4, 4), EagleTree.chain(4)):
+        for settings in (EagleGrowth(16, 4, 4), EagleGrowth.chain(4)):
             drafter = make_drafter(EagleSpec(heads=head, tree=settings), target)
             reference = greedy_reference(target, PROMPT, n)
             tokens, steps, _ = decode(target, PROMPT, n, drafter, FixedPolicy(settings.total - 1))
