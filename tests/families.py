@@ -20,7 +20,7 @@ from mlx_speculate.drafters.lookup import LookupDrafter
 from mlx_speculate.drafters.medusa import MedusaDrafter
 from mlx_speculate.generation import stream_generate
 from mlx_speculate.loading import build_model, load, load_model
-from mlx_speculate.policy import FixedPolicy
+from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.tree import Tree
 
