@@ -174,8 +174,8 @@ def test_random_edits_match_a_fresh_forward(model_type, overrides, seed):
 
 
 def test_span_grows_two_sizes_an_octave_within_the_capacity():
-    cache = KVCache(LAYERS, step=256)
-    cache.reserve(200, mx.zeros((1, 2, 0, 4)))  # capacity 256
+    cache = KVCache(LAYERS, step=256, like=mx.zeros((1, 2, 0, 4)))
+    cache.reserve(200)  # capacity 256
     assert [cache.span(e) for e in (1, 64, 65, 97, 129, 200)] == [64, 64, 96, 128, 192, 256]
-    cache.reserve(300, mx.zeros((1, 2, 0, 4)))  # capacity 512
+    cache.reserve(300)  # capacity 512
     assert [cache.span(e) for e in (257, 300, 385, 512)] == [384, 384, 512, 512]
