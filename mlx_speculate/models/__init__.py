@@ -1,6 +1,6 @@
 """Model families by HF `model_type`."""
 
-from . import gemma3, gpt_oss, llama, phi3, qwen2, qwen3, qwen3_moe
+from . import gemma3, gemma4, gpt_oss, llama, phi3, qwen2, qwen3, qwen3_moe
 
 MODEL_TYPES = {
     "llama": llama,
@@ -10,5 +10,7 @@ MODEL_TYPES = {
     "phi3": phi3,
     "gemma3_text": gemma3,
     "gemma3": gemma3,
+    "gemma4_text": gemma4,
+    "gemma4": gemma4,
     "gpt_oss": gpt_oss,
 }
