@@ -134,8 +134,11 @@ def test_multimodal_folder_matches_transformers(tmp_path):
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     text = {k: v for k, v in tiny_config("gemma4_text", **MOE).items() if k != "model_type"}
-    text |= {"pad_token_id": None, "eos_token_id": None, "bos_token_id": None}
-    config = Gemma4Config(text_config=text, vision_config=None, audio_config=None)
+    text |= {"pad_token_id": 0, "eos_token_id": None, "bos_token_id": None}  # pad: for images
+    config = Gemma4Config(
+        text_config=text, vision_config=None, audio_config=None,
+        attn_implementation="eager", experts_implementation="eager",  # float64 takes these
+    )  # fmt: skip
     ref = Gemma4ForConditionalGeneration(config).float().eval()
     randomize(ref, 0, SCALES)
     ref.save_pretrained(tmp_path)
