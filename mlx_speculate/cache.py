@@ -20,9 +20,19 @@ import mlx.core as mx
 
 
 class KVCache:
-    def __init__(self, num_layers: int, step: int = 256, like: mx.array | None = None):
+    def __init__(
+        self,
+        num_layers: int,
+        step: int = 256,
+        like: mx.array | Sequence[mx.array] | None = None,
+    ):
+        """`like`: (B, H_kv, 0, D), the shape and dtype of layers not yet written, one for
+        all layers or one per layer (Gemma 4's global layers have other head counts and sizes);
+        without it layers stay unallocated until written."""
+        if isinstance(like, Sequence) and len(like) != num_layers:
+            raise ValueError(f"a {num_layers}-layer cache got {len(like)} layer shapes")
         self.step = step
-        self.like = like  # (B, H_kv, 0, D): the shape and dtype of layers not yet written
+        self.likes = list(like) if isinstance(like, Sequence) else [like] * num_layers
         self.offset = 0
         # Set on a view only (`view`): the array slot a compiled step writes at, and the
         # leading slots its attention reads (`span`; None: the whole capacity).
@@ -51,12 +61,12 @@ class KVCache:
 
     def reserve(self, length: int) -> None:
         """Room for `length` slots in every layer, copying what it holds (layers not yet
-        written take the cache's `like`; without one they stay unallocated)."""
-        for layer, k in enumerate(self.keys):
+        written take their `like`; without one they stay unallocated)."""
+        for layer, (k, like) in enumerate(zip(self.keys, self.likes, strict=True)):
             if k is not None:
                 self._reserve(layer, k, self.values[layer], length)
-            elif self.like is not None:
-                self._reserve(layer, self.like, self.like, length)
+            elif like is not None:
+                self._reserve(layer, like, like, length)
 
     def _reserve(self, layer: int, keys: mx.array, values: mx.array, length: int) -> None:
         """Makes room for `length` slots in `layer` (keys/values give the shape and dtype)."""

@@ -66,6 +66,12 @@ FAMILY_TINY = {
         "head_dim": 16, "sliding_window": 6, "num_local_experts": 4, "num_experts_per_tok": 2,
         "intermediate_size": 48, "max_position_embeddings": 131072,  # YaRN from 4096, x32
     },
+    # Gemma 4: sliding layer 0 (window 6, head size 16) beside global layer 1 (head size 32,
+    # proportional RoPE), per-layer inputs of width 8.
+    "gemma4_text": {
+        "head_dim": 16, "global_head_dim": 32, "sliding_window": 6,
+        "vocab_size_per_layer_input": 97, "hidden_size_per_layer_input": 8,
+    },
     "gemma3_text": {
         "head_dim": 32,
         "query_pre_attn_scalar": 24,

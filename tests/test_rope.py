@@ -42,11 +42,20 @@ CASES = {
     "longrope-attention-factor": longrope(8, attention_factor=1.3),
     "partial": case("default", partial_rotary_factor=0.5),
     "partial-longrope": longrope(8, n=4, partial_rotary_factor=0.5),
+    # Gemma 4's global layers: the whole head rotates, only its first quarter (half) of the
+    # frequencies nonzero, those of the full head size.
+    "proportional": case("proportional", 100.0, partial_rotary_factor=0.25),
+    "proportional-factor": case("proportional", 100.0, partial_rotary_factor=0.5, factor=2.0),
 }
 
 
 def inv_freq_reference(params: dict[str, Any], seq_len: int) -> tuple[np.ndarray, float]:
     """transformers' inverse frequencies and cos/sin scale (modeling_rope_utils), in float64."""
+    if params["rope_type"] == "proportional":
+        rotated = int(params["partial_rotary_factor"] * HEAD_DIM // 2)
+        inv_freq = 1.0 / params["rope_theta"] ** (np.arange(0, 2 * rotated, 2) / HEAD_DIM)
+        inv_freq = np.concatenate([inv_freq, np.zeros(HEAD_DIM // 2 - rotated)])
+        return inv_freq / params.get("factor", 1.0), 1.0
     dim = int(HEAD_DIM * params.get("partial_rotary_factor", 1.0))
     base, kind = params["rope_theta"], params["rope_type"]
     exponents = np.arange(0, dim, 2) / dim

@@ -2,6 +2,7 @@
 
 from . import (
     gemma3,
+    gemma4,
     gpt_oss,
     llama,
     phi3,
@@ -21,6 +22,8 @@ MODEL_TYPES = {
     "phi3": phi3,
     "gemma3_text": gemma3,
     "gemma3": gemma3,
+    "gemma4_text": gemma4,
+    "gemma4": gemma4,
     "gpt_oss": gpt_oss,
     "qwen3_next": qwen3_next,
     "qwen3_5_text": qwen3_5,

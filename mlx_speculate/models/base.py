@@ -23,7 +23,7 @@ import inspect
 import types
 import typing
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -134,18 +134,44 @@ def attend(
     """RoPE at the context's positions, cache write, SDPA. Takes (B, H, L, D) heads; `rope` is
     the layer's own (Gemma 3's local layers have another base); `sinks`, gpt-oss's per-head
     sink logits (attention.py)."""
-    B, _, L, _ = queries.shape
+    queries, keys = rotate(ctx, rope, queries, keys)
+    keys, values = store(ctx, layer, keys, values)
+    return attention(ctx, layer, queries, keys, values, scale, sinks)
+
+
+def rotate(ctx: ForwardContext, rope: RotaryEmbedding, *heads: mx.array) -> tuple[mx.array, ...]:
+    """(B, H, L, D) `heads` rotated by `rope` at the context's positions."""
     if native():
         freqs = rope.freqs(ctx.seq_len)
-        queries = rope(queries, ctx.start, ctx.positions, freqs)
-        keys = rope(keys, ctx.start, ctx.positions, freqs)
-    else:
-        tables = ctx.rotation(rope, L, queries.dtype)
-        queries, keys = rope.rotate(queries, tables), rope.rotate(keys, tables)
+        return tuple(rope(x, ctx.start, ctx.positions, freqs) for x in heads)
+    tables = ctx.rotation(rope, heads[0].shape[2], heads[0].dtype)
+    return tuple(rope.rotate(x, tables) for x in heads)
+
+
+def store(
+    ctx: ForwardContext, layer: int, keys: mx.array, values: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Writes `layer`'s new (B, H_kv, L, D) keys and values into the cache; returns what its
+    attention reads: the cache's leading `span` slots (the new ones alone without a cache)."""
     if ctx.cache is not None:
         keys, values = ctx.cache.write(layer, keys, values, ctx.start, ctx.end)
         if ctx.span is not None and ctx.span < keys.shape[2]:
             keys, values = keys[..., : ctx.span, :], values[..., : ctx.span, :]
+    return keys, values
+
+
+def attention(
+    ctx: ForwardContext,
+    layer: int,
+    queries: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    scale: float,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """SDPA of rotated (B, H, L, D) queries over what `store` returned, under `layer`'s mask
+    (the window's on sliding layers); (B, L, H * D)."""
+    B, _, L, _ = queries.shape
     mask = ctx.window_mask if ctx.window_mask is not None and ctx.sliding[layer] else ctx.mask
     out = scaled_dot_product_attention(queries, keys, values, scale, mask, sinks)
     return out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, H * D)
@@ -173,7 +199,8 @@ NormFactory = Callable[..., nn.Module]
 
 class DecoderStack(nn.Module):
     """Embeddings (times `embed_scale` where the family scales them), the family's blocks and
-    the final norm: every family is built by this one path."""
+    the final norm: every family is built by this one path (a family with inputs for every
+    layer besides the residual stream, Gemma 4, adds them in `layer_inputs`)."""
 
     def __init__(
         self,
@@ -222,6 +249,9 @@ class DecoderStack(nn.Module):
             self._sliding,
             h.dtype,
         )
+        extra = self.layer_inputs(tokens, h)
+        if extra is not None:
+            ctx = replace(ctx, layer_inputs=extra)
         h, first = self.stage.enter(h, cache), self.stage.start
         captured = {}
         for j, layer in enumerate(self.layers):  # j: the layer's index in this process
@@ -232,6 +262,11 @@ class DecoderStack(nn.Module):
             cache.advance(tokens.shape[1])
         h, shared = self.stage.leave(h, captured, taps, cache)
         return self.norm(h), shared
+
+    def layer_inputs(self, tokens: mx.array, embedded: mx.array) -> mx.array | None:
+        """What every layer reads besides the residual stream, (B, L, layers, D), given the
+        (B, L) tokens and their (scaled) embeddings: the context's `layer_inputs`; None here."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -258,12 +293,13 @@ class CausalLM(nn.Module):
         block: BlockFactory,
         norm: NormFactory = nn.RMSNorm,
         embed_scale: float | None = None,
+        stack: type[DecoderStack] = DecoderStack,
     ):
         super().__init__()
         self.args = args
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.model = DecoderStack(args, block, norm, embed_scale)
+        self.model = stack(args, block, norm, embed_scale)
 
     def __call__(
         self,
@@ -293,9 +329,15 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens(mx.array([0])).dtype
 
     def make_cache(self) -> KVCache:
-        args = self.args
-        like = mx.zeros((1, args.num_key_value_heads, 0, args.head_dim), self.compute_dtype)
-        return KVCache(len(self.model.layers), like=like)
+        dtype = self.compute_dtype
+        likes = [mx.zeros((1, heads, 0, size), dtype) for heads, size in self.kv_shapes()]
+        return KVCache(len(likes), like=likes)
+
+    def kv_shapes(self) -> list[tuple[int, int]]:
+        """(key/value heads, head size) of each cache layer: one per layer this process runs,
+        as its attention holds them (tensor parallel leaves each rank its share of the heads);
+        a family whose layers share caches lists only those that write one (Gemma 4)."""
+        return [(layer.self_attn.n_kv_heads, layer.self_attn.head_dim) for layer in self.layers]
 
     @property
     def traceable(self) -> bool:

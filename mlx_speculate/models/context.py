@@ -33,6 +33,12 @@ class ForwardContext:
     span: int | None = None  # leading cache slots attention reads (None: no cache)
     # RoPE tables per rotary embedding (by id), built by the first layer that needs them
     rotations: dict[int, tuple[mx.array, ...]] = field(default_factory=dict, compare=False)
+    # (B, L, layers, D): what every layer reads besides the residual stream (DecoderStack's
+    # `layer_inputs`: Gemma 4's per-layer embeddings), indexed by the model's layer
+    layer_inputs: mx.array | None = None
+    # The keys and values a layer attended to in this forward, by this process's layer index,
+    # recorded for the layers that read them instead of writing their own (Gemma 4)
+    kv: dict[int, tuple[mx.array, mx.array]] = field(default_factory=dict, compare=False)
 
     def rotation(self, rope: RotaryEmbedding, length: int, dtype: mx.Dtype) -> tuple:
         """`rope`'s tables for this forward (RotaryEmbedding.tables), shared by its layers."""

@@ -4,7 +4,8 @@ Frequencies follow `transformers.modeling_rope_utils` exactly: `default`, `linea
 (NTK, recomputed from the largest position of each forward), `llama3`, `yarn` (Qwen's long
 context: a ramp between interpolated and original frequencies, plus a cos/sin scale), and Phi-3's
 `longrope` (alias `su`: short/long factors switched on the largest position, plus a cos/sin
-scale).
+scale), and Gemma 4's `proportional` (the whole head rotates, its frequencies those of the head
+size with only the first `partial_rotary_factor` of them nonzero).
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ import mlx.core as mx
 
 # Rope types whose frequencies change with the largest position of a forward.
 LENGTH_DEPENDENT = ("dynamic", "longrope")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = (
+    "default",
+    "linear",
+    "dynamic",
+    "llama3",
+    "yarn",
+    "longrope",
+    "proportional",
+)
 # transformers 5 nests `rope_parameters` by these layer types where they differ (Gemma 3).
 LAYER_TYPES = {"full_attention", "sliding_attention"}
 
@@ -97,6 +106,8 @@ class RotaryEmbedding:
 
     def __init__(self, head_dim: int, params: dict[str, Any], max_position_embeddings: int):
         self.dims = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        if params["rope_type"] == "proportional":
+            self.dims = head_dim  # rotate_half over the whole head (its tail at frequency 0)
         self.head_dim = head_dim
         half = self.dims // 2  # rotate_half: features [half, dims) then [0, half), then the rest
         order = [*range(half, self.dims), *range(half), *range(self.dims, head_dim)]
@@ -119,6 +130,8 @@ class RotaryEmbedding:
             self._inv_freq, self._attention_factor = _yarn(
                 self._inv_freq, self.base, self.dims, params, max_position_embeddings
             )
+        elif self.rope_type == "proportional":
+            self._inv_freq = _proportional_inv_freq(self.base, head_dim, params)
         elif self.rope_type == "longrope":
             self._original_max = params["original_max_position_embeddings"]
             factor = params.get("factor") or max_position_embeddings / self._original_max
@@ -146,7 +159,8 @@ class RotaryEmbedding:
 
     @staticmethod
     def _to_freqs(inv_freq: list[float]) -> mx.array:
-        return mx.array([1.0 / f for f in inv_freq], dtype=mx.float32)
+        # A frequency of 0 (proportional's unrotated part) is an infinite period: angle 0.
+        return mx.array([1.0 / f if f else math.inf for f in inv_freq], dtype=mx.float32)
 
     @property
     def depends_on_length(self) -> bool:
@@ -236,6 +250,16 @@ def native() -> bool:
 
 def _inv_freq(base: float, dims: int) -> list[float]:
     return [1.0 / base ** (2 * i / dims) for i in range(dims // 2)]
+
+
+def _proportional_inv_freq(base: float, head_dim: int, params: dict[str, Any]) -> list[float]:
+    """transformers' proportional RoPE: the head size's default frequencies for the first
+    `partial_rotary_factor` of the rotated pairs, 0 (no rotation) for the rest, all divided
+    by `factor`."""
+    rotated = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
+    inv_freq = [1.0 / base ** (2 * i / head_dim) for i in range(rotated)]
+    inv_freq += [0.0] * (head_dim // 2 - rotated)
+    return [f / params.get("factor", 1.0) for f in inv_freq]
 
 
 def _scaled(inv_freq: list[float], factors: list[float]) -> list[float]:
