@@ -149,6 +149,16 @@ def test_indivisible_counts_raise(overrides, name):
         check_shardable(model, 3)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_tensor_parallel_refuses_families_it_does_not_split(model_type):
+    """Experts (and recurrent or shared-key layers) are not split: one line naming the way that
+    works, never a traceback from a missing projection."""
+    model = tiny_model(model_type)
+    refused = f"does not split {model_type} models.*--parallel pipeline"
+    with pytest.raises(ValueError, match=refused):
+        shard(model, FakeGroup(2))
+
+
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
 def test_generate_cli_under_mlx_launch(tmp_path, mode):
     """`mlx.launch ... -- python -m mlx_speculate.generate --draft-model ...` prints once, the

@@ -56,9 +56,20 @@ class Split:
         )
 
 
+# The families whose every layer has the dense attention and MLP projections split above.
+TENSOR_PARALLEL = ("llama", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3")
+
+
 def check_shardable(model: nn.Module, size: int) -> None:
-    """ValueError naming what does not divide by `size` (head counts, intermediate size)."""
+    """ValueError naming what does not divide by `size` (head counts, intermediate size), or
+    a family whose layers tensor parallelism does not split (experts, recurrent or shared-key
+    layers)."""
     args = model.args
+    if args.model_type not in TENSOR_PARALLEL:
+        raise ValueError(
+            f"tensor parallel does not split {args.model_type} models (it splits "
+            f"{', '.join(TENSOR_PARALLEL)}): use --parallel pipeline"
+        )
     counts = {
         "num_attention_heads": args.num_attention_heads,
         "num_key_value_heads": args.num_key_value_heads,
