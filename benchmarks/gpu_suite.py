@@ -15,7 +15,7 @@ tokens, one round) checks the plumbing in well under a minute. `--out FILE` writ
 Targets: `stories260K` (the real checkpoint in ../shared/models: overhead-bound), `smollm2`
 (SmolLM2-135M's shapes, random weights, bfloat16) and `llama8b` (Llama-3.1-8B's shapes in 4-bit,
 random: memory-bound, with a random draft in Qwen2.5-0.5B's shapes). Under --quick the random
-targets shrink (fewer layers; a ~0.2B 4-bit stand-in for the 8B) and, like every run on a CPU,
+targets shrink (fewer layers; a small 4-bit stand-in for the 8B) and, like every run on a CPU,
 compute in float32: MLX's CPU backend runs bfloat16 arithmetic many times slower. Random
 weights measure cost only: their drafts are rejected, so tau there says nothing about a trained
 drafter's (take tau from real heads).
@@ -25,9 +25,13 @@ new fused graph and shape; its seconds are recorded), then `rounds` timed rounds
 tokens/s from the first token to the last (the prompt's forward excluded). Every run's token
 count is checked against plain decoding's, and so is every token (greedy: speculation is
 lossless, so any difference is a bug or, on a GPU, kernel rounding; the suite sets
-MLX_ENABLE_TF32=0 for CUDA's sake). Step costs come from fixed-shape EAGLE-3 drafting with a
-random head of the target's EAGLE-3 shape: a chain of k (`chain1`..`chain4`) and the official
-60-node tree (`tree60`), each step's time over a plain step's.
+MLX_ENABLE_TF32=0 for CUDA's sake). mlx-lm's rows are compared too, but their kernels are not
+ours (its 4-bit prompt forward, say), so a difference there is rounding, not a loss.
+
+Step costs come from fixed-shape EAGLE-3 drafting with a random head of the target's EAGLE-3
+shape: a chain of k (`chain1`..`chain4`) and the official 60-node tree (`tree60`), each step's
+time over a plain step's. `verify_rows_cost` is one target forward over r rows against one row
+(where a GPU's quantized matmul switches kernels shows there).
 
 `eagle_vs_plain` needs a trained stories260K EAGLE head: the suite reads `--eagle-head DIR`,
 by default ../shared/models/stories260K-eagle3, which the kit packs into .gpu/ (it copies
@@ -89,6 +93,7 @@ from suite_targets import (  # noqa: E402
     TARGETS,
     TRAINED_SHAPES,
     VERIFY_ROWS,
+    VERIFY_RUNS,
     K,
     Target,
     random_eagle_head,
@@ -258,7 +263,7 @@ def run_target(
     variants, adaptive = target_variants(target, folders, model, tokenizer, prompt, n, head)
     timed_rounds = measure(variants, rounds, deadline)
     reference = variants[0].runs[0].tokens
-    verify = curve(model, VERIFY_ROWS, len(prompt), 5 if mode == "dry-run" else 20)
+    verify = curve(model, VERIFY_ROWS, len(prompt), VERIFY_RUNS[mode])
     return {
         "note": target.note,
         "weights": weights,
@@ -453,6 +458,8 @@ def write_report(
         "mode": mode,
         "blas": blas,
         "env": {"MLX_ENABLE_TF32": os.environ["MLX_ENABLE_TF32"]},
+        # A shared CPU's other work: how far its timings are from an idle machine's.
+        "load_average": [round(x, 1) for x in os.getloadavg()],
         "seconds": round(time.monotonic() - start, 1),
         **summary(results, notes),
         "notes": notes | ({"skipped": skipped} if skipped else {}),

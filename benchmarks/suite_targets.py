@@ -34,24 +34,25 @@ GROUP = 64  # quantization group size, as mlx-lm's default
 LLAMA_DRAFT = {k: v for k, v in QWEN25_05B.items() if not k.endswith("token_id")} | {
     "vocab_size": LLAMA31_8B["vocab_size"]
 }
-# --quick's stand-ins: the same kinds, smaller (SmolLM2 with 4 of its 30 layers; a ~0.1B
-# 4-bit Llama with a 32k vocabulary and a small draft of the same family as the 8B's).
-SMOLLM2_QUICK = SMOLLM2_135M | {"num_hidden_layers": 4}
+# --quick's stand-ins: the same kinds, smaller. SmolLM2 with 3 of its 30 layers; a small 4-bit
+# Llama and its smaller draft (on a CPU a 4-bit matmul costs in proportion to its rows, so a
+# 60-node tree over a wide 4-bit model takes minutes there).
+SMOLLM2_QUICK = SMOLLM2_135M | {"num_hidden_layers": 3}
 LLAMA_QUICK = LLAMA31_8B | {
-    "hidden_size": 768,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 12,
-    "num_key_value_heads": 4,
-    "vocab_size": 32768,
-}
-LLAMA_QUICK_DRAFT = LLAMA_DRAFT | {
     "hidden_size": 256,
     "intermediate_size": 1024,
     "num_hidden_layers": 4,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "vocab_size": 32768,
+    "vocab_size": 8192,
+}
+LLAMA_QUICK_DRAFT = LLAMA_DRAFT | {
+    "hidden_size": 128,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 8192,
 }
 
 
@@ -80,14 +81,14 @@ TARGETS = {
     ],
     "quick": [
         Target("stories260K", None, note="real checkpoint, float32; draft llama2xs281K"),
-        Target("smollm2", SMOLLM2_QUICK, draft_vocab=4096, note="SmolLM2-135M, 4 of 30 layers"),
+        Target("smollm2", SMOLLM2_QUICK, draft_vocab=4096, note="SmolLM2-135M, 3 of 30 layers"),
         Target(
             "llama8b",
             LLAMA_QUICK,
             bits=4,
             draft=LLAMA_QUICK_DRAFT,
-            draft_vocab=8192,
-            note="stand-in: hidden 768, 6 layers, vocab 32768, 4-bit; small draft",
+            draft_vocab=2048,
+            note="stand-in: hidden 256, 4 layers, vocab 8192, 4-bit; draft: hidden 128, 2 layers",
         ),
     ],
 }
@@ -95,9 +96,10 @@ TARGETS = {
 # target's timed rounds stop (after one) at its share's end, a target after the budget is skipped.
 SETTINGS = {
     "full": ({"stories260K": 256, "smollm2": 128, "llama8b": 128}, 3, 420),
-    "quick": ({"stories260K": 128, "smollm2": 24, "llama8b": 24}, 2, 480),
+    "quick": ({"stories260K": 96, "smollm2": 24, "llama8b": 24}, 2, 480),
     "dry-run": ({"stories260K": 4}, 1, 60),
 }
+VERIFY_RUNS = {"full": 20, "quick": 5, "dry-run": 3}
 
 
 def write_random_folder(
