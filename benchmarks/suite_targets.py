@@ -16,7 +16,7 @@ from bench_verify_cost import LLAMA31_8B, SMOLLM2_135M
 from common import QWEN25_05B, SHARED
 from mlx.utils import tree_flatten
 
-from mlx_speculate.drafters import EagleTree
+from mlx_speculate.drafters import EagleGrowth
 from mlx_speculate.heads.eagle import EagleConfig, eagle_head, official_taps
 from mlx_speculate.loading import model_class
 
@@ -25,8 +25,8 @@ STORIES_DRAFT = SHARED / "models" / "llama2xs281K-llama"
 EAGLE_HEAD = SHARED / "models" / "stories260K-eagle3"
 PROMPT = "Once upon a time, there was a little girl named Lily. She"
 K = 4  # draft-model speculation's draft length (mlx-lm's default is 2; ours the same on both)
-STEP_SHAPES = {f"chain{k}": EagleTree.chain(k) for k in range(1, 5)} | {"tree60": EagleTree()}
-TRAINED_SHAPES = {"chain3": EagleTree.chain(3), "chain5": EagleTree.chain(5), "tree60": EagleTree()}
+STEP_SHAPES = {f"chain{k}": EagleGrowth.chain(k) for k in range(1, 5)} | {"tree60": EagleGrowth()}
+TRAINED_SHAPES = {"chain3": EagleGrowth.chain(3), "chain5": EagleGrowth.chain(5), "tree60": EagleGrowth()}
 VERIFY_ROWS = [1, 2, 3, 4, 5, 8, 16, 32, 64]
 GROUP = 64  # quantization group size, as mlx-lm's default
 
