@@ -26,7 +26,11 @@ EAGLE_HEAD = SHARED / "models" / "stories260K-eagle3"
 PROMPT = "Once upon a time, there was a little girl named Lily. She"
 K = 4  # draft-model speculation's draft length (mlx-lm's default is 2; ours the same on both)
 STEP_SHAPES = {f"chain{k}": EagleGrowth.chain(k) for k in range(1, 5)} | {"tree60": EagleGrowth()}
-TRAINED_SHAPES = {"chain3": EagleGrowth.chain(3), "chain5": EagleGrowth.chain(5), "tree60": EagleGrowth()}
+TRAINED_SHAPES = {
+    "chain3": EagleGrowth.chain(3),
+    "chain5": EagleGrowth.chain(5),
+    "tree60": EagleGrowth(),
+}
 VERIFY_ROWS = [1, 2, 3, 4, 5, 8, 16, 32, 64]
 GROUP = 64  # quantization group size, as mlx-lm's default
 
