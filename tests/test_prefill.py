@@ -155,7 +155,7 @@ def test_ctrl_c_during_prefill_exits_130_within_a_chunk(quantized, monkeypatch, 
     evaluation returns, before chunk 3."""
     model, tokenizer = quantized
     gated = Gated(model, on_chunk=lambda n: n == 2 and os.kill(os.getpid(), signal.SIGINT))
-    monkeypatch.setattr(generate, "_load", lambda *_: (gated, tokenizer))
+    monkeypatch.setattr(generate, "load_or_default", lambda *_: (gated, tokenizer))
     prompt = " ".join(f"w{i % 90}" for i in range(2000))
     code = generate.main(["--prompt", prompt, "--ignore-chat-template", "-m", "4"])
     err = capsys.readouterr().err
@@ -199,7 +199,7 @@ def test_verbose_reports_prompt_tokens_per_second(quantized, monkeypatch, capsys
     fall between 600 over the whole command's time and 600 over those 0.6 s."""
     model, tokenizer = quantized
     slowed = Gated(model, on_chunk=lambda _: time.sleep(0.2))
-    monkeypatch.setattr(generate, "_load", lambda *_: (slowed, tokenizer))
+    monkeypatch.setattr(generate, "load_or_default", lambda *_: (slowed, tokenizer))
     prompt = " ".join(f"w{i % 90}" for i in range(600))
     start = time.perf_counter()
     code = generate.main(["--prompt", prompt, "--ignore-chat-template", "-m", "2", "--verbose"])
