@@ -35,7 +35,7 @@ from ..sampling import SamplingParams
 from ..step import verify as verify_step
 from ..tree import Tree
 from ..verify import AcceptanceRule
-from .adaptive import DENSE, AdaptivePolicy, FixedPolicy, Policy, Prices, candidate_lengths
+from .adaptive import AdaptivePolicy, FixedPolicy, Policy, Prices, candidate_lengths
 from .costs import (
     CATCH_UP,
     MAX_AGE,
@@ -58,6 +58,7 @@ NEEDED_ROWS = 16  # verify rows measured past the budget where the longest draft
 QUICK_FORWARDS = 24  # the quick plan's budget for the verify curve, in one-row forwards
 PROPORTIONAL = 0.9  # rows dearer than this share of the rows before: the curve goes on so
 AGREE = 1.5  # one-row forwards before and after a quick point further apart: timed again
+NEGLIGIBLE = 0.05  # a quick point cheaper than this share of a one-row forward: none after it
 
 log = logging.getLogger(__name__)
 
@@ -218,8 +219,8 @@ def _rows(forward, rows: list[int], needed: int, decide, done) -> dict[int, floa
 
 def _quick_rows(forward, rows, needed: int, decide, done, beside: _Beside) -> dict[int, float]:
     """The quick verify curve, as ratios to a one-row forward: up to the rows `needed`, within
-    the budget, and no further once a doubling of the rows nearly doubles the cost (past its
-    last point the curve goes on in proportion, as it does then)."""
+    the budget, and no further once a doubling of the rows nearly doubles the cost, twice timed
+    (past its last point the curve goes on in proportion, as it does then)."""
     verify: dict[int, float] = {}
     for r in rows:
         if len(verify) >= 2 and (max(verify) >= needed or decide(beside.spent())):
@@ -227,16 +228,21 @@ def _quick_rows(forward, rows, needed: int, decide, done, beside: _Beside) -> di
         verify[r] = beside.ratio(forward(r)) if r > 1 else 1.0
         done()
         below = max((v for v in verify if v < r), default=r)
-        if r >= 4 and decide(verify[r] >= PROPORTIONAL * r / below * verify[below]):
-            break
+        proportional = PROPORTIONAL * r / below * verify[below]
+        # One slow run must not end the curve (carried on in proportion from there, a flat
+        # curve would price long drafts many times over): timed again first.
+        if r >= 2 and decide(verify[r] >= proportional):
+            verify[r] = min(verify[r], beside.ratio(forward(r), warm=False))
+            if decide(verify[r] >= proportional):
+                break
     return verify
 
 
 def _quick_sizes(sizes: Sequence[int]) -> list[int]:
-    """The draft lengths the quick plan times: the shortest, the longest dense one and the
-    longest (interpolated between)."""
-    dense = [k for k in sizes if k <= DENSE]
-    return sorted({sizes[0], dense[-1], sizes[-1]}) if dense else list(sizes[-1:])
+    """The draft lengths the quick plan times: the shortest and the longest, interpolated
+    between. Where that underprices the lengths between (an EAGLE tree's levels), decoding
+    corrects it as it pays them (adaptive.Prices); a price too high it would never pay."""
+    return sorted({sizes[0], sizes[-1]}) if sizes else []
 
 
 class _Beside:
@@ -253,11 +259,15 @@ class _Beside:
         self.anchors = [_once(one)]
         self.forwards = (time.perf_counter() - start) / self.anchors[0]
 
-    def ratio(self, run: Callable[[], object]) -> float:
+    def ratio(self, run: Callable[[], object], warm: bool = True) -> float:
         start = time.perf_counter()
-        run()  # warm-up (a new row bucket traces its graph)
+        if warm:
+            run()  # a new row bucket traces its graph
         for _ in range(2):
             seconds = _once(run)
+            if seconds < NEGLIGIBLE * self.anchors[-1]:  # a lookup's draft: no ratio to keep
+                before = after = self.anchors[-1]
+                break
             self.anchors.append(_once(self.one))
             before, after = self.anchors[-2:]
             if not self.decide(max(before, after) > AGREE * min(before, after)):
