@@ -86,7 +86,7 @@ class Prices:
     before it (the held size's around an explored one, plain steps around a re-check). Priced
     by absolute times, plain steps timed in a busy moment and drafting ones in a calm one
     (or the reverse) switched drafting on where it was slower than plain (or off where it
-    was three times faster)."""
+    paid)."""
 
     def __init__(self, costs: StepCosts, sizes: tuple[int, ...]):
         self.costs = costs
@@ -125,7 +125,7 @@ class Prices:
         self._recent.append((drafted, seconds))
         # Ratios to the prices as they are now (a size's first steps move its price at once),
         # of other sizes where two are at hand: steps of one size alone would confirm its
-        # price whatever it is (a calibrated one wrong by a third stayed so), and only move
+        # price whatever it is (a wrong calibrated one stayed wrong), and only move
         # the level once the size has a price of its own.
         ratios = [t / self.step[k] for k, t in self._recent]
         others = [r for (k, _), r in zip(self._recent, ratios, strict=True) if k != drafted]
