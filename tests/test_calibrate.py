@@ -151,3 +151,95 @@ def test_a_point_takes_its_least_time(monkeypatch):
     clock = iter([0.0, 0.05, 0.05, 0.06, 0.06, 0.09])  # runs of 0.05, 0.01, 0.03
     monkeypatch.setattr(measure.time, "perf_counter", lambda: next(clock))
     assert measure._time(lambda: None) == pytest.approx(0.01)
+
+
+class Clock:
+    """A fake `time.perf_counter` that forwards advance by what a cost curve says, slowed by
+    `load(call)` (the n-th forward), as another process would."""
+
+    def __init__(self, cost, load=lambda call: 1.0):
+        self.now, self.calls, self.cost, self.load = 0.0, 0, cost, load
+
+    def __call__(self) -> float:
+        return self.now
+
+    def forward(self, r: int):
+        def run():
+            self.calls += 1
+            self.now += self.cost(r) * self.load(self.calls)
+
+        return run
+
+
+def quick_rows(monkeypatch, clock: Clock, needed: int = 16) -> dict[int, float]:
+    monkeypatch.setattr(measure.time, "perf_counter", clock)
+    beside = measure._Beside(clock.forward(1))
+    return measure._quick_rows(clock.forward, list(ROWS), needed, bool, lambda: None, beside)
+
+
+def test_quick_rows_stop_where_the_curve_goes_on_in_proportion(monkeypatch):
+    # Every row a forward (a 4-bit model on a CPU): 1 and 2 rows (twice), then in proportion.
+    rows = quick_rows(monkeypatch, Clock(lambda r: 0.1 * r))
+    assert rows == pytest.approx({1: 1.0, 2: 2.0})  # ratios to one row
+    # Rows nearly free (float32 with BLAS): up to the rows the longest draft needs.
+    assert sorted(quick_rows(monkeypatch, Clock(lambda r: 0.1 + 0.001 * r))) == [1, 2, 4, 8, 16]
+    assert sorted(quick_rows(monkeypatch, Clock(lambda r: 0.1), needed=3)) == [1, 2, 4]
+    # One slow run at 4 rows on a flat curve (another process took the CPU): timed again.
+    clock = Clock(lambda r: 0.1, lambda call: 4.0 if call == 7 else 1.0)  # 4 rows' timed run
+    rows = quick_rows(monkeypatch, clock)
+    assert sorted(rows) == [1, 2, 4, 8, 16] and rows[4] == pytest.approx(1.0)
+
+
+def test_quick_rows_keep_within_their_budget(monkeypatch):
+    # Half a row's cost per row, so never in proportion: the budget of one-row forwards ends it.
+    clock = Clock(lambda r: 0.1 * (1 + 0.5 * r))
+    rows = quick_rows(monkeypatch, clock, needed=64)
+    assert 4 <= max(rows) < 64
+    # Within budget before the last point (a 32-row one: 2 runs of 17 one-row forwards and
+    # a one-row one after them, in one-row forwards at 0.15 s).
+    last = 2 * 0.1 * (1 + 0.5 * max(rows)) + 0.15
+    assert clock.now - last <= measure.QUICK_FORWARDS * 0.15
+
+
+def test_quick_rows_are_ratios_to_a_forward_beside_them(monkeypatch):
+    # The machine four times slower from the 4th forward on (the 2-row point's timed run): the
+    # points are priced against one-row forwards timed in the same phase.
+    cost = lambda r: 0.1 * (1 + 0.1 * r)  # noqa: E731 (rows nearly free)
+    rows = quick_rows(monkeypatch, Clock(cost, lambda call: 4.0 if call > 3 else 1))
+    assert rows == pytest.approx({r: cost(r) / cost(1) for r in (1, 2, 4, 8, 16)})
+
+
+def test_first_use_is_quick_says_so_and_calibrate_measures_again(
+    calibration_dir, caplog, monkeypatch
+):
+    model = tiny_model()
+    counting = Counting(monkeypatch)
+    drafter = make_drafter(LookupSpec(), model)
+    sizes = (1, 2, 3, 4, 5, 6, 7, 8, 12, 18, 24)
+    with caplog.at_level("WARNING", logger="mlx_speculate.policy.measure"):
+        quick = load_costs(model, drafter, sizes, progress=False, quick=True)
+    notice = [r.getMessage() for r in caplog.records]
+    assert len(notice) == 1 and str(calibration_dir) in notice[0]
+    assert "python -m mlx_speculate.calibrate" in notice[0]
+    assert sorted(quick.draft) == [1, 24]  # interpolated between
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mlx_speculate.policy.measure"):
+        assert load_costs(model, drafter, sizes, progress=False, quick=True) == quick
+        assert counting.calls == 1
+        thorough = load_costs(model, drafter, sizes, progress=False)  # the CLI's plan
+        assert counting.calls == 2 and sorted(thorough.draft) != [1, 24]
+        assert load_costs(model, drafter, sizes, progress=False, quick=True) == thorough
+        assert load_costs(model, drafter, sizes, progress=False) == thorough
+    assert counting.calls == 2 and not caplog.records  # the thorough plan says nothing
+
+
+def test_the_server_calibrates_its_method_before_requests(monkeypatch):
+    from mlx_speculate.server.sessions import SessionPool
+
+    counting = Counting(monkeypatch)
+    pool = SessionPool(tiny_model(), None, LookupSpec())
+    assert counting.calls == 1 and set(pool.policies) == {LookupSpec.method}
+    pool.acquire(LookupSpec.method, [1, 2, 3])
+    assert counting.calls == 1
+    SessionPool(tiny_model(), None)  # plain by default: prompt lookup calibrates on first use
+    assert counting.calls == 1

@@ -54,16 +54,19 @@ def candidate_lengths(max_k: int) -> tuple[int, ...]:
 PRIOR = 2.0  # weight, in steps, of the prior behind each estimate
 PROBE_BUDGET = 0.02  # share of plain decoding time that re-checking a switched-off drafter costs
 SEEN = 9  # recent step times whose median prices a size: a compile or a pause is one outlier
+LEVEL = 5  # recent priced steps whose median ratio to their prices is the load now
+SPREAD = 2.0  # other sizes' ratios further apart than this: the load moved, no price
 TRUSTED = 3  # steps at a size before their times replace its calibrated price
 SWITCH_GAIN = 0.05  # how much faster another drafting size must look to move to it
 CARRIED = 8.0  # steps' weight of a drafter's last generation in the next one's acceptance
 
 
 class Prices:
-    """Seconds a step drafting k costs, for each of `sizes`: first as calibrated (`StepCosts`),
-    then as decoding pays them, which is more than the calibration sees (a fused EAGLE step
-    also runs the head over the accepted path and grows the next tree; a drafter back from
-    plain steps catches up first) or less (a plain step overlaps the one before). A size with
+    """Seconds a step drafting k costs at the calibration's load (`seconds`: at the load now),
+    for each of `sizes`: first as calibrated (`StepCosts`), then as decoding pays them, which
+    is more than the calibration sees (a fused EAGLE step also runs the head over the accepted
+    path and grows the next tree; a drafter back from plain steps catches up first) or less (a
+    plain step overlaps the one before). A size with
     `TRUSTED` recent steps costs their median; any other drafting size its calibrated cost
     plus the median amount by which recent drafting steps exceeded theirs. The first drafting
     step after plain ones prices the catch-up instead (its time over its size's price, a
@@ -74,7 +77,16 @@ class Prices:
     a step several times a steady one). A generation's first step is beside nothing. A step
     that traced a graph comes with no time (`decode.Step.traced`). A property of the machine,
     model and drafter, unlike acceptance: `default_policy` shares one between the generations
-    of a drafter, and between drafters over the same weights."""
+    of a drafter, and between drafters over the same weights.
+
+    Prices are held at the calibration's load: other processes slow every size alike, for
+    tens of steps at a time, so each priced step's time is first divided by the `level`, the
+    median ratio of the last `LEVEL` priced steps' times to their prices. Steps of one size
+    alone only move the level; a size's price moves against steps of other sizes timed just
+    before it (the held size's around an explored one, plain steps around a re-check). Priced
+    by absolute times, plain steps timed in a busy moment and drafting ones in a calm one
+    (or the reverse) switched drafting on where it was slower than plain (or off where it
+    paid)."""
 
     def __init__(self, costs: StepCosts, sizes: tuple[int, ...]):
         self.costs = costs
@@ -86,6 +98,12 @@ class Prices:
         self._excess: deque[float] = deque(maxlen=SEEN)  # drafting steps: seen - calibrated
         self._catch_ups: deque[float] = deque(maxlen=SEEN)
         self.catch_up = costs.catch_up  # a drafting step's extra cost after plain ones
+        self._recent: deque[tuple[int, float]] = deque(maxlen=LEVEL)  # (k, seconds) priced
+        self.level = 1.0  # how much slower steps run now than when calibrated
+
+    def seconds(self, k: int) -> float:
+        """What a step drafting k costs at the load now."""
+        return self.step[k] * self.level
 
     def trusted(self, k: int) -> bool:
         """Whether the price of k comes from steps decoding paid."""
@@ -100,10 +118,23 @@ class Prices:
         catch_up = drafted > 0 and after_plain
         if seconds <= 0 or drafted not in self.calibrated or (switched and not catch_up):
             return
-        if catch_up:
-            self._catch_ups.append(seconds - self.step[drafted])  # noise either way
+        if catch_up:  # at the level of the plain steps before it
+            self._catch_ups.append(seconds / self.level - self.step[drafted])  # noise either way
             self.catch_up = max(0.0, median(self._catch_ups))
             return
+        self._recent.append((drafted, seconds))
+        # Ratios to the prices as they are now (a size's first steps move its price at once),
+        # of other sizes where two are at hand: steps of one size alone would confirm its
+        # price whatever it is (a wrong calibrated one stayed wrong), and only move
+        # the level once the size has a price of its own.
+        ratios = [t / self.step[k] for k, t in self._recent]
+        others = [r for (k, _), r in zip(self._recent, ratios, strict=True) if k != drafted]
+        self.level = median(others if len(others) >= 2 else ratios)
+        if len(others) < 2 and self.trusted(drafted):
+            return
+        if len(others) >= 2 and max(others) > SPREAD * min(others):
+            return  # the load changed within the window: no level to price against
+        seconds /= self.level
         seen = self._seen.setdefault(drafted, deque(maxlen=SEEN))
         seen.append(seconds)
         if len(seen) >= TRUSTED:

@@ -70,8 +70,15 @@ class SessionPool:
         }
         self.max_draft = {name: drafter.max_draft for name, drafter in drafters.items()}
         # One draft-length policy per method, shared by its sessions and kept across requests:
-        # the costs and acceptance it measured hold for the next conversation too.
+        # the costs and acceptance it measured hold for the next conversation too. The
+        # configured method's is built now, calibrating its costs (when none are cached)
+        # before the server takes requests rather than inside the first one.
         self.policies: dict[str, Policy] = {}
+        if self.default != NONE:
+            spec = self.methods[self.default]
+            self.policies[self.default] = shared_policy(
+                drafters[self.default], model, spec.num_draft_tokens, group
+            )
         self._entries: list[Entry] = []  # least recently used first
 
     def acquire(self, method: str, tokens: list[int]) -> Entry:
