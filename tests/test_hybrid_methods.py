@@ -1,7 +1,7 @@
-"""Every method on a hybrid target (Qwen3.5 / Qwen3-Next): sampling with a draft model follows
-the target's exact marginals, EAGLE chains are lossless (EAGLE trees refused in one line),
-`Session` keeps the recurrent state right across turns, and the server answers chat turns
-that share a prefix as plain greedy decoding does."""
+"""Every method on a hybrid target (Qwen3-Next, Qwen3.5, Qwen3.5-MoE): sampling with a draft
+model follows the target's exact marginals, EAGLE chains are lossless (EAGLE trees refused in
+one line), `Session` keeps the recurrent state right across turns, and the server answers chat
+turns that share a prefix as plain greedy decoding does."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from mlx_speculate.drafters.lookup import LookupSpec
 from mlx_speculate.generation import Session, stream_generate
 from mlx_speculate.loading import build_model, load
 from mlx_speculate.policy.adaptive import FixedPolicy
+from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.tree import Tree
 
 from .helpers import (
@@ -30,7 +31,7 @@ from .helpers import (
 )
 from .markov import StubTokenizer, assert_follows_marginal
 from .serving import serve
-from .test_hybrid import GREEDY, VOCAB, save_hf, tiny_hybrid
+from .test_hybrid import FAMILIES, GREEDY, VOCAB, save_hf, tiny_hybrid
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
 
@@ -41,12 +42,10 @@ def llama_draft(seed: int = 3):
     return build_model(cfg, random_weights(cfg, seed=seed))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
+@pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_sampling_with_a_draft_model_follows_the_target(model_type):
     """At temperature 1 the first and second tokens of many generations, drafted by a Llama
     that is often rejected, follow the hybrid target's exact marginals (Pearson's test)."""
-    from mlx_speculate.sampling import SamplingParams
-
     mx.random.seed(0)
     target, draft = tiny_hybrid(model_type), llama_draft()
     decoder = Decoder(target, DraftModelDrafter(draft, VOCAB))
@@ -67,7 +66,7 @@ def eagle_heads(target):
     }
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
+@pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_eagle_chains_equal_greedy_and_trees_are_refused(model_type):
     """Random EAGLE-1 and EAGLE-3 heads drafting chains: greedy output equals plain greedy
     decoding token for token (through the decoder and `stream_generate`); an EAGLE tree is
@@ -124,7 +123,7 @@ def tokens_of(responses) -> list[int]:
     return [r.token for r in responses]
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
+@pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_session_turns_keep_the_recurrent_state_right(model_type):
     """With prompt lookup on, and with a drafter whose drafts are partly accepted, each turn
     of one `Session` (the next turn extending the last context, then one that goes back into
