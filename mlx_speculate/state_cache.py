@@ -176,7 +176,7 @@ class HybridCache(KVCache):
 
     def reserve(self, length: int) -> None:
         super().reserve(length)
-        like = self.like
+        like = self.likes[0]  # one shape for all attention layers: it gives batch and dtype
         if like is not None:
             s, batch = self.shape, like.shape[0]
             for r, conv in enumerate(self.conv):
