@@ -1,8 +1,9 @@
 """Shared benchmark plumbing: BLAS choice, model folders, timing summaries.
 
-On Linux the `mlx[cpu]` wheel runs float32 matmuls on reference BLAS (~2 GFLOP/s here).
-`--openblas` loads Debian's OpenBLAS (`apt-get install libopenblas0-pthread`) before MLX,
-which the benchmarks report in their header; it is never loaded silently.
+On Linux the `mlx[cpu]` wheel runs float32 matmuls on reference BLAS; importing
+`mlx_speculate` loads the system's OpenBLAS before MLX (`mlx_speculate/blas.py`,
+`MLX_SPECULATE_OPENBLAS=0` keeps the wheel's). `--openblas PATH` loads another OpenBLAS first;
+the benchmarks report which BLAS ran in their header.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -60,11 +60,9 @@ def setup_blas(path: str | None) -> str:
             raise SystemExit(f"{path} not found: apt-get install libopenblas0-pthread")
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         return f"OpenBLAS ({path})"
-    if os.environ.get("LD_PRELOAD", "").find("openblas") >= 0:
-        return f"OpenBLAS via LD_PRELOAD ({os.environ['LD_PRELOAD']})"
-    if platform.system() == "Darwin":
-        return "Accelerate (macOS)"
-    return "MLX wheel default (reference BLAS on Linux; pass --openblas for OpenBLAS)"
+    from mlx_speculate import blas  # importing the package loads the system's OpenBLAS
+
+    return blas.BLAS
 
 
 def header(title: str, blas: str) -> None:

@@ -7,6 +7,11 @@ import sys
 import types
 from typing import TYPE_CHECKING
 
+from . import blas
+
+# Before any module imports MLX: its float32 matmuls then run on the system's OpenBLAS.
+blas.load_openblas()
+
 # Imported on first use, so that `python -m mlx_speculate.convert` does not pay for them.
 _EXPORTS = {
     "GenerationResponse": "generation",

@@ -177,12 +177,16 @@ def _load(model: str | None, dtype: str | None, split: Split | None = None):
 def _print_stats(response: GenerationResponse, dtype, spec) -> None:
     import mlx.core as mx
 
+    from . import blas
+
+    device = mx.default_device().type.name
+    matmuls = f" (float32 matmuls: {blas.BLAS})" if device == "cpu" else ""
     print("=" * 10, file=sys.stderr)
     print(
         f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.1f} tokens-per-sec\n"
         f"Generation: {response.generation_tokens} tokens, "
         f"{response.generation_tps:.1f} tokens-per-sec\n"
-        f"Compute: {str(dtype).removeprefix('mlx.core.')} on the {mx.default_device().type.name}\n"
+        f"Compute: {str(dtype).removeprefix('mlx.core.')} on the {device}{matmuls}\n"
         f"Peak memory: {response.peak_memory:.3f} GB",
         file=sys.stderr,
     )
