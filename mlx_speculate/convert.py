@@ -8,7 +8,7 @@ The output is what `mlx_lm.convert` writes, so both this package and mlx-lm load
 `model.safetensors` or shards with `model.safetensors.index.json`, and the tokenizer files.
 The folder is staged beside DST and renamed into place (`atomic.py`); DST is checked to be
 writable before the source is read, and `--overwrite` replaces only a model folder (or an
-empty one.
+empty one); without it the final rename refuses a DST that another writer made meanwhile.
 
 A GGUF source (llama, qwen2, qwen3, phi3, gemma3) converted with -q keeps llama.cpp's own
 Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/TQ1_0/TQ2_0 tensors bit for bit (MLX's affine quantization at
@@ -183,7 +183,13 @@ def convert(
             _copy_tokenizer(src, tmp)
         if onto_itself:  # keep what the conversion does not write (README, heads, ...)
             carry_over(dst, tmp, skip=MODEL_FILES)
-        move_into_place(tmp, dst)
+        try:
+            move_into_place(tmp, dst, replace=overwrite)
+        except FileExistsError:  # made by another writer since check_destination
+            raise FileExistsError(
+                f"{dst} already exists: another process wrote it meanwhile "
+                "(pass --overwrite to replace it)"
+            ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
