@@ -19,7 +19,6 @@ seconds on first use, with a progress bar.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -344,7 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .loading import DTYPES
     from .policy import candidate_lengths
 
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         prog=cli.prog("mlx_speculate.calibrate"),
         description="Measure (or show the cached) verify and draft costs of a model on this "
         "machine: what the adaptive policy chooses draft lengths with.",

@@ -36,7 +36,7 @@ from . import cli
 from .atomic import carry_over, check_space, check_writable, move_into_place, staging_folder
 from .checkpoint import quantize_model, write_safetensors
 from .gguf_arch import ARCHITECTURES
-from .loading import DTYPES, build_model, load_config, load_weights, resolve_path
+from .loading import DTYPES, build_model, is_gguf, load_config, load_weights, resolve_path
 from .models import MODEL_TYPES
 from .models.gemma3 import mlx_lm_layout
 from .models.rope import rope_both_forms
@@ -88,6 +88,8 @@ def convert(
     `overwrite` replaces only a model folder or an empty one; converting a folder onto itself
     keeps the files the conversion does not write (a README, heads, ...).
     """
+    if not quantize and (q_bits is not None or q_group_size is not None):
+        raise ValueError("q_bits and q_group_size need quantize=True")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
     if quantize and q_bits is not None and q_bits not in Q_BITS:
@@ -100,7 +102,7 @@ def convert(
     src = Path(hf_path).expanduser()
     onto_itself = src.is_dir() and dst.is_dir() and src.resolve() == dst.resolve()
     check_destination(dst, overwrite)
-    gguf = src.suffix == ".gguf"
+    gguf = src.suffix == ".gguf" or is_gguf(src)  # the magic bytes, whatever the name
     kept = None  # the GGUF's own quantization, in config.json form
     if gguf:
         if not src.is_file():
@@ -307,7 +309,7 @@ def _copy_tokenizer(src: Path, out: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         prog=cli.prog("mlx_speculate.convert"),
         description=(
             "Convert a Hugging Face checkpoint (local folder or hub id) or a GGUF file "
@@ -377,7 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    given = [flag for flag, value in (("--q-bits", args.q_bits), ("--q-group-size",
+             args.q_group_size)) if value is not None]  # fmt: skip
+    if given and not args.quantize:
+        parser.error(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} -q")
     try:
         convert(
             args.hf_path,

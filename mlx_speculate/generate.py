@@ -33,7 +33,7 @@ UTF-8 text; bytes that are not are an error. On MLX's CPU backend models compute
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         prog=cli.prog("mlx_speculate.generate"),
         description="Generate text with an MLX model, optionally with speculative decoding.",
         epilog=EXAMPLES,
@@ -148,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print()
         return cli.fail(e)
     if response.finish_reason == "context":
-        print(f"note: stopped after {response.generation_tokens} tokens: the model's context "
+        n = response.generation_tokens
+        print(f"note: stopped after {n} token{'' if n == 1 else 's'}: the model's context "
               f"of {model.args.max_position_embeddings} tokens is full", file=sys.stderr)
     if args.verbose and (group is None or group.rank() == 0):
         _print_stats(response, model.compute_dtype, spec)

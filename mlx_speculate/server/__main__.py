@@ -32,7 +32,7 @@ PORT = cli.bounded(int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         prog=cli.prog("mlx_speculate.server"),
         description="OpenAI- and Anthropic-compatible HTTP server with lossless speculative "
         "decoding.",

@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..chat import apply_chat_template, has_chat_template
+from ..cli import os_error
 from ..models.base import CausalLM
 from ..models.context import additive_mask
 from ..sampling import SamplingParams, pick
@@ -45,7 +46,9 @@ def read_prompts(path: str | Path) -> list[str | list[dict[str, str]]]:
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
+        raise ValueError(f"cannot read the prompt file: {os_error(e)}") from None
+    except UnicodeDecodeError as e:
         raise ValueError(f"cannot read the prompt file {path}: {e}") from None
     try:
         if path.suffix == ".jsonl":

@@ -32,6 +32,7 @@ from .loop import TrainConfig, train
 from .objectives import eagle1_loss, eagle3_loss, medusa_loss
 
 KINDS = ("eagle1", "eagle3", "medusa")
+DRAFT_VOCAB = 32000  # EAGLE-3's default draft vocabulary, or the whole one where smaller
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class Recipe:
     sample_prefix: int = 16  # self samples: tokens drawn at T=1 before answering at temperature
     data_batch: int = 16  # prompts answered together (a self sample depends on its batch)
     top_k: int = 16  # target logits kept per token
-    draft_vocab: int = 32000  # EAGLE-3: the most frequent answer tokens
+    draft_vocab: int | None = None  # EAGLE-3: the most frequent answer tokens (DRAFT_VOCAB)
     taps: tuple[int, ...] | None = None  # EAGLE-3 (None: layers 2, L//2, L-3; see _taps)
     ttt_steps: int = 7  # EAGLE-3's training-time test
     intermediate_size: int | None = None  # EAGLE: the draft layer's MLP width (None: target's)
@@ -56,7 +57,8 @@ class Recipe:
         if self.kind not in KINDS:
             raise ValueError(f"head kind {self.kind!r} is unknown (known: {', '.join(KINDS)})")
         width = 1 if self.intermediate_size is None else self.intermediate_size
-        if min(self.max_tokens, self.top_k, self.draft_vocab, self.ttt_steps, self.data_batch,
+        draft = 1 if self.draft_vocab is None else self.draft_vocab
+        if min(self.max_tokens, self.top_k, draft, self.ttt_steps, self.data_batch,
                width) < 1:  # fmt: skip
             raise ValueError(
                 "max_tokens, top_k, draft_vocab, ttt_steps, data_batch and intermediate_size "
@@ -102,12 +104,18 @@ def train_head(
         raise ValueError("give prompts or self_samples (not both)")
     texts = read_prompts(prompts) if prompts is not None else []
     cache = Path(cache) if cache is not None else out.with_name(out.name + ".cache")
-    cache.mkdir(parents=True, exist_ok=True)
     if isinstance(model, CausalLM):
         target, tokenizer = model, model.origin.tokenizer
     else:
         target, tokenizer = load(model)
     taps = _taps(kind, target, recipe.taps)
+    vocab = target.args.vocab_size
+    if kind == "eagle3" and recipe.draft_vocab is not None and recipe.draft_vocab > vocab:
+        raise ValueError(
+            f"draft vocabulary {recipe.draft_vocab} is larger than the target's vocabulary "
+            f"of {vocab} tokens (it must be <= {vocab})"
+        )
+    cache.mkdir(parents=True, exist_ok=True)
     seconds: dict[str, float] = {}
     with roomy_cache():  # the stages' vocabulary-wide arrays outgrow MLX's CPU buffer cache
         start = time.perf_counter()
@@ -218,7 +226,7 @@ def build(kind: str, target: CausalLM, features: Features, recipe: Recipe,
         layer = _layer(target, None, recipe.intermediate_size)
         head = Eagle1Head(EagleConfig(version=1, layer=layer))
         return head, eagle1_loss, (embed, lm_head)
-    draft = min(recipe.draft_vocab, vocab)
+    draft = min(DRAFT_VOCAB, vocab) if recipe.draft_vocab is None else recipe.draft_vocab
     layer = _layer(target, 10000.0, recipe.intermediate_size)
     config = EagleConfig(version=3, layer=layer, taps=taps,
                          draft_vocab_size=None if draft == vocab else draft)  # fmt: skip
