@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         f"wrote {result.out}: held-out top-1 {result.held_out_top1:.1%} ({times}; "
         f"{result.tokens} tokens, {result.bytes_per_token:.0f} bytes a token cached)"
     )
+    for stage, peak in result.peaks.items():
+        print(f"  {stage}: {peak.describe()}")
     return 0
 
 

@@ -122,8 +122,10 @@ def answer(
     allowed = causal & (real[:, None, :] | mx.eye(longest, dtype=mx.bool_))  # (B, P, P)
     tokens = mx.array([[0] * (longest - len(p)) + list(p) for p in prompts])  # (B, P)
     cache = model.make_cache()
-    logits = model(tokens, cache, positions=mx.maximum(cols - pads, 0),
-                   mask=additive_mask(allowed, dtype)[:, None]).logits[:, -1]  # fmt: skip
+    out = model(tokens, cache, positions=mx.maximum(cols - pads, 0),
+                mask=additive_mask(allowed, dtype)[:, None])  # fmt: skip
+    # Only the last position is projected: the (B, P, vocabulary) logits are never evaluated.
+    logits = model.project(out.hidden[:, -1])  # (B, V)
     rows: list[list[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))  # the prompt each batch row answers
     while True:

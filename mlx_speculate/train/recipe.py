@@ -10,8 +10,11 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,9 +32,13 @@ from ..models.base import CausalLM
 from .data import make_data, read_prompts
 from .features import Features, make_features
 from .loop import TrainConfig, train
+from .memory import Peak, measured
 from .objectives import eagle1_loss, eagle3_loss, medusa_loss
 
 KINDS = ("eagle1", "eagle3", "medusa")
+# MLX's buffer cache while training: a step's arrays are reused instead of faulted in again
+# (the CPU allocator keeps 32 MB), but a bound, or each new batch shape's stays resident.
+TRAIN_CACHE = 1 << 30
 DRAFT_VOCAB = 32000  # EAGLE-3's default draft vocabulary, or the whole one where smaller
 
 
@@ -79,6 +86,7 @@ class Result:
     history: list[dict[str, Any]]
     tokens: int  # conversation tokens in the feature cache
     bytes_per_token: float  # the feature cache's disk cost
+    peaks: dict[str, Peak]  # memory per stage
 
 
 def train_head(
@@ -117,28 +125,41 @@ def train_head(
         )
     cache.mkdir(parents=True, exist_ok=True)
     seconds: dict[str, float] = {}
-    with roomy_cache():  # the stages' vocabulary-wide arrays outgrow MLX's CPU buffer cache
+    peaks: dict[str, Peak] = {}
+
+    @contextmanager
+    def stage(name: str) -> Iterator[None]:
         start = time.perf_counter()
+        with measured(peaks, name):
+            yield
+        seconds[name] = time.perf_counter() - start
+        if progress:
+            print(f"{name}: {seconds[name]:.1f} s, {peaks[name].describe()}", flush=True)
+
+    with stage("data"):
         data = make_data(target, tokenizer, cache, prompts=texts, self_samples=recipe.self_samples,
                          sample_prefix=recipe.sample_prefix, max_tokens=recipe.max_tokens,
                          temperature=recipe.temperature, seed=recipe.train.seed,
                          batch=recipe.data_batch, progress=progress)  # fmt: skip
-        seconds["data"] = time.perf_counter() - start
-        start = time.perf_counter()
+    with stage("features"):
         width = target.args.hidden_size * max(1, len(taps))
         what = "taps-" + "-".join(map(str, taps)) if taps else "final"
         features = make_features(target, data, cache / f"features-{what}", taps, width,
                                  recipe.top_k, progress)  # fmt: skip
-        seconds["features"] = time.perf_counter() - start
-        start = time.perf_counter()
-        head, loss_fn, frozen = build(kind, target, features, recipe, taps)
+    del data
+    source = str(target.origin.folder or "")
+    head, loss_fn, frozen = build(kind, target, features, recipe, taps)
+    # Training reads the target's embedding and lm_head only (in `frozen`): a target loaded
+    # here is released, its layers' weights with it.
+    del target
+    gc.collect()
+    with stage("train"), roomy_cache(TRAIN_CACHE):
         state = train(head, loss_fn, frozen, features, cache / f"train-{kind}", recipe.train,
                       progress)  # fmt: skip
         if kind == "medusa":
-            save_medusa1(head, out, str(target.origin.folder or ""))
+            save_medusa1(head, out, source)
         else:
             save_official(head, out, recipe.layout)
-        seconds["train"] = time.perf_counter() - start
     (out / "training.json").write_text(
         json.dumps(
             {"recipe": asdict(recipe), "seconds": seconds, "history": state.history},
@@ -147,7 +168,7 @@ def train_head(
         )  # fmt: skip
     )
     n = features.tokens.shape[0]
-    return Result(out, seconds, state.best, state.history, n, features.nbytes / max(1, n))
+    return Result(out, seconds, state.best, state.history, n, features.nbytes / max(1, n), peaks)
 
 
 def _taps(kind: str, target: CausalLM, taps: tuple[int, ...] | None) -> tuple[int, ...]:
