@@ -1,8 +1,11 @@
 """Shared benchmark plumbing: BLAS choice, model folders, timing summaries.
 
-On Linux the `mlx[cpu]` wheel runs float32 matmuls on reference BLAS (~2 GFLOP/s here).
-`--openblas` loads Debian's OpenBLAS (`apt-get install libopenblas0-pthread`) before MLX,
-which the benchmarks report in their header; it is never loaded silently.
+On Linux the `mlx[cpu]` wheel runs float32 matmuls on reference BLAS; importing
+`mlx_speculate` (this module does) loads the system's OpenBLAS before MLX
+(`mlx_speculate/blas.py`). `--openblas PATH` with `MLX_SPECULATE_OPENBLAS=0` loads another one;
+the benchmarks report which BLAS ran in their header. Models and data go under
+$MLX_SPECULATE_BENCH_DIR, else the package's cache ($MLX_SPECULATE_CACHE, else
+~/.cache/mlx_speculate).
 """
 
 from __future__ import annotations
@@ -11,21 +14,17 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
 from pathlib import Path
 
+from mlx_speculate import blas
+from mlx_speculate.default_model import cache_dir
+
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 SHARED = Path(__file__).resolve().parents[2] / "shared"
-# Converted models: $MLX_SPECULATE_BENCH_DIR, else the package's cache (default_model.cache_dir,
-# not imported here: mlx must not load before setup_blas).
-CACHE = Path(
-    os.environ.get("MLX_SPECULATE_BENCH_DIR")
-    or os.environ.get("MLX_SPECULATE_CACHE")
-    or Path.home() / ".cache/mlx_speculate"
-).expanduser()
+CACHE = Path(os.environ.get("MLX_SPECULATE_BENCH_DIR") or cache_dir()).expanduser()
 
 # Qwen2.5-0.5B's shapes (random weights: speed only, text is noise).
 QWEN25_05B = {
@@ -53,24 +52,27 @@ def add_blas_argument(parser: argparse.ArgumentParser) -> None:
         const=OPENBLAS,
         default=None,
         metavar="PATH",
-        help=f"load OpenBLAS before MLX for float32 matmuls (default path {OPENBLAS})",
+        help=f"load this OpenBLAS before MLX for float32 matmuls (default path {OPENBLAS}; "
+        f"importing mlx_speculate loads the system's unless {blas.VARIABLE}=0)",
     )
 
 
 def setup_blas(path: str | None) -> str:
-    """Loads OpenBLAS when asked (must run before `import mlx`); returns a description."""
-    if "mlx.core" in sys.modules and path:
+    """Loads the OpenBLAS at `path` when asked and the package has not loaded one (must run
+    before `import mlx`); returns a description of the BLAS that runs."""
+    if not path or blas.BLAS == f"OpenBLAS ({path})":
+        return blas.BLAS
+    if "mlx.core" in sys.modules:
         raise RuntimeError("OpenBLAS must be loaded before mlx is imported")
-    if path:
-        if not Path(path).exists():
-            raise SystemExit(f"{path} not found: apt-get install libopenblas0-pthread")
-        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        return f"OpenBLAS ({path})"
-    if os.environ.get("LD_PRELOAD", "").find("openblas") >= 0:
-        return f"OpenBLAS via LD_PRELOAD ({os.environ['LD_PRELOAD']})"
-    if platform.system() == "Darwin":
-        return "Accelerate (macOS)"
-    return "MLX wheel default (reference BLAS on Linux; pass --openblas for OpenBLAS)"
+    if blas.BLAS.startswith("OpenBLAS"):
+        raise SystemExit(
+            f"--openblas {path}: importing mlx_speculate loaded {blas.BLAS} already; "
+            f"set {blas.VARIABLE}=0 to load another one"
+        )
+    if not Path(path).exists():
+        raise SystemExit(f"{path} not found: apt-get install libopenblas0-pthread")
+    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    return f"OpenBLAS ({path})"
 
 
 def header(title: str, blas: str) -> None:

@@ -7,27 +7,43 @@ import sys
 import types
 from typing import TYPE_CHECKING
 
+from . import blas
+
+# Before any module imports MLX: its float32 matmuls then run on the system's OpenBLAS.
+blas.load_openblas()
+
 # Imported on first use, so that `python -m mlx_speculate.convert` does not pay for them.
 _EXPORTS = {
     "GenerationResponse": "generation",
+    "Session": "generation",
     "SpeculativeStats": "generation",
     "generate": "generation",
     "stream_generate": "generation",
     "load": "loading",
+    "make_drafter": "drafters",
     "SamplingParams": "sampling",
 }
 
 if TYPE_CHECKING:
-    from .generation import GenerationResponse, SpeculativeStats, generate, stream_generate
+    from .drafters import make_drafter
+    from .generation import (
+        GenerationResponse,
+        Session,
+        SpeculativeStats,
+        generate,
+        stream_generate,
+    )
     from .loading import load
     from .sampling import SamplingParams
 
 __all__ = [
     "GenerationResponse",
     "SamplingParams",
+    "Session",
     "SpeculativeStats",
     "generate",
     "load",
+    "make_drafter",
     "stream_generate",
 ]
 

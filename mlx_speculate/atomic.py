@@ -10,13 +10,18 @@ keeps a leftover: the safe direction.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
 import fnmatch
 import json
 import os
+import platform
 import shutil
 import socket
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 MARKER = ".mlx_speculate-writer"
@@ -31,10 +36,16 @@ def staging_folder(dst: Path) -> Path:
     return tmp
 
 
-def move_into_place(tmp: Path, dst: Path) -> None:
+def move_into_place(tmp: Path, dst: Path, replace: bool = True) -> None:
     """Renames the staging folder `tmp` to `dst`; an existing `dst` is moved aside first and
-    removed after, so `dst` is at every moment either the old or the new folder."""
+    removed after, so `dst` is at every moment either the old or the new folder. Without
+    `replace`, a `dst` that exists by now (another writer's, even an empty folder) is a
+    FileExistsError and stays as it is: a check made before the work cannot see a writer that
+    finished in the meantime, only the rename itself can."""
     (tmp / MARKER).unlink(missing_ok=True)
+    if not replace:
+        rename_no_replace(tmp, dst)
+        return
     old = None
     if dst.exists() or dst.is_symlink():
         old = _marked_folder(dst, "old") / "old"
@@ -48,6 +59,62 @@ def move_into_place(tmp: Path, dst: Path) -> None:
         raise
     if old is not None:
         shutil.rmtree(old.parent, ignore_errors=True)
+
+
+def rename_no_replace(src: Path, dst: Path) -> None:
+    """Renames `src` to `dst` in one step that fails with FileExistsError when `dst` exists:
+    `renameat2(RENAME_NOREPLACE)` on Linux, `renamex_np(RENAME_EXCL)` on macOS. Where neither
+    is there (another system, a file system without it), an exclusive lock on the parent
+    folder around a check and `os.rename` keeps this package's writers apart."""
+    done = _native_no_replace(src, dst)
+    if done is None:
+        with _locked(dst.parent):
+            if dst.exists() or dst.is_symlink():
+                done = errno.EEXIST
+            else:
+                os.rename(src, dst)
+                done = 0
+    if done == errno.EEXIST:
+        raise FileExistsError(f"{dst} already exists")
+    if done != 0:
+        raise OSError(f"cannot rename {src} to {dst}: {os.strerror(done)}")
+
+
+def _native_no_replace(src: Path, dst: Path) -> int | None:
+    """0 once renamed, else the errno; None where no native call can do it."""
+    system = platform.system()
+    if system not in _NO_REPLACE:
+        return None
+    name, flag = _NO_REPLACE[system]
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        call = getattr(libc, name)
+    except AttributeError:  # an older C library
+        return None
+    paths = [os.fsencode(src), os.fsencode(dst)]
+    if name == "renameat2":
+        result = call(_AT_FDCWD, paths[0], _AT_FDCWD, paths[1], ctypes.c_uint(flag))
+    else:
+        result = call(paths[0], paths[1], ctypes.c_uint(flag))
+    if result == 0:
+        return 0
+    error = ctypes.get_errno()
+    return None if error in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP) else error
+
+
+_AT_FDCWD = -100
+# system -> (C function, its no-replace flag)
+_NO_REPLACE = {"Linux": ("renameat2", 1), "Darwin": ("renamex_np", 0x4)}
+
+
+@contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def install_file(staged: Path, dst: Path) -> None:

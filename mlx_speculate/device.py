@@ -5,9 +5,10 @@
 - The wired memory limit raised to the model's size while generating, so Metal keeps the
   weights resident (only where Metal is available; nothing else has a wired limit).
 - `clear_cache()` returns the allocator's cached buffers: a server calls it between requests.
-- `roomy_cache()` keeps freed buffers up to the memory limit, as Metal does by default, where
-  MLX's CPU allocator keeps 32 MB: training's vocabulary-wide arrays (44 MB for 224 rows of
-  SmolLM2) would otherwise go back to the OS and fault in again at every step.
+- `roomy_cache(limit)` keeps freed buffers up to `limit` (at most the memory limit, as Metal
+  does by default), where MLX's CPU allocator keeps 32 MB: training's vocabulary-wide arrays
+  (44 MB for 224 rows of SmolLM2) would otherwise go back to the OS and fault in again at
+  every step. Bounded, because the cache only grows: each new buffer size stays resident.
 """
 
 from __future__ import annotations
@@ -45,14 +46,17 @@ def clear_cache() -> None:
 
 
 @contextmanager
-def roomy_cache() -> Iterator[None]:
-    """The allocator's cache limit at the memory limit while the block runs (a no-op where it
-    already is, as on Metal). Why: on the CPU a large graph (a training cross-entropy's forward
-    and backward) otherwise frees and reallocates its buffers on every call."""
-    old = mx.set_cache_limit(mx.get_memory_limit())
-    if old > mx.get_memory_limit():
+def roomy_cache(limit: int) -> Iterator[None]:
+    """The allocator's cache limit raised to `limit` bytes (at most the memory limit; never
+    lowered) while the block runs, its cache emptied after. Why: on the CPU a large graph (a
+    training cross-entropy's forward and backward) otherwise frees and reallocates its buffers
+    on every call, and the cap keeps what it holds bounded."""
+    new = min(limit, mx.get_memory_limit())
+    old = mx.set_cache_limit(new)
+    if old > new:
         mx.set_cache_limit(old)  # never lowered
     try:
         yield
     finally:
         mx.set_cache_limit(old)
+        mx.clear_cache()

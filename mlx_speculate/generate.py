@@ -36,7 +36,7 @@ UTF-8 text; bytes that are not are an error. On MLX's CPU backend models compute
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         prog=cli.prog("mlx_speculate.generate"),
         description="Generate text with an MLX model, optionally with speculative decoding.",
         epilog=EXAMPLES,
@@ -151,7 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print()
         return cli.fail(e)
     if response.finish_reason == "context":
-        print(f"note: stopped after {response.generation_tokens} tokens: the model's context "
+        n = response.generation_tokens
+        print(f"note: stopped after {n} token{'' if n == 1 else 's'}: the model's context "
               f"of {model.args.max_position_embeddings} tokens is full", file=sys.stderr)
     if args.verbose and (group is None or group.rank() == 0):
         _print_stats(response, model.compute_dtype, spec)
@@ -170,12 +171,16 @@ def _read_prompt(prompt: str) -> str:
 def _print_stats(response: GenerationResponse, dtype, spec) -> None:
     import mlx.core as mx
 
+    from . import blas
+
+    device = mx.default_device().type.name
+    matmuls = f" (float32 matmuls: {blas.BLAS})" if device == "cpu" else ""
     print("=" * 10, file=sys.stderr)
     print(
         f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.1f} tokens-per-sec\n"
         f"Generation: {response.generation_tokens} tokens, "
         f"{response.generation_tps:.1f} tokens-per-sec\n"
-        f"Compute: {str(dtype).removeprefix('mlx.core.')} on the {mx.default_device().type.name}\n"
+        f"Compute: {str(dtype).removeprefix('mlx.core.')} on the {device}{matmuls}\n"
         f"Peak memory: {response.peak_memory:.3f} GB",
         file=sys.stderr,
     )

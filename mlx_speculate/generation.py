@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
@@ -112,7 +113,7 @@ def stream_generate(
     arguments.check_prompt(prompt)
     arguments.check_max_tokens(max_tokens)
     stop = arguments.check_stop(stop)
-    arguments.check_keywords(options, _SAMPLING_KEYS | set(speculative_keywords()))
+    arguments.check_keywords(options, _SAMPLING_KEYS | set(speculative_keywords()) | _NAMED)
     sampling_options = {k: v for k, v in options.items() if k in _SAMPLING_KEYS}
     if sampling is not None and sampling_options:
         raise ValueError(f"give sampling or {', '.join(sampling_options)}, not both")
@@ -278,6 +279,14 @@ class Session:
                 if finish is not None:
                     steps.close()
                     return
+
+
+# stream_generate's own keywords: a misspelling of one is suggested as readily as of an option.
+_NAMED = {
+    p.name
+    for p in inspect.signature(stream_generate).parameters.values()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+}
 
 
 def generate(model: CausalLM, tokenizer, prompt: str | Sequence[int], **kwargs) -> str:

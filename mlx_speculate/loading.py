@@ -77,8 +77,17 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
 
 
+def is_gguf(path: Path) -> bool:
+    """Whether `path` is a file starting with GGUF's magic, whatever its name."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:  # absent, a folder, unreadable: not a GGUF file to read
+        return False
+
+
 def load_config(path: Path) -> dict[str, Any]:
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file() and (path.suffix == ".gguf" or is_gguf(path)):
         raise ValueError(
             f"{path} is a GGUF file, not a model folder: convert it first with "
             f"python -m mlx_speculate.convert --hf-path {path} --mlx-path "

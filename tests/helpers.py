@@ -41,6 +41,16 @@ TINY = {
 }
 
 
+def assert_float32_close(ours, ref, rtol: float = 1e-4, scaled: float = 1e-5) -> None:
+    """Equal up to float32 rounding in another summation order: each element within `rtol` of
+    itself or `scaled` of the largest magnitude in `ref`. BLAS kernels (OpenBLAS's per CPU, the
+    wheel's) sum in different orders, and a near-zero sum of large terms then moves by a fraction
+    of the terms, not of itself: an absolute bound must scale with them."""
+    ours, ref = np.asarray(ours, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    scale = float(np.abs(ref).max()) if ref.size else 0.0
+    np.testing.assert_allclose(ours, ref, rtol=rtol, atol=scaled * max(scale, 1.0))
+
+
 def require(path: Path, how: str) -> Path:
     """`path` if it exists; otherwise skip with `how` to get it, or fail under CI=true, where a
     wrong path must never pass silently."""

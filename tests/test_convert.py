@@ -236,7 +236,8 @@ def test_mlx_lm_loads_a_converted_gemma3_folder(tmp_path):
     save_tokenizer(src, text["vocab_size"])
     tokens = mx.array([[1, 5, 9, 33, 7, 2, 60, 11, 40, 3, 80, 12]])  # past the window of 6
     for quantize in (False, True):
-        dst = convert(src, tmp_path / f"mlx-{quantize}", quantize=quantize, q_group_size=32)
+        group = 32 if quantize else None  # a group size without quantize is an error
+        dst = convert(src, tmp_path / f"mlx-{quantize}", quantize=quantize, q_group_size=group)
         ours = load(dst)[0](tokens).logits
         theirs = mlx_lm.load(str(dst))[0](tokens)
         assert mx.allclose(theirs, ours, rtol=1e-4, atol=1e-4).item(), quantize

@@ -1,5 +1,6 @@
 """Head projections with a batch-of-one weight: equal to nn.Linear bit for bit, in every head,
-with fewer nodes in a compiled head call."""
+with fewer nodes in a compiled head call. Weights stored transposed keep their values and saved
+bytes; their products (another gemm kernel) agree up to float32 rounding."""
 
 from __future__ import annotations
 
@@ -7,13 +8,14 @@ import re
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
 from mlx_speculate.heads.eagle_format import build_eagle
 from mlx_speculate.heads.linear import HeadLinear, store_transposed
 
-from .helpers import eagle_config, random_eagle_weights, tiny_config
+from .helpers import assert_float32_close, eagle_config, random_eagle_weights, tiny_config
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -78,7 +80,9 @@ def test_weights_stored_transposed_keep_values_outputs_and_saved_bytes(version, 
     width = stored.fc.weight.shape[-1] if version == 3 else h
     embeds, hidden = mx.random.normal((1, 3, h)), mx.random.normal((1, 3, width))
     outs = [m(embeds, hidden, m.make_cache(), from_target=True) for m in (stored, plain)]
-    assert mx.array_equal(*outs).item()
+    # Another weight layout is another gemm kernel (OpenBLAS's AVX-512 ones sum in another
+    # order): equal up to float32 rounding, not bit for bit.
+    assert_float32_close(np.array(outs[0]), np.array(outs[1]))
     for name, w in zip("ab", weights, strict=True):
         mx.save_safetensors(str(tmp_path / f"{name}.safetensors"), w)
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()

@@ -22,7 +22,14 @@ from mlx_speculate.train.data import answer, make_data, read_prompts
 from mlx_speculate.train.loop import TrainConfig
 from mlx_speculate.train.recipe import Recipe, train_head
 
-from .helpers import SHARED, assert_clear_argmax, greedy_reference, require, tiny_model
+from .helpers import (
+    SHARED,
+    assert_clear_argmax,
+    assert_float32_close,
+    greedy_reference,
+    require,
+    tiny_model,
+)
 
 STORIES = SHARED / "models" / "stories260K-llama"
 SAMPLES = dict(self_samples=24, max_tokens=64)
@@ -190,7 +197,8 @@ def test_features_keep_the_targets_top_k_from_the_token_before_the_answer(tmp_pa
         best = -np.sort(-logits, axis=-1)[:, :5]
         ids, top = features.top_ids[rows][first:], features.top_logits[rows][first:]
         np.testing.assert_allclose(top, best, rtol=2e-3, atol=2e-3)  # stored as float16
-        np.testing.assert_allclose(np.take_along_axis(logits, ids, axis=-1), best, atol=1e-5)
+        # The stored ids come from a batched forward: a near tie may swap by its rounding.
+        assert_float32_close(np.take_along_axis(logits, ids, axis=-1), best)
         assert not features.top_ids[rows][:first].any()
         assert not features.top_logits[rows][:first].any()
         assert list(features.answer[rows]) == [0] * c.answer + [1] * (len(c.tokens) - c.answer)

@@ -1,6 +1,6 @@
 """Read a GGUF file as a Hugging Face-layout checkpoint.
 
-The rest of the package only knows HF parameter names and configs: gguf_arch.py maps each
+The rest of the package only knows HF parameter names and configs: arch.py maps each
 supported llama.cpp architecture onto one, gguf_tensors.py reads every tensor type, either
 dequantized to float32 or, with `keep_quantization=True`, as MLX quantized triples (exact for
 the types MLX's affine quantization holds, quantized again at group size 32 otherwise). The
@@ -47,7 +47,7 @@ class GGUFCheckpoint:
 
 
 def read_gguf(path: str | Path, *, keep_quantization: bool = False) -> GGUFCheckpoint:
-    """Read a GGUF file (architectures in gguf_arch.ARCHITECTURES) as a HF config plus
+    """Read a GGUF file (architectures in arch.ARCHITECTURES) as a HF config plus
     weights under HF names.
 
     By default every tensor is dequantized to float32, as the `gguf` package does. With

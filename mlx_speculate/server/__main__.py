@@ -71,7 +71,7 @@ def chat_template(path: Path) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         prog=cli.prog("mlx_speculate.server"),
         description="OpenAI- and Anthropic-compatible HTTP server with lossless speculative "
         "decoding.",

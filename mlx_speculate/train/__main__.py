@@ -5,20 +5,25 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .. import cli
 from ..cli import INTERRUPTED, fail, non_negative_float, non_negative_int, positive_int, prog
 from ..heads.eagle_format import LAYOUTS
 from .loop import TrainConfig
-from .recipe import KINDS, Recipe, train_head
+from .recipe import DRAFT_VOCAB, KINDS, Recipe, train_head
 
 
 def parser() -> argparse.ArgumentParser:
     """The flags of `Recipe` and `TrainConfig`, with their defaults."""
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         prog=prog("mlx_speculate.train"),
         description="Train a draft head from the target's own answers (resumable: run the "
         "same command again after a stop).",
     )
-    p.add_argument("kind", choices=KINDS)
+    p.add_argument(
+        "kind",
+        choices=KINDS,
+        help="the head: EAGLE-1, EAGLE-3 (taps several layers, own draft vocabulary) or Medusa",
+    )
     p.add_argument("--model", required=True, help="the target: a model folder or hub id")
     p.add_argument("--prompts", help="JSON/JSONL: strings, ShareGPT or `messages` items")
     p.add_argument(
@@ -31,49 +36,107 @@ def parser() -> argparse.ArgumentParser:
         "--sample-prefix",
         type=non_negative_int,
         default=Recipe.sample_prefix,
-        help="self samples: tokens drawn at T=1 before answering",
+        help="self samples: tokens drawn at T=1 before answering (default: %(default)s)",
     )
     p.add_argument("--out", required=True, help="a new folder for the head (official layout)")
     p.add_argument(
         "--layout",
         choices=LAYOUTS,
         default=Recipe.layout,
-        help="EAGLE-3: SafeAILab's keys or vllm-project/speculators'",
+        help="EAGLE-3: SafeAILab's keys or vllm-project/speculators' (default: %(default)s)",
     )
     p.add_argument("--cache", help="where stages are cached (default: OUT.cache)")
     p.add_argument(
-        "--max-tokens", type=positive_int, default=Recipe.max_tokens, help="answer length"
+        "--max-tokens",
+        type=positive_int,
+        default=Recipe.max_tokens,
+        help="answer length (default: %(default)s)",
     )
-    p.add_argument("--temperature", type=non_negative_float, default=Recipe.temperature)
-    p.add_argument("--data-batch", type=positive_int, default=Recipe.data_batch,
-                   help="prompts answered together (32 is faster; self samples depend on it)")
+    p.add_argument("--temperature", type=non_negative_float, default=Recipe.temperature,
+                   help="the target's answers: 0 greedy, else sampled (default: %(default)s)")
     p.add_argument(
-        "--top-k", type=positive_int, default=Recipe.top_k, help="target logits kept a token"
+        "--data-batch",
+        type=positive_int,
+        default=Recipe.data_batch,
+        help="prompts answered together (default: %(default)s; 32 is faster; "
+        "self samples depend on it)",
     )
-    p.add_argument("--draft-vocab", type=positive_int, default=Recipe.draft_vocab, help="EAGLE-3")
-    p.add_argument("--taps", type=int, nargs="+", help="EAGLE-3's target layers")
-    p.add_argument("--ttt-steps", type=positive_int, default=Recipe.ttt_steps, help="EAGLE-3")
+    p.add_argument(
+        "--top-k",
+        type=positive_int,
+        default=Recipe.top_k,
+        help="target logits kept a token, the distribution the losses match (default: %(default)s)",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=positive_int,
+        default=Recipe.draft_vocab,
+        help=f"EAGLE-3: the most frequent answer tokens the head predicts, at most "
+        f"the target's vocabulary (default: {DRAFT_VOCAB}, or the whole vocabulary "
+        "where smaller)",
+    )
+    p.add_argument(
+        "--taps",
+        type=int,
+        nargs="+",
+        help="EAGLE-3: the target layers whose input states it reads (default: 2, L//2 and L-3)",
+    )
+    p.add_argument(
+        "--ttt-steps",
+        type=positive_int,
+        default=Recipe.ttt_steps,
+        help="EAGLE-3: draft steps unrolled in training (training-time test; default: %(default)s)",
+    )
     p.add_argument(
         "--intermediate-size",
         type=positive_int,
         help="EAGLE: the draft layer's MLP width (default: the target's)",
     )
-    p.add_argument("--medusa-heads", type=positive_int, default=Recipe.medusa_heads)
-    p.add_argument("--medusa-layers", type=positive_int, default=Recipe.medusa_layers)
-    p.add_argument("--epochs", type=positive_int, default=TrainConfig.epochs)
-    p.add_argument("--lr", type=non_negative_float, default=TrainConfig.learning_rate)
-    p.add_argument("--warmup", type=positive_int, default=TrainConfig.warmup)
-    p.add_argument("--batch-tokens", type=positive_int, default=TrainConfig.batch_tokens)
-    p.add_argument("--holdout", type=non_negative_float, default=TrainConfig.holdout)
-    p.add_argument("--patience", type=positive_int, default=TrainConfig.patience)
-    p.add_argument("--max-steps", type=positive_int)
-    p.add_argument("--seed", type=int, default=TrainConfig.seed)
+    p.add_argument("--medusa-heads", type=positive_int, default=Recipe.medusa_heads,
+                   help="Medusa: heads, one per future token (default: %(default)s)")
+    p.add_argument("--medusa-layers", type=positive_int, default=Recipe.medusa_layers,
+                   help="Medusa: residual blocks a head (default: %(default)s)")
+    p.add_argument("--epochs", type=positive_int, default=TrainConfig.epochs,
+                   help="passes over the data at most (default: %(default)s)")
+    p.add_argument(
+        "--lr",
+        type=non_negative_float,
+        default=TrainConfig.learning_rate,
+        help="AdamW's peak learning rate, after warmup, then cosine decay (default: %(default)s)",
+    )
+    p.add_argument("--warmup", type=positive_int, default=TrainConfig.warmup,
+                   help="steps of linear warmup (default: %(default)s)")
+    p.add_argument("--batch-tokens", type=positive_int, default=TrainConfig.batch_tokens,
+                   help="padded tokens a training step (default: %(default)s)")
+    p.add_argument(
+        "--holdout",
+        type=non_negative_float,
+        default=TrainConfig.holdout,
+        help="share of conversations held out to measure top-1 accuracy (default: %(default)s)",
+    )
+    p.add_argument(
+        "--patience",
+        type=positive_int,
+        default=TrainConfig.patience,
+        help="epochs without a better held-out accuracy before stopping (default: %(default)s)",
+    )
+    p.add_argument("--max-steps", type=positive_int,
+                   help="stop after this many steps in all, with a checkpoint")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=TrainConfig.seed,
+        help="the split, the shuffles, the initialisation and the noise (default: %(default)s)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.kind != "eagle3" and (args.draft_vocab is not None or args.taps is not None):
+        p.error(f"--draft-vocab and --taps apply to eagle3, not {args.kind}")
     try:
         config = TrainConfig(
             epochs=args.epochs,
@@ -121,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         f"wrote {result.out}: held-out top-1 {result.held_out_top1:.1%} ({times}; "
         f"{result.tokens} tokens, {result.bytes_per_token:.0f} bytes a token cached)"
     )
+    for stage, peak in result.peaks.items():
+        print(f"  {stage}: {peak.describe()}")
     return 0
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..chat import apply_chat_template, has_chat_template
+from ..cli import os_error
 from ..models.base import CausalLM
 from ..models.context import additive_mask
 from ..sampling import SamplingParams, pick
@@ -50,7 +51,9 @@ def read_prompts(path: str | Path) -> list[str | list[dict[str, str]]]:
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
+        raise ValueError(f"cannot read the prompt file: {os_error(e)}") from None
+    except UnicodeDecodeError as e:
         raise ValueError(f"cannot read the prompt file {path}: {e}") from None
     try:
         if path.suffix == ".jsonl":
@@ -124,12 +127,14 @@ def answer(
     allowed = causal & (real[:, None, :] | mx.eye(longest, dtype=mx.bool_))  # (B, P, P)
     tokens = mx.array([[0] * (longest - len(p)) + list(p) for p in prompts])  # (B, P)
     cache = model.make_cache()
-    logits = model(
+    out = model(
         tokens,
         cache,
         positions=mx.maximum(cols - pads, 0),
         mask=additive_mask(allowed, dtype)[:, None],
-    ).logits[:, -1]
+    )
+    # Only the last position is projected: the (B, P, vocabulary) logits are never evaluated.
+    logits = model.project(out.hidden[:, -1])  # (B, V)
     rows: list[list[int]] = [[] for _ in prompts]
     live = list(range(len(prompts)))  # the prompt each batch row answers
     while True:

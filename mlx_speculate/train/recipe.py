@@ -10,8 +10,11 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,9 +32,14 @@ from ..models.base import CausalLM
 from .data import make_data, read_prompts
 from .features import Features, make_features
 from .loop import TrainConfig, train
+from .memory import Peak, measured
 from .objectives import eagle1_loss, eagle3_loss, medusa_loss
 
 KINDS = ("eagle1", "eagle3", "medusa")
+# MLX's buffer cache while training: a step's arrays are reused instead of faulted in again
+# (the CPU allocator keeps 32 MB), but a bound, or each new batch shape's stays resident.
+TRAIN_CACHE = 1 << 30
+DRAFT_VOCAB = 32000  # EAGLE-3's default draft vocabulary, or the whole one where smaller
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,7 @@ class Recipe:
     sample_prefix: int = 16  # self samples: tokens drawn at T=1 before answering at temperature
     data_batch: int = 16  # prompts answered together (a self sample depends on its batch)
     top_k: int = 16  # target logits kept per token
-    draft_vocab: int = 32000  # EAGLE-3: the most frequent answer tokens
+    draft_vocab: int | None = None  # EAGLE-3: the most frequent answer tokens (DRAFT_VOCAB)
     taps: tuple[int, ...] | None = None  # EAGLE-3 (None: layers 2, L//2, L-3; see _taps)
     ttt_steps: int = 7  # EAGLE-3's training-time test
     intermediate_size: int | None = None  # EAGLE: the draft layer's MLP width (None: target's)
@@ -56,8 +64,8 @@ class Recipe:
         if self.kind not in KINDS:
             raise ValueError(f"head kind {self.kind!r} is unknown (known: {', '.join(KINDS)})")
         width = 1 if self.intermediate_size is None else self.intermediate_size
-        sizes = (self.max_tokens, self.top_k, self.draft_vocab, self.ttt_steps, self.data_batch)
-        if min(*sizes, width) < 1:
+        draft = 1 if self.draft_vocab is None else self.draft_vocab
+        if min(self.max_tokens, self.top_k, draft, self.ttt_steps, self.data_batch, width) < 1:
             raise ValueError(
                 "max_tokens, top_k, draft_vocab, ttt_steps, data_batch and intermediate_size "
                 "must be >= 1"
@@ -77,6 +85,7 @@ class Result:
     history: list[dict[str, Any]]
     tokens: int  # conversation tokens in the feature cache
     bytes_per_token: float  # the feature cache's disk cost
+    peaks: dict[str, Peak]  # memory per stage
 
 
 def train_head(
@@ -102,15 +111,31 @@ def train_head(
         raise ValueError("give prompts or self_samples (not both)")
     texts = read_prompts(prompts) if prompts is not None else []
     cache = Path(cache) if cache is not None else out.with_name(out.name + ".cache")
-    cache.mkdir(parents=True, exist_ok=True)
     if isinstance(model, CausalLM):
         target, tokenizer = model, model.origin.tokenizer
     else:
         target, tokenizer = load(model)
     taps = _taps(kind, target, recipe.taps)
+    vocab = target.args.vocab_size
+    if kind == "eagle3" and recipe.draft_vocab is not None and recipe.draft_vocab > vocab:
+        raise ValueError(
+            f"draft vocabulary {recipe.draft_vocab} is larger than the target's vocabulary "
+            f"of {vocab} tokens (it must be <= {vocab})"
+        )
+    cache.mkdir(parents=True, exist_ok=True)
     seconds: dict[str, float] = {}
-    with roomy_cache():  # the stages' vocabulary-wide arrays outgrow MLX's CPU buffer cache
+    peaks: dict[str, Peak] = {}
+
+    @contextmanager
+    def stage(name: str) -> Iterator[None]:
         start = time.perf_counter()
+        with measured(peaks, name):
+            yield
+        seconds[name] = time.perf_counter() - start
+        if progress:
+            print(f"{name}: {seconds[name]:.1f} s, {peaks[name].describe()}", flush=True)
+
+    with stage("data"):
         data = make_data(
             target,
             tokenizer,
@@ -124,24 +149,27 @@ def train_head(
             batch=recipe.data_batch,
             progress=progress,
         )
-        seconds["data"] = time.perf_counter() - start
-        start = time.perf_counter()
+    with stage("features"):
         width = target.args.hidden_size * max(1, len(taps))
         what = "taps-" + "-".join(map(str, taps)) if taps else "final"
         features = make_features(
             target, data, cache / f"features-{what}", taps, width, recipe.top_k, progress
         )
-        seconds["features"] = time.perf_counter() - start
-        start = time.perf_counter()
-        head, loss_fn, frozen = build(kind, target, features, recipe, taps)
+    del data
+    source = str(target.origin.folder or "")
+    head, loss_fn, frozen = build(kind, target, features, recipe, taps)
+    # Training reads the target's embedding and lm_head only (in `frozen`): a target loaded
+    # here is released, its layers' weights with it.
+    del target
+    gc.collect()
+    with stage("train"), roomy_cache(TRAIN_CACHE):
         state = train(
             head, loss_fn, frozen, features, cache / f"train-{kind}", recipe.train, progress
         )
         if kind == "medusa":
-            save_medusa1(head, out, str(target.origin.folder or ""))
+            save_medusa1(head, out, source)
         else:
             save_official(head, out, recipe.layout)
-        seconds["train"] = time.perf_counter() - start
     (out / "training.json").write_text(
         json.dumps(
             {"recipe": asdict(recipe), "seconds": seconds, "history": state.history},
@@ -150,7 +178,7 @@ def train_head(
         )
     )
     n = features.tokens.shape[0]
-    return Result(out, seconds, state.best, state.history, n, features.nbytes / max(1, n))
+    return Result(out, seconds, state.best, state.history, n, features.nbytes / max(1, n), peaks)
 
 
 def _taps(kind: str, target: CausalLM, taps: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -237,7 +265,7 @@ def build(kind: str, target: CausalLM, features: Features, recipe: Recipe, taps:
         layer = _layer(target, None, recipe.intermediate_size)
         head = Eagle1Head(EagleConfig(version=1, layer=layer))
         return head, eagle1_loss, (embed, lm_head)
-    draft = min(recipe.draft_vocab, vocab)
+    draft = min(DRAFT_VOCAB, vocab) if recipe.draft_vocab is None else recipe.draft_vocab
     layer = _layer(target, 10000.0, recipe.intermediate_size)
     config = EagleConfig(
         version=3, layer=layer, taps=taps, draft_vocab_size=None if draft == vocab else draft
