@@ -31,12 +31,14 @@ import mlx.nn as nn
 
 from ..cache import KVCache
 from ..models import qwen3
+from ..models.attention import scaled_dot_product_attention
 from ..models.base import CausalLM, attend
 from ..models.context import ForwardContext
 from ..models.llama import MLP
 from ..models.rope import RotaryEmbedding, native
 
 ARCHITECTURE = "DFlashDraftModel"
+Tables = tuple[tuple[mx.array, ...], tuple[mx.array, ...]]  # rotations: block rows, all keys
 
 
 def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -118,11 +120,23 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return k, v
 
-    def __call__(self, x: mx.array, ctx: ForwardContext, layer: int) -> mx.array:
+    def queries(self, x: mx.array) -> mx.array:
         B, L, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        return self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+
+    def __call__(self, x: mx.array, ctx: ForwardContext, layer: int) -> mx.array:
         k, v = self.keys_values(x)
-        return self.o_proj(attend(ctx, layer, self._rope, q, k, v, self.scale))
+        return self.o_proj(attend(ctx, layer, self._rope, self.queries(x), k, v, self.scale))
+
+    def over(self, x: mx.array, rows: mx.array, tables: Tables, mask: mx.array) -> mx.array:
+        """Training's form, with no cache: (B, L, h) block rows attend to the (B, T, h)
+        context rows and to themselves under the additive (B, 1, L, T + L) `mask`; `tables`:
+        the rotations of the block rows and of the context rows then the block rows."""
+        B, L, _ = x.shape
+        k, v = self.keys_values(mx.concatenate([rows, x], axis=1))  # (B, H_kv, T + L, D)
+        q = self._rope.rotate(self.queries(x), tables[0])
+        out = scaled_dot_product_attention(q, self._rope.rotate(k, tables[1]), v, self.scale, mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class DFlashLayer(nn.Module):
@@ -135,6 +149,10 @@ class DFlashLayer(nn.Module):
 
     def __call__(self, x: mx.array, ctx: ForwardContext, layer: int) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), ctx, layer)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def over(self, x: mx.array, rows: mx.array, tables: Tables, mask: mx.array) -> mx.array:
+        h = x + self.self_attn.over(self.input_layernorm(x), rows, tables, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -203,6 +221,27 @@ class DFlashHead(nn.Module):
         x = embeds
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, i)
+        return self.norm(x)
+
+    def blocks(
+        self, embeds: mx.array, rows: mx.array, positions: mx.array, mask: mx.array
+    ) -> mx.array:
+        """Training's forward, with no cache: (B, L, h) embeddings of many blocks side by
+        side at rotary `positions` (B, L), over the (B, T, h) context rows at positions 0..T-1,
+        under the additive (B, 1, L, T + L) `mask` (each block: the context before it and its
+        own rows) -> (B, L, h) normed outputs."""
+        rope, B, T = self._rope, rows.shape[0], rows.shape[1]
+        freqs = rope.freqs(rope.max_position_embeddings)
+        context = mx.broadcast_to(mx.arange(T, dtype=mx.int32), (B, T))
+        both = mx.concatenate([context, positions], axis=1)
+        dtype = embeds.dtype
+        tables = (
+            rope.tables(0, positions, positions.shape[1], freqs, dtype),
+            rope.tables(0, both, both.shape[1], freqs, dtype),
+        )
+        x = embeds
+        for layer in self.layers:
+            x = layer.over(x, rows, tables, mask)
         return self.norm(x)
 
     def check_fits(self, target: CausalLM) -> tuple[int, ...]:

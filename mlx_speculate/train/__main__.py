@@ -1,4 +1,4 @@
-"""python -m mlx_speculate.train {eagle1,eagle3,medusa} --model M --prompts FILE --out DIR"""
+"""python -m mlx_speculate.train {eagle1,eagle3,medusa,dflash} --model M --prompts FILE --out DIR"""
 
 from __future__ import annotations
 
@@ -45,13 +45,22 @@ def parser() -> argparse.ArgumentParser:
         "--max-tokens", type=positive_int, default=Recipe.max_tokens, help="answer length"
     )
     p.add_argument("--temperature", type=non_negative_float, default=Recipe.temperature)
-    p.add_argument("--data-batch", type=positive_int, default=Recipe.data_batch,
-                   help="prompts answered together (32 is faster; self samples depend on it)")
+    p.add_argument(
+        "--data-batch",
+        type=positive_int,
+        default=Recipe.data_batch,
+        help="prompts answered together (32 is faster; self samples depend on it)",
+    )
     p.add_argument(
         "--top-k", type=positive_int, default=Recipe.top_k, help="target logits kept a token"
     )
     p.add_argument("--draft-vocab", type=positive_int, default=Recipe.draft_vocab, help="EAGLE-3")
-    p.add_argument("--taps", type=int, nargs="+", help="EAGLE-3's target layers")
+    p.add_argument(
+        "--taps",
+        type=int,
+        nargs="+",
+        help="EAGLE-3's target layers; DFlash: the layers whose outputs it reads",
+    )
     p.add_argument("--ttt-steps", type=positive_int, default=Recipe.ttt_steps, help="EAGLE-3")
     p.add_argument(
         "--intermediate-size",
@@ -60,6 +69,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--medusa-heads", type=positive_int, default=Recipe.medusa_heads)
     p.add_argument("--medusa-layers", type=positive_int, default=Recipe.medusa_layers)
+    p.add_argument(
+        "--block-size", type=positive_int, default=Recipe.block_size, help="DFlash: block size"
+    )
+    p.add_argument(
+        "--draft-layers", type=positive_int, default=Recipe.draft_layers, help="DFlash: layers"
+    )
     p.add_argument("--epochs", type=positive_int, default=TrainConfig.epochs)
     p.add_argument("--lr", type=non_negative_float, default=TrainConfig.learning_rate)
     p.add_argument("--warmup", type=positive_int, default=TrainConfig.warmup)
@@ -99,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             intermediate_size=args.intermediate_size,
             medusa_heads=args.medusa_heads,
             medusa_layers=args.medusa_layers,
+            block_size=args.block_size,
+            draft_layers=args.draft_layers,
             layout=args.layout,
             train=config,
         )
