@@ -8,7 +8,8 @@ tau (tokens per verify forward) and tokens/s of the trained head against plain d
         --self-samples 400 --max-tokens 256 --trees chain4 8,4,2 60,7,10 --eval-tokens 256
     # stories260K DFlash (block 8, one layer) from 600 of its own samples, chains and trees:
     python benchmarks/bench_train.py dflash --model ../shared/models/stories260K-llama \
-        --self-samples 600 --max-tokens 256 --trees chain7 top2,12 --eval-tokens 256
+        --self-samples 600 --max-tokens 256 --batch-tokens 1024 --lr 3e-3 \
+        --trees chain7 chain5 top2,12 --eval-tokens 256 --runs 3
 
 Stages are cached under --work (default ~/.cache/mlx_speculate/train-bench): run again to
 resume, or delete it to start over. Tau per EAGLE tree (--trees: `total,depth,top_k` or
