@@ -6,6 +6,10 @@ tau (tokens per verify forward) and tokens/s of the trained head against plain d
     # stories260K EAGLE-3 from its own samples, tau on story openings, a chain and trees:
     python benchmarks/bench_train.py eagle3 --model ../shared/models/stories260K-llama \
         --self-samples 400 --max-tokens 256 --trees chain4 8,4,2 60,7,10 --eval-tokens 256
+    # stories260K DFlash (block 8, one layer) from 600 of its own samples, chains and trees:
+    python benchmarks/bench_train.py dflash --model ../shared/models/stories260K-llama \
+        --self-samples 600 --max-tokens 256 --batch-tokens 1024 --lr 3e-3 \
+        --trees chain7 chain5 top2,12 --eval-tokens 256 --runs 3
 
 Stages are cached under --work (default ~/.cache/mlx_speculate/train-bench): run again to
 resume, or delete it to start over. Tau per EAGLE tree (--trees: `total,depth,top_k` or
@@ -78,7 +82,7 @@ STORY_OPENINGS = ("Once upon a time", "Lily and Tom went to the park. They",
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kind", choices=("eagle1", "eagle3", "medusa"))
+    parser.add_argument("kind", choices=("eagle1", "eagle3", "medusa", "dflash"))
     parser.add_argument("--model", help="default: SmolLM2-135M-Instruct float32")
     parser.add_argument("--prompts", default=str(SHARED / "eagle" / "prompts-train.json"))
     parser.add_argument("--self-samples", type=int, default=0)
@@ -92,11 +96,14 @@ def main(argv=None) -> None:
     parser.add_argument("--sample-prefix", type=int, default=16)
     parser.add_argument("--data-batch", type=int, default=32, help="prompts answered together")
     parser.add_argument("--intermediate-size", type=int, help="the draft layer's MLP width")
+    parser.add_argument("--block-size", type=int, default=8, help="DFlash")
+    parser.add_argument("--draft-layers", type=int, default=1, help="DFlash")
     parser.add_argument("--work", type=Path, default=CACHE / "train-bench")
     parser.add_argument("--eval-prompts", type=int, default=10)
     parser.add_argument("--eval-tokens", type=int, default=128)
     parser.add_argument("--trees", nargs="+", default=["60,7,10"],
-                        help="EAGLE trees: total,depth,top_k or chainK")  # fmt: skip
+                        help="EAGLE trees: total,depth,top_k or chainK; DFlash: chainK or "
+                        "topT,K (K nodes from each position's top T)")  # fmt: skip
     parser.add_argument("--runs", type=int, default=2,
                         help="timed rounds after a warm-up; 0: one pass, for tau and equality "
                         "only (no mlx-lm, tokens/s untimed)")  # fmt: skip
@@ -106,7 +113,7 @@ def main(argv=None) -> None:
     header(f"training recipe: {args.kind}", blas)
 
     from mlx_speculate import load
-    from mlx_speculate.drafters import EagleSpec, MedusaSpec, make_drafter
+    from mlx_speculate.drafters import DFlashSpec, EagleSpec, MedusaSpec, make_drafter
     from mlx_speculate.policy.adaptive import FixedPolicy
     from mlx_speculate.train.loop import TrainConfig
     from mlx_speculate.train.recipe import Recipe, train_head
@@ -116,12 +123,15 @@ def main(argv=None) -> None:
 
         args.model = str(smollm2_folder())
     name = f"{Path(args.model).name}-{args.kind}"
+    if args.kind == "dflash":
+        name += f"-b{args.block_size}-l{args.draft_layers}"
     out = args.work / name
     config = TrainConfig(epochs=args.epochs, learning_rate=args.lr, warmup=args.warmup,
                          max_steps=args.max_steps, batch_tokens=args.batch_tokens)  # fmt: skip
     recipe = Recipe(args.kind, max_tokens=args.max_tokens, self_samples=args.self_samples,
                     sample_prefix=args.sample_prefix, draft_vocab=args.draft_vocab,
                     data_batch=args.data_batch, intermediate_size=args.intermediate_size,
+                    block_size=args.block_size, draft_layers=args.draft_layers,
                     train=config)  # fmt: skip
     if not out.exists():
         result = train_head(args.kind, args.model, out, recipe=recipe,
@@ -150,7 +160,14 @@ def main(argv=None) -> None:
     if args.kind == "medusa":
         rows["medusa"] = {"drafter": make_drafter(MedusaSpec(heads=str(out)), model),
                           "policy": FixedPolicy(63)}  # fmt: skip
-    for text in args.trees if args.kind != "medusa" else ():
+    for text in args.trees if args.kind == "dflash" else ():
+        top_k, k = (1, int(text.removeprefix("chain"))) if text.startswith("chain") else (
+            map(int, text.removeprefix("top").split(",")))  # fmt: skip
+        rows[f"dflash {text}"] = {
+            "drafter": make_drafter(DFlashSpec(drafter=str(out), top_k=top_k), model),
+            "policy": FixedPolicy(k),
+        }
+    for text in args.trees if args.kind not in ("medusa", "dflash") else ():
         tree = parse_tree(text)
         rows[f"{args.kind} {text}"] = {
             "drafter": make_drafter(EagleSpec(heads=str(out), tree=tree), model),

@@ -138,7 +138,15 @@ def test_a_draft_vocabulary_larger_than_the_target_s_is_an_error(tmp_path, capsy
     with pytest.raises(SystemExit) as stopped:
         train_main(["eagle1", "--model", str(src), "--out", str(out), "--draft-vocab", "64"])
     assert stopped.value.code == 2
-    assert "--draft-vocab and --taps apply to eagle3, not eagle1" in capsys.readouterr().err
+    assert "--draft-vocab applies to eagle3, not eagle1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:
+        train_main(["medusa", "--model", str(src), "--out", str(out), "--taps", "1"])
+    assert stopped.value.code == 2
+    assert "--taps applies to eagle3 and dflash, not medusa" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:
+        train_main(["eagle3", "--model", str(src), "--out", str(out), "--block-size", "4"])
+    assert stopped.value.code == 2
+    assert "--block-size applies to dflash, not eagle3" in capsys.readouterr().err
 
 
 def test_file_system_errors_are_sentences_naming_the_path(tmp_path):

@@ -5,6 +5,7 @@ import pytest
 
 from mlx_speculate.drafters import (
     METHODS,
+    DFlashSpec,
     DraftModelSpec,
     EagleGrowth,
     EagleSpec,
@@ -21,6 +22,7 @@ from .markov import StubTokenizer
 
 def test_every_method_registers_itself():
     assert METHODS == {
+        "dflash": DFlashSpec,
         "draft_model": DraftModelSpec,
         "eagle": EagleSpec,
         "prompt_lookup": LookupSpec,

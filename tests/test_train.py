@@ -13,6 +13,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_speculate import generate, load
+from mlx_speculate.heads.dflash_format import load_dflash
 from mlx_speculate.heads.eagle_format import load_eagle_heads
 from mlx_speculate.heads.medusa import load_medusa_heads
 from mlx_speculate.sampling import SamplingParams
@@ -59,11 +60,13 @@ def cache_copy(data_cache, tmp_path):
     return dst
 
 
-@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "medusa", "dflash"])
 def test_heads_learn_and_keep_greedy_lossless(data_cache, tmp_path, kind):
     out = tmp_path / kind
+    # A DFlash drafter starts from nothing of the target's but its embedding and lm_head.
+    settings = dict(epochs=12, patience=12) if kind == "dflash" else {}
     result = train_head(kind, STORIES, out, cache=cache_copy(data_cache, tmp_path),
-                        recipe=recipe(kind), progress=False)  # fmt: skip
+                        recipe=recipe(kind, **settings), progress=False)  # fmt: skip
     accuracies = [h["held_out_top1"] for h in result.history]
     assert result.held_out_top1 == max(accuracies) > accuracies[0]
     assert result.history[-1]["loss"] < result.history[0]["loss"]
@@ -77,6 +80,11 @@ def test_heads_learn_and_keep_greedy_lossless(data_cache, tmp_path, kind):
         heads = load_medusa_heads(out, model)
         assert heads.num_heads == 2
         assert generate(model, tokenizer, prompt, medusa=heads, **options) == plain
+    elif kind == "dflash":
+        drafter = load_dflash(out, model)
+        assert generate(model, tokenizer, prompt, dflash=drafter, **options) == plain
+        tree = generate(model, tokenizer, prompt, dflash=drafter, dflash_top_k=2, **options)
+        assert tree == plain
     else:
         head = load_eagle_heads(out, model)
         assert generate(model, tokenizer, prompt, eagle=head, **options) == plain
@@ -117,6 +125,12 @@ def check_layout(kind: str, out) -> None:
         d2t, t2d = names["d2t"], names["t2d"]
         assert d2t.dtype == np.int64 and t2d.dtype == bool and t2d.sum() == 256
         assert np.array_equal(np.nonzero(t2d)[0], np.arange(256) + d2t)
+    if kind == "dflash":  # z-lab's: one layer reading layer 2 of 5 (its default spread)
+        assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 8
+        assert config["dflash_config"]["target_layer_ids"] == [2]
+        assert config["num_target_layers"] == 5 and config["num_hidden_layers"] == 1
+        assert {"fc.weight", "hidden_norm.weight", "layers.0.self_attn.k_norm.weight"} < set(names)
+        assert not any(name.startswith(("embed_tokens", "lm_head")) for name in names)
     if kind == "medusa":
         assert (config["medusa_num_heads"], config["medusa_num_layers"]) == (2, 1)
         assert {"0.0.linear.weight", "0.0.linear.bias", "0.1.weight"} < set(names)
@@ -279,13 +293,22 @@ def test_default_taps_are_the_official_three_or_a_shallow_targets_last_three():
         target = SimpleNamespace(args=SimpleNamespace(num_hidden_layers=layers))
         assert _taps("eagle3", target, None) == taps, layers
         assert _taps("eagle1", target, None) == ()
+    # DFlash: the states after z-lab's default layers (36 layers, 5 draft layers: its Qwen3-4B
+    # drafter's 1, 9, 17, 25, 33), or after the named ones; never the last layer's.
+    target = SimpleNamespace(args=SimpleNamespace(num_hidden_layers=36))
+    assert _taps("dflash", target, None, 5) == (2, 10, 18, 26, 34)
+    assert _taps("dflash", target, (0, 34), 1) == (1, 35)
+    with pytest.raises(ValueError, match="layers 0 to 34 of a 36-layer target, not \\[35\\]"):
+        _taps("dflash", target, (35,), 1)
 
 
 def test_a_recipe_setting_below_one_is_a_one_line_error():
     for setting in ("max_tokens", "top_k", "draft_vocab", "ttt_steps", "data_batch",
-                    "intermediate_size"):  # fmt: skip
+                    "intermediate_size", "draft_layers"):  # fmt: skip
         with pytest.raises(ValueError, match="must be >= 1"):
             Recipe("eagle1", **{setting: 0})
+    with pytest.raises(ValueError, match="block_size must be >= 2"):
+        Recipe("dflash", block_size=1)
 
 
 class ChatStub:

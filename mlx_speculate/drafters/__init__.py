@@ -15,6 +15,7 @@ from typing import Any
 
 from ..models.base import CausalLM
 from .base import MAX_DRAFT, METHODS, Draft, Drafter, DrafterSpec, TargetFeatures
+from .dflash import DFlashSpec
 from .draft_model import DraftModelSpec
 from .eagle import EagleGrowth, EagleSpec
 from .lookup import LookupSpec
@@ -23,6 +24,7 @@ from .mtp import MtpSpec
 
 __all__ = [
     "COMMON",
+    "DFlashSpec",
     "MAX_DRAFT",
     "METHODS",
     "Draft",

@@ -1,4 +1,4 @@
-"""python -m mlx_speculate.train {eagle1,eagle3,medusa} --model M --prompts FILE --out DIR"""
+"""python -m mlx_speculate.train {eagle1,eagle3,medusa,dflash} --model M --prompts FILE --out DIR"""
 
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ def parser() -> argparse.ArgumentParser:
         "--taps",
         type=int,
         nargs="+",
-        help="EAGLE-3: the target layers whose input states it reads (default: 2, L//2 and L-3)",
+        help="EAGLE-3: the target layers whose input states it reads (default: 2, L//2 and "
+        "L-3); DFlash: the layers whose outputs it reads (default: z-lab's spread)",
     )
     p.add_argument(
         "--ttt-steps",
@@ -96,6 +97,11 @@ def parser() -> argparse.ArgumentParser:
                    help="Medusa: heads, one per future token (default: %(default)s)")
     p.add_argument("--medusa-layers", type=positive_int, default=Recipe.medusa_layers,
                    help="Medusa: residual blocks a head (default: %(default)s)")
+    p.add_argument("--block-size", type=positive_int,
+                   help=f"DFlash: tokens a block, the verified one included "
+                   f"(default: {Recipe.block_size})")
+    p.add_argument("--draft-layers", type=positive_int,
+                   help=f"DFlash: the drafter's decoder layers (default: {Recipe.draft_layers})")
     p.add_argument("--epochs", type=positive_int, default=TrainConfig.epochs,
                    help="passes over the data at most (default: %(default)s)")
     p.add_argument(
@@ -135,8 +141,13 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
-    if args.kind != "eagle3" and (args.draft_vocab is not None or args.taps is not None):
-        p.error(f"--draft-vocab and --taps apply to eagle3, not {args.kind}")
+    if args.kind != "eagle3" and args.draft_vocab is not None:
+        p.error(f"--draft-vocab applies to eagle3, not {args.kind}")
+    if args.kind not in ("eagle3", "dflash") and args.taps is not None:
+        p.error(f"--taps applies to eagle3 and dflash, not {args.kind}")
+    for flag, value in (("--block-size", args.block_size), ("--draft-layers", args.draft_layers)):
+        if args.kind != "dflash" and value is not None:
+            p.error(f"{flag} applies to dflash, not {args.kind}")
     try:
         config = TrainConfig(
             epochs=args.epochs,
@@ -162,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             intermediate_size=args.intermediate_size,
             medusa_heads=args.medusa_heads,
             medusa_layers=args.medusa_layers,
+            block_size=args.block_size or Recipe.block_size,
+            draft_layers=args.draft_layers or Recipe.draft_layers,
             layout=args.layout,
             train=config,
         )

@@ -17,6 +17,9 @@ renormalised (stored by the features stage), so no step re-runs its 49k-wide lm_
   position, predicts x_{t+2+i} with weight 0.8^i, against the target's distribution restricted
   to the draft vocabulary (positions whose target top-1 lies outside it do not count).
 - Medusa: head j predicts x_{t+2+j} from f_t by cross-entropy against the target's tokens.
+- DFlash (z-lab publishes no trainer; the DFlash paper's objective): blocks anchored at random
+  positions, each row of a block predicting the target's own token at its position, weighted
+  down exponentially along the block (`dflash_loss`).
 """
 
 from __future__ import annotations
@@ -24,8 +27,10 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..heads.dflash import DFlashHead
 from ..heads.eagle import Eagle1Head, Eagle3Head
 from ..heads.medusa import MedusaHeads
+from ..models.context import additive_mask
 from ..models.fast_exp import exp
 from .ttt import unroll
 
@@ -153,3 +158,48 @@ def medusa_loss(
         if j == 0:
             hits, count = mx.sum((mx.argmax(logits, axis=-1) == labels) * w), mx.sum(w)
     return total, (hits, count)
+
+
+def dflash_loss(
+    head: DFlashHead,
+    batch: Batch,
+    embed: mx.array,
+    lm_head: mx.array,
+    key: mx.array | None,
+    gamma: float = 4.0,
+) -> tuple[mx.array, tuple[mx.array, mx.array]]:
+    """DFlash: T // 4 blocks a row, anchored at random positions (`key` None: evenly
+    spread), all in one forward: block j holds the anchor's token then mask tokens at the
+    anchor's next positions, sees the context rows before its anchor and its own rows, and
+    its row i predicts the conversation's token i places after the anchor (the target's own
+    continuation) by cross-entropy weighted exp(-(i - 1) / gamma), answer tokens only.
+    Accuracy: the first draft's top-1."""
+    tokens, answer, feats, _, _, _ = batch
+    B, T = tokens.shape
+    S, A = head.config.block_size, max(1, T // 4)
+    if key is None:
+        anchors = mx.broadcast_to(mx.arange(A, dtype=mx.int32) * (T // A), (B, A))
+    else:
+        anchors = mx.random.randint(0, T - 1, (B, A), dtype=mx.int32, key=key)
+    offsets = mx.arange(S, dtype=mx.int32)
+    positions = anchors[..., None] + offsets  # (B, A, S)
+    flat = mx.minimum(positions, T - 1).reshape(B, A * S)
+    labels = mx.take_along_axis(tokens, flat, axis=1).reshape(B, A, S)
+    valid = (mx.take_along_axis(answer, flat, axis=1).reshape(B, A, S) > 0) & (positions < T)
+    inputs = mx.where(offsets == 0, labels[..., :1], head.config.mask_token_id)  # (B, A, S)
+    block = mx.arange(A * S) // S  # (A S,) each row's block
+    before = mx.arange(T)[None, None, :] < mx.repeat(anchors, S, axis=1)[..., None]
+    own = mx.broadcast_to(block[:, None] == block[None, :], (B, A * S, A * S))
+    mask = additive_mask(mx.concatenate([before, own], axis=-1), embed.dtype)[:, None]
+    rows = head.context(feats.astype(embed.dtype))  # (B, T, h)
+    out = head.blocks(embed[inputs.reshape(B, A * S)], rows, positions.reshape(B, A * S), mask)
+    out = out.reshape(B, A, S, -1)[:, :, 1:].reshape(B * A * (S - 1), -1)
+    logits = out @ lm_head.T  # (B A (S - 1), V)
+    labels, valid = labels[:, :, 1:].reshape(-1), valid[:, :, 1:]
+    decay = mx.exp(-mx.arange(S - 1, dtype=mx.float32) / gamma)
+    w = (valid * decay).reshape(-1)
+    picked = mx.take_along_axis(logits, labels[:, None], axis=-1)[:, 0]
+    ce = _logsumexp(logits) - picked
+    first = valid[:, :, 0].reshape(-1).astype(mx.float32)
+    right = (mx.argmax(logits, axis=-1) == labels).reshape(B * A, S - 1)[:, 0]
+    return _mean(ce, w), (mx.sum(right * first), mx.sum(first))

@@ -24,6 +24,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..device import roomy_cache
+from ..heads.dflash import DFlashConfig, DFlashHead, default_layer_ids
+from ..heads.dflash_format import save_dflash
 from ..heads.eagle import Eagle1Head, Eagle3Head, EagleConfig, official_taps
 from ..heads.eagle_format import LAYOUTS, save_official
 from ..heads.medusa import MedusaHeads, save_medusa1
@@ -33,9 +35,9 @@ from .data import make_data, read_prompts
 from .features import Features, make_features
 from .loop import TrainConfig, train
 from .memory import Peak, measured
-from .objectives import eagle1_loss, eagle3_loss, medusa_loss
+from .objectives import dflash_loss, eagle1_loss, eagle3_loss, medusa_loss
 
-KINDS = ("eagle1", "eagle3", "medusa")
+KINDS = ("eagle1", "eagle3", "medusa", "dflash")
 # MLX's buffer cache while training: a step's arrays are reused instead of faulted in again
 # (the CPU allocator keeps 32 MB), but a bound, or each new batch shape's stays resident.
 TRAIN_CACHE = 1 << 30
@@ -57,6 +59,8 @@ class Recipe:
     intermediate_size: int | None = None  # EAGLE: the draft layer's MLP width (None: target's)
     medusa_heads: int = 4
     medusa_layers: int = 1
+    block_size: int = 8  # DFlash: the verified token and block_size - 1 drafts
+    draft_layers: int = 1  # DFlash: its Qwen3 layers
     layout: str = "official"  # EAGLE: SafeAILab's keys, or "speculators" (EAGLE-3, vLLM)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -65,11 +69,14 @@ class Recipe:
             raise ValueError(f"head kind {self.kind!r} is unknown (known: {', '.join(KINDS)})")
         width = 1 if self.intermediate_size is None else self.intermediate_size
         draft = 1 if self.draft_vocab is None else self.draft_vocab
-        if min(self.max_tokens, self.top_k, draft, self.ttt_steps, self.data_batch, width) < 1:
+        sizes = (self.max_tokens, self.top_k, draft, self.ttt_steps, self.data_batch, width)
+        if min(*sizes, self.draft_layers) < 1:
             raise ValueError(
-                "max_tokens, top_k, draft_vocab, ttt_steps, data_batch and intermediate_size "
-                "must be >= 1"
+                "max_tokens, top_k, draft_vocab, ttt_steps, data_batch, intermediate_size "
+                "and draft_layers must be >= 1"
             )
+        if self.block_size < 2:
+            raise ValueError(f"DFlash block_size must be >= 2, got {self.block_size}")
         if self.layout not in LAYOUTS or (self.layout == "speculators" and self.kind != "eagle3"):
             raise ValueError(
                 f"layout {self.layout!r} is not one for {self.kind} heads "
@@ -115,7 +122,7 @@ def train_head(
         target, tokenizer = model, model.origin.tokenizer
     else:
         target, tokenizer = load(model)
-    taps = _taps(kind, target, recipe.taps)
+    taps = _taps(kind, target, recipe.taps, recipe.draft_layers)
     vocab = target.args.vocab_size
     if kind == "eagle3" and recipe.draft_vocab is not None and recipe.draft_vocab > vocab:
         raise ValueError(
@@ -168,6 +175,8 @@ def train_head(
         )
         if kind == "medusa":
             save_medusa1(head, out, source)
+        elif kind == "dflash":
+            save_dflash(head, out)
         else:
             save_official(head, out, recipe.layout)
     (out / "training.json").write_text(
@@ -181,14 +190,26 @@ def train_head(
     return Result(out, seconds, state.best, state.history, n, features.nbytes / max(1, n), peaks)
 
 
-def _taps(kind: str, target: CausalLM, taps: tuple[int, ...] | None) -> tuple[int, ...]:
-    """The target layers an EAGLE-3 head reads (none for the others); ValueError when the
-    target cannot feed it. By default the official 2, L//2 and L-3; under 7 layers these
-    collapse (5 layers: layer 2 alone), and the states entering the last three layers go in
-    instead (a small model's head predicts better from them)."""
+def _taps(
+    kind: str, target: CausalLM, taps: tuple[int, ...] | None, draft_layers: int = 1
+) -> tuple[int, ...]:
+    """The target taps an EAGLE-3 head or a DFlash drafter reads (none for the others);
+    ValueError when the target cannot feed it. EAGLE-3: by default the official 2, L//2 and
+    L-3; under 7 layers these collapse (5 layers: layer 2 alone), and the states entering the
+    last three layers go in instead (a small model's head predicts better from them).
+    DFlash: `taps` names target layers whose outputs it reads (z-lab's target_layer_ids;
+    default z-lab's spread for its depth), the states entering the next layers."""
+    layers = target.args.num_hidden_layers
+    if kind == "dflash":
+        ids = taps if taps is not None else default_layer_ids(layers, draft_layers)
+        if not ids or any(not 0 <= i < layers - 1 for i in ids):
+            raise ValueError(
+                f"DFlash reads outputs of layers 0 to {layers - 2} of a {layers}-layer target, "
+                f"not {list(ids)}"
+            )
+        return tuple(i + 1 for i in ids)
     if kind != "eagle3":
         return ()
-    layers = target.args.num_hidden_layers
     if taps is None:
         if layers < 3:
             raise ValueError(
@@ -261,6 +282,8 @@ def build(kind: str, target: CausalLM, features: Features, recipe: Recipe, taps:
                 block.linear.bias = mx.zeros_like(block.linear.bias)
             head[-1].weight = lm_head
         return heads, medusa_loss, ()
+    if kind == "dflash":
+        return _dflash(target, features, recipe, taps), dflash_loss, (embed, lm_head)
     if kind == "eagle1":
         layer = _layer(target, None, recipe.intermediate_size)
         head = Eagle1Head(EagleConfig(version=1, layer=layer))
@@ -283,3 +306,24 @@ def build(kind: str, target: CausalLM, features: Features, recipe: Recipe, taps:
         return eagle3_loss(h, batch, embed, t2d, key, steps=recipe.ttt_steps)
 
     return head, loss, (embed, mx.array(t2d))
+
+
+def _dflash(
+    target: CausalLM, features: Features, recipe: Recipe, taps: tuple[int, ...]
+) -> DFlashHead:
+    """A fresh DFlash drafter: `draft_layers` Qwen3 layers of the target's sizes and rope,
+    reading the target layers before `taps`; its mask token is the one the answers use least
+    (its embedding, the target's, is frozen, so a rare token disturbs the least)."""
+    layer = _layer(target, None, recipe.intermediate_size) | {
+        "num_hidden_layers": recipe.draft_layers
+    }
+    vocab = target.args.vocab_size
+    counts = np.bincount(features.tokens, minlength=vocab)
+    config = DFlashConfig(
+        layer=layer,
+        block_size=recipe.block_size,
+        target_layer_ids=tuple(t - 1 for t in taps),
+        mask_token_id=int(np.argmin(counts)),
+        num_target_layers=target.args.num_hidden_layers,
+    )
+    return DFlashHead(config)
