@@ -265,7 +265,8 @@ class _Beside:
             run()  # a new row bucket traces its graph
         for _ in range(2):
             seconds = _once(run)
-            if seconds < NEGLIGIBLE * self.anchors[-1]:  # a lookup's draft: no ratio to keep
+            # decide(): whether to time an anchor (a target forward) must be every rank's
+            if self.decide(seconds < NEGLIGIBLE * self.anchors[-1]):  # a lookup's draft
                 before = after = self.anchors[-1]
                 break
             self.anchors.append(_once(self.one))
