@@ -198,7 +198,7 @@ def test_missing_chat_template_exits_2(capsys, tmp_path):
         ("{% for m in messages %}{{ m.content }}", "is not a Jinja template: line 1"),
         ("{{ messages[0].content }", "is not a Jinja template: line 1"),
         (b"\xff\xfe{{ x }}", "is not UTF-8 text: invalid start byte at byte 0"),
-        (None, "Is a directory"),
+        (None, "is a folder, not a file"),
     ],
     ids=["unclosed-for", "unclosed-expression", "not-utf8", "directory"],
 )
