@@ -54,7 +54,7 @@ def brute_force_tree(drafter: EagleDrafter, context: list[int], settings: EagleG
     head sequentially along its own path on a copy of the committed draft cache. Returns the
     kept nodes as (token path from the root's children) in node order."""
     head, target = drafter.head, drafter.target
-    fed = drafter._fed
+    fed = drafter._features.fed
     base_keys = [k_[..., :fed, :] for k_ in drafter.cache.keys]
     base_values = [v[..., :fed, :] for v in drafter.cache.values]
 

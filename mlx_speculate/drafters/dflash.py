@@ -46,6 +46,7 @@ from ..step import bucket
 from ..tree import DeviceTree, Tree
 from .base import Draft, Drafter, DrafterSpec, TargetFeatures
 from .eagle_grow import select
+from .features import FeatureQueue
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -130,37 +131,25 @@ class DFlashDrafter(Drafter):
         # top_k * top_k a level), as many as the policy may ask for.
         self.max_draft = depth if top_k == 1 else top_k + (depth - 1) * top_k * top_k
         self.cache = head.make_cache(head.norm.weight.dtype)  # it computes in its own dtype
-        self._pending: list[mx.array] = []  # (n, F) feature rows of positions not yet written
-        self._fed = 0  # committed positions whose keys and values the cache holds
-        self._known = 0  # committed positions it has features of: fed + pending
+        self._features = FeatureQueue(self.cache)  # rows: the context rows of `features`
         mx.eval(head.parameters())
 
     def weights(self) -> tuple[nn.Module, ...]:
         return (self.head,)
 
     def extend(self, features_: TargetFeatures) -> None:
-        rows = features(features_.taps)
-        self._pending.append(rows)
-        self._known += rows.shape[0]
+        self._features.add(features(features_.taps))
 
     def rewind(self, length: int) -> None:
-        if length >= self._known:
-            return
-        if length >= self._fed:
-            rows = mx.concatenate(self._pending)[: length - self._fed]
-            self._pending = [rows] if rows.shape[0] else []
-        else:
-            self.cache.truncate(min(self.cache.offset, length))
-            self._fed, self._pending = length, []
-        self._known = length
+        self._features.rewind(length)
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft | None:
         committed = len(context) - 1
         k = min(k, self.max_draft)
-        if k <= 0 or self._known != committed:
+        if k <= 0 or self._features.known != committed:
             return None
-        rows = mx.concatenate(self._pending) if self._pending else None
-        m = 0 if rows is None else rows.shape[0]
+        rows = self._features.rows()
+        m = self._features.waiting
         padded = bucket(max(m, 1))
         width = features_width(self.head)
         if rows is None:
@@ -169,19 +158,20 @@ class DFlashDrafter(Drafter):
             rows = mx.concatenate([rows, mx.zeros((padded - m, width), rows.dtype)])
         # Context rows at slots fed.. (their padding past `committed` is overwritten by the
         # block or never attended), then the block at committed..committed + B - 1.
-        end = max(self._fed + padded, committed + self.block)
+        end = max(self._features.fed + padded, committed + self.block)
         self.cache.reserve(end)
         span = self.cache.span(committed + self.block)
         choice = self._choice(k, sampling)
         key = ("dflash", id(self.head), padded, span, choice)
         build = lambda: _block_fn(self.head, self.target, span, choice)  # noqa: E731
         fn = compiled(self.head, key, build, traced=self.head.traceable)
-        fed, pending = mx.array(self._fed, mx.int32), mx.array(context[-1:], mx.int32)
+        fed = mx.array(self._features.fed, mx.int32)
+        pending = mx.array(context[-1:], mx.int32)
         out = fn(rows, fed, mx.array(committed, mx.int32), pending, *self.cache.state)
         layers = len(self.cache.state)
         self.cache.set_arrays(out[len(out) - layers :])
         self.cache.advance(committed - self.cache.offset)
-        self._fed, self._pending = committed, []
+        self._features.mark_fed(committed)
         return self._draft(k, choice, out[: len(out) - layers])
 
     def _choice(self, k: int, sampling: SamplingParams) -> tuple:

@@ -39,6 +39,7 @@ from ..step import Then, bucket, cache_view
 from ..tree import DeviceTree, Tree
 from .base import Draft, DrafterSpec, FusedDrafter, TargetFeatures
 from .eagle_grow import catch_up_and_grow, grow
+from .features import FeatureQueue
 
 
 @dataclass(frozen=True)
@@ -178,14 +179,12 @@ class EagleDrafter(FusedDrafter):
         self.settings = tree
         self.max_draft = tree.total - 1
         self.cache = head.make_cache()
-        self._pending: list[mx.array] = []  # feature rows of committed positions not yet run
-        self._fed = 0  # committed positions in the draft cache
-        self._known = 0  # committed positions whose features it has: fed + pending
-        self._last: mx.array | None = None  # (h,) the head's output at position _fed - 1
+        self._features = FeatureQueue(self.cache)  # rows: the head's inputs from the target
+        self._last: mx.array | None = None  # (h,) the head's output at position fed - 1
         self._k = 0  # the size of the last proposal
         # Fused steps not yet settled, oldest first: their lazy outputs (last, draft). After
-        # `settle`, the draft of the last one, for the next proposal of `_k` nodes at `_known`
-        # committed positions.
+        # `settle`, the draft of the last one, for the next proposal of `_k` nodes after the
+        # known committed positions.
         self._queued: list[tuple[mx.array, Draft]] = []
         self._ready: Draft | None = None
         # After `follow`: the slot the next `then`'s path starts at (lazy), and a host bound.
@@ -197,39 +196,34 @@ class EagleDrafter(FusedDrafter):
         return (self.head,)
 
     def extend(self, features: TargetFeatures) -> None:
-        rows = self.head.inputs(features.hidden, features.taps)
-        self._pending.append(rows)
-        self._known += rows.shape[0]
+        self._features.add(self.head.inputs(features.hidden, features.taps))
 
     def rewind(self, length: int) -> None:
-        self._queued, self._start = [], None  # fused steps nobody settled wrote past `_fed`
-        if length >= self._known:
+        self._queued, self._start = [], None  # unsettled fused steps wrote past the fed slots
+        if length >= self._features.known:
             return
         self._ready = None
-        if length >= self._fed:
-            rows = mx.concatenate(self._pending)[: length - self._fed]
-            self._pending = [rows] if rows.shape[0] else []
-        else:
-            self.cache.truncate(min(self.cache.offset, length))
-            self._fed, self._pending, self._last = length, [], None
-        self._known = length
+        if self._features.rewind(length):
+            self._last = None
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft | None:
         committed = len(context) - 1
         k = min(k, self.max_draft)
         ready, self._ready = self._ready, None
-        if k <= 0 or self._known != committed:
+        if k <= 0 or self._features.known != committed:
             return None
-        if ready is not None and k == self._k and not self._pending:
+        if ready is not None and k == self._k and not self._features.waiting:
             return ready
-        self.cache.truncate(self._fed)  # the last proposal's tree slots
-        if self._pending:
-            features = mx.concatenate(self._pending)  # (m, F)
-            tokens = mx.array(context[self._fed + 1 : committed + 1], dtype=mx.int32)  # (m,)
+        fed = self._features.fed
+        self.cache.truncate(fed)  # the last proposal's tree slots
+        features = self._features.rows()  # (m, F)
+        if features is not None:
+            tokens = mx.array(context[fed + 1 : committed + 1], dtype=mx.int32)  # (m,)
             out = self.head(
                 self._embed(tokens)[None], features[None], self.cache, from_target=True
             )[0]
-            self._last, self._fed, self._pending = out[-1], committed, []
+            self._last = out[-1]
+            self._features.mark_fed(committed)
         if self._last is None:
             return None
         self._k = k
@@ -241,12 +235,12 @@ class EagleDrafter(FusedDrafter):
         cannot be traced. Fixed shapes: the accepted path's rows (the verified tree's depth
         bound + 1), and the tree as `_grow` makes it; the path's first slot is an input."""
         start, self._start = self._start, None
-        if not self.head.traceable or self._pending:
+        if not self.head.traceable or self._features.waiting:
             return None
         if start is None:
             if self._last is None or self._queued:
                 return None
-            start = (mx.array(self._fed, mx.int32), self._fed)
+            start = (mx.array(self._features.fed, mx.int32), self._features.fed)
         head, embed, project, k = self.head, self._embed, self._project, self._k
         top_k, depth = self._shape(k)
         end = start[1] + bucket(k + 1) + depth * top_k  # the path has at most bucket rows
@@ -284,11 +278,12 @@ class EagleDrafter(FusedDrafter):
         is unsettled and the next is fused and of its size."""
         if min(k, self.max_draft) != self._k or len(self._queued) != 1:
             return None
-        if not self.head.traceable or self._pending:
+        if not self.head.traceable or self._features.waiting:
             return None
-        # Every step before that one is settled: its path starts at `_fed`, and the next
-        # after its accepted drafts and root (at most k + 1 slots).
-        self._start = (self._fed + 1 + accepted, self._fed + self._k + 1)
+        # Every step before that one is settled: its path starts at the fed positions' end,
+        # and the next after its accepted drafts and root (at most k + 1 slots).
+        fed = self._features.fed
+        self._start = (fed + 1 + accepted, fed + self._k + 1)
         return self._queued[0][1]
 
     def settle(self, accepted: int) -> None:
@@ -296,10 +291,11 @@ class EagleDrafter(FusedDrafter):
         positions and the root's, and its draft follows them (unless a step queued on this
         one's count took it already)."""
         last, draft = self._queued.pop(0)
-        self._fed = self._known = self._fed + accepted + 1
+        fed = self._features.fed + accepted + 1
+        self._features.mark_fed(fed)
         self._last, self._ready = last, None if self._queued else draft
-        self.cache.truncate(min(self.cache.offset, self._fed))
-        self.cache.advance(self._fed - self.cache.offset)
+        self.cache.truncate(min(self.cache.offset, fed))
+        self.cache.advance(fed - self.cache.offset)
 
     def _shape(self, k: int) -> tuple[int, int]:
         """(top-k, levels) of a proposal of k nodes: deeper levels could not be among k."""
@@ -313,7 +309,7 @@ class EagleDrafter(FusedDrafter):
         tree slot (an array) and the head's cache, read over its leading span; each level's
         mask is a bool visibility over the tree's own slots. No host sync."""
         top_k, depth = self._shape(k)
-        end = self._fed + depth * top_k
+        end = self._features.fed + depth * top_k
         self.cache.reserve(end)
         span = self.cache.span(end)
         key = ("eagle", id(self.target), top_k, depth, k, span)
@@ -328,7 +324,7 @@ class EagleDrafter(FusedDrafter):
             return fn
 
         fn = compiled(self.head, key, build, traced=self.head.traceable)
-        out = fn(self._last, mx.array(self._fed, mx.int32), *self.cache.state)
+        out = fn(self._last, mx.array(self._features.fed, mx.int32), *self.cache.state)
         layers = len(self.cache.state)
         self.cache.set_arrays(out[len(out) - layers :])
         self.cache.advance(depth * top_k)

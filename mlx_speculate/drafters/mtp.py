@@ -36,6 +36,7 @@ from ..sampling import SamplingParams, pick
 from ..step import BUCKETS, bucket, cache_view
 from ..tree import Tree
 from .base import MAX_DRAFT, Draft, Drafter, DrafterSpec, TargetFeatures
+from .features import FeatureQueue
 
 FAMILIES = "qwen3_next, qwen3_5, qwen3_5_moe"  # what `has_mtp` accepts, for errors
 
@@ -109,41 +110,33 @@ class MtpDrafter(Drafter):
         self.target = target
         self.max_draft = max_draft
         self.cache = head.make_cache()
-        self._pending: list[mx.array] = []  # target states of committed positions not yet run
-        self._fed = 0  # committed positions in the head's cache
-        self._known = 0  # committed positions whose states it has: fed + pending
-        self._last: mx.array | None = None  # (h,) the head's output at position _fed - 1
+        self._features = FeatureQueue(self.cache)  # the target's states: rows are `hidden`
+        self._last: mx.array | None = None  # (h,) the head's output at position fed - 1
 
     def weights(self) -> tuple[nn.Module, ...]:
         return (self.head,)
 
     def extend(self, features: TargetFeatures) -> None:
-        self._pending.append(features.hidden)
-        self._known += features.hidden.shape[0]
+        self._features.add(features.hidden)
 
     def rewind(self, length: int) -> None:
-        if length >= self._known:
-            return
-        if length >= self._fed:
-            rows = mx.concatenate(self._pending)[: length - self._fed]
-            self._pending = [rows] if rows.shape[0] else []
-        else:
-            self.cache.truncate(min(self.cache.offset, length))
-            self._fed, self._pending, self._last = length, [], None
-        self._known = length
+        if self._features.rewind(length):
+            self._last = None
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft | None:
         committed = len(context) - 1
         k = min(k, self.max_draft)
-        if k <= 0 or self._known != committed:
+        if k <= 0 or self._features.known != committed:
             return None
-        self.cache.truncate(self._fed)  # the last chain's slots
-        m = committed - self._fed  # positions to catch up on
-        features = mx.concatenate(self._pending) if m else None  # (m, h)
-        tokens = mx.array(context[self._fed + 1 : committed + 1], dtype=mx.int32)  # (m,)
+        fed = self._features.fed
+        self.cache.truncate(fed)  # the last chain's slots
+        m = self._features.waiting  # positions to catch up on
+        features = self._features.rows()  # (m, h)
+        tokens = mx.array(context[fed + 1 : committed + 1], dtype=mx.int32)  # (m,)
         if m > BUCKETS[-1]:  # a prompt's rows: one forward, whose shape seldom comes again
             out = self.head(self._embed(tokens)[None], features[None], self.cache)
-            self._last, self._fed, self._pending, m = out[0, -1], committed, [], 0
+            self._last, m = out[0, -1], 0
+            self._features.mark_fed(committed)
         if m == 0 and self._last is None:
             return None
         return self._chain(m, features, tokens, k, sampling)
@@ -156,11 +149,12 @@ class MtpDrafter(Drafter):
         k: int,
         sampling: SamplingParams,
     ) -> Draft:
-        """Catches up on the m positions from `_fed` (padded to their row bucket; none: from
+        """Catches up on the m positions from the fed ones (padded to their row bucket; none: from
         `_last`) and drafts k tokens from the last of them, in one compiled graph whose inputs
         are the first slot (an array), the rows and the head's cache, read over its span."""
         rows = bucket(m) if m else 0
-        start, committed = self._fed, self._fed + m
+        start = self._features.fed
+        committed = start + m
         end = max(start + rows, committed + k - 1)  # past every slot it writes
         self.cache.reserve(end)
         span = self.cache.span(end)
@@ -183,7 +177,8 @@ class MtpDrafter(Drafter):
         outputs = 2 if sampling.greedy else 3
         self.cache.set_arrays(out[outputs:])
         self.cache.advance(committed + k - 1 - self.cache.offset)
-        self._last, self._fed, self._pending = out[0], committed, []
+        self._last = out[0]
+        self._features.mark_fed(committed)
         logprobs = None if sampling.greedy else out[2]
         return Draft(out[1], Tree.chain(k), logprobs)
 
