@@ -32,10 +32,11 @@ def main() -> None:
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mlx_speculate.decode import PREFILL_STEP, Decoder
+    from mlx_speculate.decode import Decoder
     from mlx_speculate.default_model import default_model_path
     from mlx_speculate.loading import load
     from mlx_speculate.models.quantized_prefill import PrefillQuantizedLinear
+    from mlx_speculate.prefill import PREFILL_STEP
 
     header("Prefill of the default model on the CPU", blas)
     model, tokenizer = load(default_model_path())

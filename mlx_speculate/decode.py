@@ -36,21 +36,11 @@ from .graphs import built
 from .models.base import CausalLM
 from .models.quantized_prefill import prefilling
 from .policy.adaptive import FixedPolicy, Policy
+from .prefill import chunks
 from .sampling import SamplingParams
 from .step import Then, Verified, verify
 from .tree import ROOT, Tree
 from .verify import Acceptance, AcceptanceRule
-
-PREFILL_STEP = 256  # tokens per prefill chunk: short enough to cancel between
-# A cancellable prefill (a server's) sizes its chunks to about CANCEL_SECONDS each, so that a
-# client who leaves holds the model that long at most on a slow machine: powers of two from
-# CANCELLABLE_STEPS[0] (the first chunk's) to PREFILL_STEP, set by the last chunk's time.
-CANCEL_SECONDS = 0.5
-CANCELLABLE_STEPS = (16, 32)  # the least, and the first
-
-
-class PrefillCancelled(Exception):
-    """The `cancelled` callback of `Decoder.prefill` asked it to stop."""
 
 
 @dataclass(frozen=True)
@@ -111,11 +101,10 @@ class Decoder:
         of its last position for the first token; returns how many prompt tokens were already
         cached from the previous context (all but the last may be).
 
-        Chunks of PREFILL_STEP tokens, each evaluated (a sync) before the next is built; their
+        Chunks as prefill.py sizes them, each evaluated (a sync) before the next is built; their
         shapes vary with the prompt. `cancelled` is asked before each chunk: when it says so,
-        PrefillCancelled is raised and the chunks done stay cached as the context's prefix, for
-        a later prompt to reuse; with it, chunks take about CANCEL_SECONDS each (see there). A
-        KeyboardInterrupt lands between chunks too."""
+        prefill.PrefillCancelled is raised and the chunks done stay cached as the context's
+        prefix, for a later prompt to reuse. A KeyboardInterrupt lands between chunks too."""
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
         if len(prompt) > self.max_context:
@@ -130,24 +119,15 @@ class Decoder:
             self.drafter.rewind(kept)
         self._prompt_logits = None
         self.context = prompt[:kept]
-        step = PREFILL_STEP if cancelled is None else CANCELLABLE_STEPS[1]
-        start = kept
         with mx.stream(GENERATION_STREAM):
-            while start < len(prompt):
-                if cancelled is not None and cancelled():
-                    raise PrefillCancelled(f"cancelled at {start} of {len(prompt)} prompt tokens")
-                chunk = prompt[start : start + step]
-                began = time.perf_counter()
+            for start, stop in chunks(kept, len(prompt), cancelled):
                 with prefilling():  # a head drafter's own prompt forward (in extend) too
-                    out = self.model(mx.array([chunk]), self.cache, taps=self.taps)
+                    out = self.model(mx.array([prompt[start:stop]]), self.cache, taps=self.taps)
                     if self.drafter is not None:
                         hidden, taps = out.hidden[0], tuple(t[0] for t in out.taps)
                         self.drafter.extend(TargetFeatures(hidden, taps))
                     mx.eval(self.cache.state)
-                start += len(chunk)
-                self.context = prompt[:start]
-                if cancelled is not None:
-                    step = _cancellable_step(len(chunk), time.perf_counter() - began)
+                self.context = prompt[:stop]
             # Only the last row is projected (the prefill's own logits are never evaluated).
             self._prompt_logits = self.model.project(out.hidden[0, -1:])
         self.context = prompt
@@ -423,9 +403,3 @@ class _StepBuilder:
         mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
         return acceptance
 
-
-def _cancellable_step(tokens: int, seconds: float) -> int:
-    """The next chunk's size after a chunk of `tokens` took `seconds`: the power of two that
-    fits in CANCEL_SECONDS at that rate, within CANCELLABLE_STEPS[0] and PREFILL_STEP."""
-    fit = max(1, int(tokens * CANCEL_SECONDS / max(seconds, 1e-9)))
-    return max(CANCELLABLE_STEPS[0], min(PREFILL_STEP, 1 << (fit.bit_length() - 1)))

@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from . import arguments
 from .chat import plain_tokens
-from .decode import Decoder, PrefillCancelled
+from .decode import Decoder
 from .device import wired_limit
 from .drafters import (
     Drafter,
@@ -26,6 +26,7 @@ from .grammar.constraint import Constraint
 from .models.base import CausalLM
 from .policy.adaptive import FixedPolicy, Policy
 from .policy.measure import default_policy
+from .prefill import PrefillCancelled
 from .sampling import SamplingParams
 
 

@@ -17,11 +17,12 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_speculate.decode import CANCELLABLE_STEPS, PREFILL_STEP, Decoder, PrefillCancelled
+from mlx_speculate.decode import Decoder
 from mlx_speculate.generation import stream_generate
 from mlx_speculate.loading import build_model, load
 from mlx_speculate.models import quantized_prefill
 from mlx_speculate.models.quantized_prefill import PrefillQuantizedLinear, prefilling
+from mlx_speculate.prefill import CANCELLABLE_STEPS, PREFILL_STEP, PrefillCancelled, chunks
 
 from .helpers import random_weights, tiny_config
 from .serving import serve
@@ -225,3 +226,15 @@ def test_a_cancellable_prefill_sizes_its_chunks_by_their_time(quantized):
     plain = Gated(model)
     Decoder(plain).prefill(LONG_PROMPT)
     assert plain.sizes[:-1] == [PREFILL_STEP] * (len(plain.sizes) - 1)
+
+
+def test_chunks_cover_the_prompt_and_stop_when_cancelled():
+    """Without a callback: PREFILL_STEP tokens a chunk, the last what is left; with one, the
+    callback is asked before each chunk and its yes raises with the chunks done kept."""
+    assert list(chunks(5, 600)) == [(5, 261), (261, 517), (517, 600)]
+    assert list(chunks(7, 7)) == []
+    done = []
+    with pytest.raises(PrefillCancelled, match="cancelled at 48 of 600 prompt tokens"):
+        for start, stop in chunks(16, 600, cancelled=lambda: len(done) == 1):
+            done.append((start, stop))
+    assert done == [(16, 48)]  # the first cancellable chunk is CANCELLABLE_STEPS[1] tokens
