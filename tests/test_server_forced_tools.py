@@ -2,7 +2,9 @@
 with the real openai and anthropic clients against a real server, the scripted stand-in model
 under the Hermes, Llama 3.1 (JSON) and pythonic test templates: arguments are held to their
 schema strictly (no invented keys unless the schema allows them), schemas with `$defs` and
-`$ref` (pydantic's nested models) are enforced as written, and a named tool is one call."""
+`$ref` (pydantic's nested models) are enforced as written, a named tool is one call, and a
+call cut by max_tokens is a truncated call (finish_reason "length"), whole as streamed, never
+content."""
 
 from __future__ import annotations
 
@@ -60,17 +62,20 @@ NOTES = function("take_note", {"type": "object", "additionalProperties": True})
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
+def call_text(format_: str, name: str, arguments: dict) -> str:
+    """A call of `name` as the grammar of `format_` spells it."""
+    if format_ == "hermes":
+        return hermes_call(name, arguments)
+    if format_ == "llama":
+        return json.dumps({"name": name, "parameters": arguments})
+    keywords = ", ".join(f"{k}={json.dumps(v)}" for k, v in arguments.items())
+    return f"[{name}({keywords})]"
+
+
 def write(running, model, tokenizer, format_: str, name: str, arguments: dict) -> None:
     """The scripted model writes a call of `name` in `format_`, tokenized as the grammar
     spells it (no SentencePiece dummy-prefix space in front)."""
-    if format_ == "hermes":
-        text = hermes_call(name, arguments)
-    elif format_ == "llama":
-        text = json.dumps({"name": name, "parameters": arguments})
-    else:
-        keywords = ", ".join(f"{k}={json.dumps(v)}" for k, v in arguments.items())
-        text = f"[{name}({keywords})]"
-    model.script = ll_tokenizer(tokenizer).tokenize_str(text)
+    model.script = ll_tokenizer(tokenizer).tokenize_str(call_text(format_, name, arguments))
 
 
 FORMATS = ["hermes", "llama", "pythonic"]
@@ -225,3 +230,77 @@ def test_an_endless_tool_schema_is_400(hermes):
             tool_choice={"type": "any"},
         )
     assert "no finite instance" in bad.value.response.json()["error"]["message"]
+
+
+# A call long enough that max_tokens can cut it inside its last argument.
+LONG = {"city": "Paris", "note": "pack an umbrella and a warm coat for the evening walk"}
+WEATHER_NOTE = function(
+    "get_weather",
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "note": {"type": "string"}},
+        "required": ["city", "note"],
+    },
+)
+
+
+def cut_inside(model, tokenizer, format_: str) -> int:
+    """Scripts a call of get_weather with LONG; max_tokens that ends the output in its note
+    (the tokens of the output up to the note's "warm")."""
+    write(None, model, tokenizer, format_, "get_weather", LONG)
+    text = call_text(format_, "get_weather", LONG)
+    return len(ll_tokenizer(tokenizer).tokenize_str(text[: text.index("warm")]))
+
+
+@pytest.mark.parametrize("format_", FORMATS)
+def test_a_forced_call_cut_by_max_tokens_is_a_truncated_call(request, format_):
+    """OpenAI's way, whole as streamed: the call with the arguments written so far (not JSON
+    yet), finish_reason "length", and no half call as content."""
+    running, model, tokenizer = request.getfixturevalue(format_)
+    max_tokens = cut_inside(model, tokenizer, format_)
+    tools = [WEATHER_NOTE, TIME]
+    answers = [
+        ask(running, stream, tools=tools, tool_choice="required", max_tokens=max_tokens)
+        for stream in (False, True)
+    ]
+    (content, calls, finish), streamed = answers
+    assert (content, finish) == (None, "length")
+    [call] = calls
+    arguments = call["function"]["arguments"]
+    assert call["function"]["name"] == "get_weather" and '"city": "Paris"' in arguments
+    assert json.dumps(LONG).startswith(arguments) and arguments != json.dumps(LONG)
+    if format_ != "pythonic":  # JSON arguments go out as written; pythonic ones, each whole
+        assert '"note": "pack' in arguments
+    assert streamed[0] is None and [c["function"] for c in streamed[1]] == [call["function"]]
+    assert streamed[2] == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("format_", FORMATS)
+def test_a_forced_call_cut_before_its_name_is_nothing(request, format_, stream):
+    """Cut before the call is named there is no call to return, and its opening is no
+    content: the output holds nothing but finish_reason "length"."""
+    running, model, tokenizer = request.getfixturevalue(format_)
+    write(running, model, tokenizer, format_, "get_weather", LONG)
+    content, calls, finish = ask(
+        running, stream, tools=[WEATHER_NOTE], tool_choice="required", max_tokens=3
+    )
+    assert (content or None, calls, finish) == (None, [], "length")
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_anthropic_forced_call_cut_by_max_tokens(hermes, choice):
+    """Anthropic's way, whole as the client builds it from the stream: a last tool_use block
+    whose input holds the arguments that were complete, stop_reason "max_tokens"."""
+    running, model, tokenizer = hermes
+    max_tokens = cut_inside(model, tokenizer, "hermes")
+    tools = [{"name": "get_weather", "input_schema": WEATHER_NOTE["function"]["parameters"]}]
+    args = dict(model="scripted", max_tokens=max_tokens, messages=ASK, tools=tools)
+    whole = anthropic_client(running).messages.create(**args, tool_choice=choice)
+    with anthropic_client(running).messages.stream(**args, tool_choice=choice) as events:
+        streamed = events.get_final_message()
+    for message in (whole, streamed):
+        assert message.stop_reason == "max_tokens"
+        assert [(b.type, b.name, b.input) for b in message.content] == [
+            ("tool_use", "get_weather", {"city": "Paris"})
+        ]

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from mlx_speculate.server.json_prefix import JsonPrefix
+from mlx_speculate.server.json_prefix import JsonPrefix, complete_part
 
 
 def taken(text: str) -> tuple[int, bool]:
@@ -70,3 +70,43 @@ def test_invalid_json_stops_at_the_first_bad_character(text, at):
 def test_unfinished_json_is_taken_but_not_whole():
     text = '{"city": "Pa'
     assert taken(text) == (len(text), False)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("{", {}),
+        ('{"city": "Par', {}),  # an unfinished string is dropped
+        ('{"city": "Paris", "da', {"city": "Paris"}),  # and a key without its value
+        ('{"city": "Paris", "days": 1', {"city": "Paris"}),  # 1 may yet be 12
+        ('{"city": "Paris", "days": 12,', {"city": "Paris", "days": 12}),
+        ('{"a": {"b": [1, 2,', {"a": {"b": [1, 2]}}),
+        ('{"a": tr', {}),
+        ('{"a": true ', {"a": True}),
+        ('{"a": ["x", {"y": null}, ', {"a": ["x", {"y": None}]}),
+        ('{"a": "x\\', {}),  # inside an escape
+        ('{"a": {}', {"a": {}}),
+        ('{"a": 1}', {"a": 1}),
+    ],
+)
+def test_complete_part_closes_what_is_whole(text, value):
+    assert complete_part(text) == value
+
+
+def test_complete_part_of_every_prefix():
+    """Every prefix of an object's or array's text has a complete part (the whole text: the
+    value itself), which only grows as the text does."""
+    rng = random.Random(1)
+    for _ in range(100):
+        value = {"k": [random_value(rng) for _ in range(3)], "v": random_value(rng)}
+        text = json.dumps(value)
+        parts = [json.dumps(complete_part(text[:n])) for n in range(1, len(text) + 1)]
+        assert json.loads(parts[-1]) == value
+        lengths = [len(p) for p in parts]
+        assert lengths == sorted(lengths)
+
+
+@pytest.mark.parametrize("text", ["", '"abc', "x", '{"a" 1', "[1] 2"])
+def test_complete_part_refuses_what_is_no_container_prefix(text):
+    with pytest.raises(ValueError):
+        complete_part(text)

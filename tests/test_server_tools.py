@@ -183,6 +183,24 @@ def test_streamed_call_broken_midway_is_truncated(hermes, said, arguments, conte
     ]
 
 
+def test_a_call_cut_by_max_tokens_is_truncated_whole_or_streamed(hermes):
+    """max_tokens cuts a call in its arguments: whole as streamed, the call comes back with
+    the arguments written so far and finish_reason "length", as OpenAI returns one; the text
+    before it stays content."""
+    running, model, tokenizer = hermes
+    call = hermes_call("get_weather", {"city": "Paris"})
+    model.say(f"Let me look.\n{call}")
+    cut = call.index("Par") + 2
+    max_tokens = len(tokenizer.encode(f"Let me look.\n{call[:cut]}", add_special_tokens=False))
+    answers = [ask(running, stream, tools=TOOLS, max_tokens=max_tokens) for stream in (0, 1)]
+    for content, calls, finish in answers:
+        assert (content.strip(), finish) == ("Let me look.", "length")
+        [(name, arguments)] = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        assert name == "get_weather" and arguments.startswith('{"city": "P')
+        assert '{"city": "Paris"}'.startswith(arguments) and arguments != '{"city": "Paris"}'
+    assert answers[0][1][0]["function"] == answers[1][1][0]["function"]
+
+
 def test_streamed_call_arrives_in_fragments(hermes):
     """The arguments stream as the model writes them: many deltas, not one at the end."""
     running, model, _ = hermes

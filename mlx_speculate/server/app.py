@@ -142,8 +142,9 @@ def _chat_prompt(
         names = frozenset(tool.function.name for tool in offered)
         # A named function is one call, as vLLM and llama.cpp read it.
         parallel = body.parallel_tool_calls and mode != "function"
-        parser = Tools(format_, names, parallel)
-        if mode in ("required", "function"):
+        forced = mode in ("required", "function")
+        parser = Tools(format_, names, parallel, forced)
+        if forced:
             schemas = {t.function.name: t.arguments_schema() for t in offered}
             if body.forced_tool is not None:
                 schemas = {body.forced_tool: schemas[body.forced_tool]}

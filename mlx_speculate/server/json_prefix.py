@@ -1,10 +1,13 @@
 """A check, a character at a time, that text is a prefix of one JSON value: what lets a tool
 call's arguments stream as the model writes them, each fragment released only while the text
-so far can still become valid JSON."""
+so far can still become valid JSON; and the value such a prefix holds so far (`complete_part`),
+for a call cut short."""
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any
 
 _NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
 _NUMBER_PREFIX = re.compile(r"-?(?:0|[1-9]\d*)?(?:(?<=\d)\.\d*)?(?:(?<=\d)[eE][+-]?\d*)?")
@@ -105,3 +108,31 @@ def _continues(token: str) -> bool:
     return bool(_NUMBER_PREFIX.fullmatch(token) and token) or any(
         lit.startswith(token) for lit in _LITERALS
     )
+
+
+def complete_part(text: str) -> Any:
+    """The value a prefix of a JSON object or array holds so far: its open containers closed,
+    a member or element not yet whole dropped (an unfinished string, number or literal, or a
+    key without its value), as Anthropic's client reads a tool input cut short; a whole value
+    is itself. ValueError when `text` is neither."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    prefix = JsonPrefix()
+    cut: tuple[int, list[str]] | None = None  # where the last whole item ends; what is open
+    for i, c in enumerate(text):
+        reading = bool(prefix._token)  # a number or literal, which only a delimiter ends
+        if not prefix.push(c):
+            raise ValueError(f"not a prefix of a JSON value: {text[: i + 1]!r}")
+        if prefix._string is not None or prefix._token or not prefix._stack:
+            continue
+        if prefix._expect in ("next", "key_or_close", "value_or_close"):
+            cut = (i + 1, list(prefix._stack))  # after an item, or a container's opening
+        elif reading and c == ",":
+            cut = (i, list(prefix._stack))  # the number before the comma is whole
+    if cut is None:
+        raise ValueError(f"not a prefix of a JSON object or array: {text!r}")
+    end, stack = cut
+    closers = "".join("}" if c == "{" else "]" for c in reversed(stack))
+    return json.loads(text[:end] + closers)

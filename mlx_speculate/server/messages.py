@@ -5,6 +5,8 @@ A streamed message follows Anthropic's event sequence: `message_start`, a `ping`
 content block `content_block_start`, its `content_block_delta`s (`text_delta`, or a tool
 call's `input_json_delta`s as the model writes its arguments: tool_parser.py) and
 `content_block_stop`; then `message_delta` (stop reason, final usage) and `message_stop`. A
+tool call cut short by max_tokens is a last `tool_use` block, whole or streamed, with stop
+reason "max_tokens"; whole, its input holds what of the arguments was complete. A
 generation that fails midway ends with an `error` event. Usage counts `input_tokens` past the
 prefix cache and the cached ones as `cache_read_input_tokens`, as Anthropic's prompt caching.
 """
@@ -22,6 +24,7 @@ from fastapi.responses import Response
 from ..grammar import Grammar
 from .errors import APIError, anthropic_error_body
 from .gateway import Gateway
+from .json_prefix import complete_part
 from .messages_schemas import Conversation, MessagesRequest
 from .records import Delta, Failed, Finished, Job, Usage
 from .responses import usage_body
@@ -72,8 +75,9 @@ def _prompt(
     if format_ is None:
         raise APIError(400, "the model's chat template does not take tools", param="tools")
     tools = body.tools or []
-    parser = Tools(format_, frozenset(tool.name for tool in tools), _parallel(body))
-    if body.tool_mode in ("any", "tool"):
+    forced = body.tool_mode in ("any", "tool")
+    parser = Tools(format_, frozenset(tool.name for tool in tools), _parallel(body), forced)
+    if forced:
         if grammar is not None:
             raise APIError(
                 400,
@@ -103,12 +107,13 @@ def _output_grammar(body: Conversation) -> Grammar | None:
 
 
 def _tool_use(call: CallDelta) -> dict[str, Any]:
-    """The block of the call `call` starts (with its input whole, when it is not streamed)."""
+    """The block of the call `call` starts (with its input whole, when it is not streamed; of
+    a call cut short, what of its input is whole, as Anthropic's client reads it)."""
     return {
         "type": "tool_use",
         "id": f"toolu_{call.id.removeprefix('call_')}",
         "name": call.name,
-        "input": json.loads(call.arguments or "{}"),
+        "input": complete_part(call.arguments or "{}"),
     }
 
 
@@ -178,9 +183,8 @@ class Message:
                 content: list[dict[str, Any]] = []
                 pieces: list[Piece] = ["".join(text)] if text else []
                 if self.tools is not None:
-                    parser = self.tools.parser(eager=False)  # each call comes whole
-                    pieces = [*parser.feed("".join(text)), *parser.end()]
-                    self.called = parser.called
+                    cut = event.reason == "length"
+                    pieces, self.called = self.tools.whole("".join(text), cut=cut)
                 for piece in pieces:
                     if isinstance(piece, CallDelta):
                         content.append(_tool_use(piece))

@@ -5,7 +5,9 @@ first chunk; exactly one chunk with a `finish_reason`; with `stream_options.incl
 last chunk with `choices: []` and the usage (and `usage: null` in the others); then
 `data: [DONE]`. Tool calls stream as OpenAI's `tool_calls` deltas as the model writes them:
 the first names the call (index, id, type, name), the later ones carry fragments of its
-arguments (tool_parser.py says when and how); `finish_reason` is then "tool_calls". Usage
+arguments (tool_parser.py says when and how); `finish_reason` is then "tool_calls", or
+"length" when max_tokens cut a call short (whole, it then holds the arguments written so
+far, as streamed: `Tools.whole`). Usage
 carries the prompt-cache hits (`prompt_tokens_details.cached_tokens`) and, as an extension,
 what speculation did (`usage.speculative`).
 """
@@ -135,9 +137,8 @@ class Completion:
             else:
                 content, calls = "".join(text), []
                 if self.tools is not None:
-                    parser = self.tools.parser(eager=False)  # each call comes whole
-                    pieces = [*parser.feed(content), *parser.end()]
-                    self.called = parser.called
+                    cut = event.reason == "length"
+                    pieces, self.called = self.tools.whole(content, cut=cut)
                     content = "".join(p for p in pieces if isinstance(p, str))
                     calls = [_call_body(p) for p in pieces if isinstance(p, CallDelta)]
                 self.outcome = reason = self._finish_reason(event.reason)

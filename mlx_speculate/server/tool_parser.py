@@ -11,14 +11,19 @@ argument by argument (pythonic_calls.py).
 A call that does not parse is content, as the model wrote it. Only a streamed call can turn
 out malformed after it went out: its arguments then stop at the last character that kept
 them valid JSON (a truncated call, as OpenAI sends one cut by max_tokens) and the text from
-the one that broke them on is content. A response that is not streamed has no such calls.
+the one that broke them on is content. A response that is not streamed has no such calls,
+unless max_tokens cut it: then it reads as its stream does (`Tools.whole`), so that a call cut
+short comes back with the arguments written so far and finish_reason "length", as OpenAI
+returns one, never as half a call in the content. Under a forced call (`Tools.forced`: a
+grammar holds the output to calls) any text that is not a call is a call cut short, and is
+dropped.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .json_prefix import JsonPrefix
 from .pythonic_calls import BROKEN, DONE, PythonicCalls
@@ -48,15 +53,37 @@ Piece = str | CallDelta  # content text, or part of a call
 
 @dataclass(frozen=True)
 class Tools:
-    """What tool calls a response may hold: their format, the offered tools' names, and
-    whether there may be several (`parallel`; if not, calls past the first are dropped)."""
+    """What tool calls a response may hold: their format, the offered tools' names, whether
+    there may be several (`parallel`; if not, calls past the first are dropped), and whether
+    the output is calls only (`forced`: tool_choice requires one, and a grammar holds it)."""
 
     format: str
     names: frozenset[str]
     parallel: bool = True
+    forced: bool = False
 
     def parser(self, *, eager: bool) -> ToolParser:
-        return ToolParser(self.format, self.names, eager=eager, parallel=self.parallel)
+        return ToolParser(
+            self.format, self.names, eager=eager, parallel=self.parallel, forced=self.forced
+        )
+
+    def whole(self, text: str, *, cut: bool) -> tuple[list[Piece], bool]:
+        """The content and calls of a whole output, each call one CallDelta with all its
+        arguments, and whether it holds a call. Each call is read whole (one that does not
+        parse is content), unless the output was `cut` by max_tokens: then it is read as it
+        streams, so a call cut short keeps the arguments written so far."""
+        parser = self.parser(eager=cut)
+        pieces: list[Piece] = []
+        at: dict[int, int] = {}  # where each call is in `pieces`
+        for piece in [*parser.feed(text), *parser.end()]:
+            if isinstance(piece, CallDelta) and piece.name is None:  # more of its arguments
+                call = pieces[at[piece.index]]
+                pieces[at[piece.index]] = replace(call, arguments=call.arguments + piece.arguments)
+                continue
+            if isinstance(piece, CallDelta):
+                at[piece.index] = len(pieces)
+            pieces.append(piece)
+        return pieces, parser.called
 
 
 def _partial_tail(text: str, marker: str) -> int:
@@ -100,10 +127,16 @@ def _head(text: str, names: Collection[str]) -> tuple[int, str] | str:
 class ToolParser:
     """Content and calls of the tools `names` in output of `format_` (one of FORMATS), fed
     in pieces. Whitespace next to a call is dropped; other content comes out as soon as it
-    cannot be part of a call."""
+    cannot be part of a call (`forced`: the output is calls only, so there is none)."""
 
     def __init__(
-        self, format_: str, names: Collection[str], *, eager: bool, parallel: bool = True
+        self,
+        format_: str,
+        names: Collection[str],
+        *,
+        eager: bool,
+        parallel: bool = True,
+        forced: bool = False,
     ):
         if format_ not in FORMATS:
             raise ValueError(f"tool-call format {format_!r} is unknown (known: {FORMATS})")
@@ -111,6 +144,7 @@ class ToolParser:
         self.names = set(names)
         self.eager = eager
         self.parallel = parallel
+        self.forced = forced
         self.calls = 0  # calls begun, kept or not
         self._buffer = ""
         # outside (content, or between calls), head (a call's head being read), arguments
@@ -335,7 +369,10 @@ class ToolParser:
 
     def _content(self, text: str, pieces: list[Piece]) -> None:
         """Emits `text`, holding its trailing whitespace back (and, right after a call,
-        dropping its leading whitespace), so that chunking never changes the result."""
+        dropping its leading whitespace), so that chunking never changes the result. Forced
+        calls have no content: such text is a call cut short (by max_tokens or a stop)."""
+        if self.forced:
+            return
         if self._after_call:
             text = text.lstrip()
             self._after_call = not text

@@ -16,7 +16,8 @@ Formats, chosen from the template's source:
           never run: argument values are literals (strings, numbers, lists, dicts, and
           True / False / None or JSON's true / false / null).
 A call that does not parse as a call of an offered tool (bad JSON, no name, a tool not
-offered, arguments that are not an object) is returned as content, as the model wrote it.
+offered, arguments that are not an object) is returned as content, as the model wrote it
+(unless max_tokens cut it short, or a grammar forced it: tool_parser.py).
 
 When a call is required (`tool_choice` "required" or a named function), `call_grammar` writes
 the format as a grammar whose arguments follow each tool's JSON schema, so the output is a
