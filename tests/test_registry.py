@@ -5,6 +5,7 @@ import pytest
 
 from mlx_speculate.drafters import (
     METHODS,
+    AssistantSpec,
     DFlashSpec,
     DraftModelSpec,
     EagleGrowth,
@@ -22,6 +23,7 @@ from .markov import StubTokenizer
 
 def test_every_method_registers_itself():
     assert METHODS == {
+        "assistant": AssistantSpec,
         "dflash": DFlashSpec,
         "draft_model": DraftModelSpec,
         "eagle": EagleSpec,

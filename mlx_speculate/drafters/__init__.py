@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..models.base import CausalLM
+from .assistant import AssistantSpec
 from .base import MAX_DRAFT, METHODS, Draft, Drafter, DrafterSpec, TargetFeatures
 from .dflash import DFlashSpec
 from .draft_model import DraftModelSpec
@@ -23,6 +24,7 @@ from .medusa import MedusaSpec
 from .mtp import MtpSpec
 
 __all__ = [
+    "AssistantSpec",
     "COMMON",
     "DFlashSpec",
     "MAX_DRAFT",
@@ -60,10 +62,10 @@ def speculative_keywords() -> tuple[str, ...]:
 
 def spec_from_keywords(**keywords: Any) -> DrafterSpec | None:
     """The spec that mlx-lm style keywords ask for (`draft_model=`, `prompt_lookup=True`,
-    `medusa=`, `eagle=`, `mtp=`, each method's own options and `num_draft_tokens=`), or None
-    when they ask for none. None and False mean "not given". A keyword no method owns is a
-    TypeError; one that belongs to another method than the one chosen, a ValueError naming its
-    owners."""
+    `medusa=`, `eagle=`, `mtp=`, `dflash=`, `assistant=`, each method's own options and
+    `num_draft_tokens=`), or None when they ask for none. None and False mean "not given". A
+    keyword no method owns is a TypeError; one that belongs to another method than the one
+    chosen, a ValueError naming its owners."""
     owners: dict[str, list[str]] = {}
     for spec in METHODS.values():
         for keyword in spec.keywords:

@@ -236,9 +236,7 @@ class DecoderStack(nn.Module):
         for i in taps:
             if not 0 <= i < (n := self.args.num_hidden_layers):
                 raise ValueError(f"cannot tap layer {i} of a {n}-layer model")
-        h = self.embed_tokens(tokens)
-        if self._embed_scale is not None:
-            h = h * mx.array(self._embed_scale, h.dtype)  # rounded to the compute dtype, as HF
+        h = self.embed(tokens)
         ctx = build_context(
             self._rope,
             cache,
@@ -262,6 +260,14 @@ class DecoderStack(nn.Module):
             cache.advance(tokens.shape[1])
         h, shared = self.stage.leave(h, captured, taps, cache)
         return self.norm(h), shared
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """(B, L) tokens -> (B, L, hidden) input embeddings, times the family's scale (what a
+        drafter that embeds tokens the target's way reads too)."""
+        h = self.embed_tokens(tokens)
+        if self._embed_scale is not None:
+            h = h * mx.array(self._embed_scale, h.dtype)  # rounded to the compute dtype, as HF
+        return h
 
     def layer_inputs(self, tokens: mx.array, embedded: mx.array) -> mx.array | None:
         """What every layer reads besides the residual stream, (B, L, layers, D), given the

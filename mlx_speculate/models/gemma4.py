@@ -284,19 +284,26 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, ctx: ForwardContext, layer: int) -> mx.array:
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        (q,) = rotate(ctx, self._rope, q)
         if self.reads is not None:
-            (q,) = rotate(ctx, self._rope, q)
             k, v = ctx.kv[layer - (self.index - self.reads)]  # its source's, this forward
             return self.o_proj(attention(ctx, layer, q, k, v, self.scale))
+        k, v = store(ctx, layer, *self.keys_values(x, ctx))
+        if self.stores:
+            ctx.kv[layer] = (k, v)
+        return self.o_proj(attention(ctx, layer, q, k, v, self.scale))
+
+    def keys_values(self, x: mx.array, ctx: ForwardContext) -> tuple[mx.array, mx.array]:
+        """The (B, H_kv, L, D) keys (normed, rotated at the context's positions) and values
+        (normed) this writing layer makes of its normed input `x` (B, L, hidden): what a
+        Gemma 4 assistant drafter reads of the target (drafters/assistant.py)."""
+        B, L, _ = x.shape
         raw = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)
         v = raw if self._k_eq_v else self.v_proj(x).reshape(B, L, self.n_kv_heads, -1)
         k = self.k_norm(raw).transpose(0, 2, 1, 3)  # (B, H_kv, L, D)
         v = rms_normed(v, self.eps).transpose(0, 2, 1, 3)
-        q, k = rotate(ctx, self._rope, q, k)
-        k, v = store(ctx, layer, k, v)
-        if self.stores:
-            ctx.kv[layer] = (k, v)
-        return self.o_proj(attention(ctx, layer, q, k, v, self.scale))
+        (k,) = rotate(ctx, self._rope, k)
+        return k, v
 
 
 class MLP(nn.Module):
