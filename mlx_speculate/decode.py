@@ -12,7 +12,7 @@ its largest position only for rope types that depend on it (models/base.py). Und
 its host-side matcher builds each step's chain or tree and masks from the tokens read, and
 reads a drafter's tokens (and EAGLE's tree) back before the verify forward (constraint.py).
 A plain step after a plain one is queued on its lazy token before it is read, and a pipelined
-drafter's step on its lazy accepted count (`_StepBuilder.follow`, when the worst case fits); its
+drafter's step on its lazy accepted count (`StepBuilder.follow`, when the worst case fits); its
 `settle` tells the drafter the count once read. An EAGLE step is fused (`step.Then`): its
 compiled verify graph also runs the head over the accepted path, grows the next tree and
 compacts the path's keys, so a step is one call and one sync; the next fused step is queued
@@ -116,6 +116,19 @@ class Decoder:
         PrefillCancelled is raised and the chunks done stay cached as the context's prefix, for
         a later prompt to reuse; with it, chunks take about CANCEL_SECONDS each (see there). A
         KeyboardInterrupt lands between chunks too."""
+        prefill = self.begin_prefill(prompt, sized=cancelled is not None)
+        while not prefill.done:
+            if cancelled is not None and cancelled():
+                raise PrefillCancelled(
+                    f"cancelled at {prefill.start} of {len(prefill.prompt)} prompt tokens"
+                )
+            prefill.chunk()
+        return prefill.kept
+
+    def begin_prefill(self, prompt: Sequence[int], sized: bool = False) -> Prefill:
+        """A prefill of `prompt` to run a chunk at a time (`Prefill.chunk`), so that other work
+        (a batch's decoding steps) can run between chunks; ValueError for a prompt that cannot
+        be run. `sized`: chunks of about CANCEL_SECONDS each, else PREFILL_STEP tokens."""
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
         if len(prompt) > self.max_context:
@@ -130,28 +143,18 @@ class Decoder:
             self.drafter.rewind(kept)
         self._prompt_logits = None
         self.context = prompt[:kept]
-        step = PREFILL_STEP if cancelled is None else CANCELLABLE_STEPS[1]
-        start = kept
-        with mx.stream(GENERATION_STREAM):
-            while start < len(prompt):
-                if cancelled is not None and cancelled():
-                    raise PrefillCancelled(f"cancelled at {start} of {len(prompt)} prompt tokens")
-                chunk = prompt[start : start + step]
-                began = time.perf_counter()
-                with prefilling():  # a head drafter's own prompt forward (in extend) too
-                    out = self.model(mx.array([chunk]), self.cache, taps=self.taps)
-                    if self.drafter is not None:
-                        hidden, taps = out.hidden[0], tuple(t[0] for t in out.taps)
-                        self.drafter.extend(TargetFeatures(hidden, taps))
-                    mx.eval(self.cache.state)
-                start += len(chunk)
-                self.context = prompt[:start]
-                if cancelled is not None:
-                    step = _cancellable_step(len(chunk), time.perf_counter() - began)
-            # Only the last row is projected (the prefill's own logits are never evaluated).
-            self._prompt_logits = self.model.project(out.hidden[0, -1:])
-        self.context = prompt
-        return kept
+        return Prefill(self, prompt, kept, sized)
+
+    def take_prompt_logits(self) -> mx.array:
+        """The (1, V) logits after the prompt, once (the first token is chosen from them)."""
+        if self._prompt_logits is None:
+            raise ValueError("prefill a prompt before decoding")
+        logits, self._prompt_logits = self._prompt_logits, None
+        return logits
+
+    def limit(self, max_tokens: int | None) -> None:
+        """Bounds the generation starting now to `max_tokens` tokens (None: the context)."""
+        self._limit = len(self.context) - 1 + (max_tokens or self.max_context + 1)
 
     def reusable(self, prompt: Sequence[int]) -> int:
         """How many tokens of `prompt` the cache holds already: the prefix it shares with the
@@ -210,10 +213,10 @@ class Decoder:
         policy = policy or FixedPolicy(0)
         if sampling.seed is not None:
             mx.random.seed(sampling.seed)  # the one generator every draw comes from
-        self._limit = len(self.context) - 1 + (max_tokens or self.max_context + 1)
+        self.limit(max_tokens)
         self._clock = (time.perf_counter(), built())
         rule = AcceptanceRule(replace(sampling, seed=None), typical_acceptance)
-        queue = _StepBuilder(self, sampling, rule, constraint)
+        queue = StepBuilder(self, sampling, rule, constraint)
         guide = None if constraint is None else constraint.first()
         logits, self._prompt_logits = masked(self._prompt_logits, guide), None
         acceptance = queue.accept(ROOT, mx.zeros((0,), dtype=mx.int32), logits, None)
@@ -254,7 +257,7 @@ class Decoder:
 
     def _finish(self, step: _Pending, followed: bool = False) -> Step:
         """Reads the step's acceptance (the one sync) and commits the accepted path;
-        `followed`: the drafter's next chain is queued already (`_StepBuilder.follow`)."""
+        `followed`: the drafter's next chain is queued already (`StepBuilder.follow`)."""
         acceptance = step.acceptance
         mx.eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
         n = acceptance.num_accepted.item()
@@ -292,7 +295,40 @@ class Decoder:
         return Step(tuple(tokens), drafted, logprobs, seconds, verified, forced, traced)
 
 
-class _StepBuilder:
+class Prefill:
+    """A prompt's prefill in chunks (`Decoder.begin_prefill`): each `chunk` runs the next
+    chunk into the cache and its features into the drafter, evaluated before it returns; the
+    last one keeps the logits of the prompt's last position for the first token."""
+
+    def __init__(self, decoder: Decoder, prompt: list[int], kept: int, sized: bool):
+        self.decoder, self.prompt, self.kept, self.start = decoder, prompt, kept, kept
+        self._sized = sized
+        self._size = CANCELLABLE_STEPS[1] if sized else PREFILL_STEP
+
+    @property
+    def done(self) -> bool:
+        return self.start >= len(self.prompt)
+
+    def chunk(self) -> None:
+        decoder = self.decoder
+        chunk = self.prompt[self.start : self.start + self._size]
+        began = time.perf_counter()
+        with mx.stream(GENERATION_STREAM), prefilling():  # a head drafter's own forward too
+            out = decoder.model(mx.array([chunk]), decoder.cache, taps=decoder.taps)
+            if decoder.drafter is not None:
+                hidden, taps = out.hidden[0], tuple(t[0] for t in out.taps)
+                decoder.drafter.extend(TargetFeatures(hidden, taps))
+            mx.eval(decoder.cache.state)
+            self.start += len(chunk)
+            decoder.context = self.prompt[: self.start]
+            if self._sized:
+                self._size = _cancellable_step(len(chunk), time.perf_counter() - began)
+            if self.done:
+                # Only the last row is projected (the prefill's own logits are never evaluated).
+                decoder._prompt_logits = decoder.model.project(out.hidden[0, -1:])
+
+
+class StepBuilder:
     """Builds and schedules one step: draft, verify forward and acceptance rule, all lazy."""
 
     def __init__(
@@ -311,21 +347,23 @@ class _StepBuilder:
         with mx.stream(GENERATION_STREAM):
             return self._queue(pending, k)
 
-    def _queue(self, pending: mx.array, k: int) -> _Pending:
-        decoder = self.decoder
-        draft: Draft | None = None
-        guide: Guide | None = None
-        drafter = decoder.drafter
+    def plan(self, k: int) -> tuple[Draft | None, Guide | None]:
+        """The step's draft of up to `k` tokens (None: the pending token alone) and, under a
+        grammar, its guide (the chain or tree it walked, and the rows' masks)."""
+        decoder, drafter = self.decoder, self.decoder.drafter
         if self.constraint is not None and (drafter is None or drafter.follows_context):
             sampling = self.sampling
             propose = None if drafter is None else lambda c, n: drafter.propose(c, n, sampling)
             guide = self.constraint.guide(decoder.context, propose, k, decoder.room())
-            draft = guide.draft
-        elif self.constraint is not None:  # a tree drafter
+            return guide.draft, guide
+        if self.constraint is not None:  # a tree drafter
             guide = self.constraint.tree_guide(lambda: self._propose(k), decoder.room())
-            draft = guide.draft
-        else:
-            draft = self._propose(k)
+            return guide.draft, guide
+        return self._propose(k), None
+
+    def _queue(self, pending: mx.array, k: int) -> _Pending:
+        decoder = self.decoder
+        draft, guide = self.plan(k)
         tree = ROOT if draft is None else draft.tree
         offset = decoder.cache.offset
         then = None if draft is None or guide is not None else self._then()
