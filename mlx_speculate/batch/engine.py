@@ -21,6 +21,7 @@ refused (`check_batchable`): their state per row cannot follow a padded verify h
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -98,6 +99,23 @@ class _Running:
     prefill: Prefill | None = None
     row: int = -1
     rate: Rate = field(default_factory=Rate)
+    draws: int = 0  # steps that drew from its seeded generator
+
+    def reseed(self) -> bool:
+        """Seeds the generator for this sequence's next random draws when its request has a
+        seed, so that they do not depend on the other sequences' (True: it did)."""
+        seed = self.handle.sampling.seed
+        if seed is None:
+            return False
+        mx.random.seed((seed * 1_000_003 + self.draws) % 2**63)
+        self.draws += 1
+        return True
+
+    @property
+    def fixed(self) -> int:
+        """The draft length its request fixed (0: none, the planner's to choose)."""
+        asked = self.handle.num_draft_tokens
+        return 0 if asked is None else self.cap
 
     @property
     def decoder(self):
@@ -126,7 +144,7 @@ class BatchEngine:
         self.cache = BatchKVCache(model.kv_shapes(), model.compute_dtype, 1)
         self._waiting: list[_Running] = []  # to prefill, first come first served
         self._running: list[_Running] = []  # decoding; running[i] holds cache row i
-        self.last_width = 0  # the last step's rows per sequence (metrics)
+        self.last_rows = 0  # the last decoding step's rows, padding included (metrics)
         self._shrink = False  # sequences left: fit the cache's rows after the step
 
     @property
@@ -164,8 +182,6 @@ class BatchEngine:
             handle.stop,
             started,
         )
-        if handle.sampling.seed is not None:
-            mx.random.seed(handle.sampling.seed)
         self._waiting.append(running)
 
     def step(self) -> list[Handle]:
@@ -173,6 +189,7 @@ class BatchEngine:
         row is free), then one decoding step of the batch. Returns the handles that got
         responses or ended in it; a sequence's failure ends it alone."""
         touched: dict[int, Handle] = {}
+        self.last_rows = 0
         with mx.stream(GENERATION_STREAM):
             for running in [*self._waiting, *self._running]:
                 if not running.handle.done and running.handle.cancelled():
@@ -204,8 +221,11 @@ class BatchEngine:
         decoder.limit(handle.max_tokens)
         guide = None if running.constraint is None else running.constraint.first()
         logits = masked(decoder.take_prompt_logits(), guide)
+        seeded = running.reseed()
         acceptance = running.builder.rule(ROOT, mx.zeros((0,), dtype=mx.int32), logits)
         token = acceptance.tokens.tolist()[0]
+        if seeded:
+            _unseed()
         decoder.context.append(token)
         forced = () if guide is None else guide.forced[:1]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -222,10 +242,14 @@ class BatchEngine:
         began = time.perf_counter()
         running = list(self._running)
         caps = [r.cap if r.decoder.room() > 0 else 0 for r in running]
-        width = self.planner.width(self.cache.rows, caps, [r.rate.rate for r in running])
+        least = 1 + max((r.fixed for r in running), default=0)
+        rates = [r.rate.rate for r in running]
+        width = self.planner.width(self.cache.rows, caps, rates, least)
         planned: list[tuple[Draft | None, Guide | None] | None] = []
+        seeded = False
         for r in running:
             try:
+                seeded |= r.reseed()
                 planned.append(r.builder.plan(min(width - 1, r.cap)))
             except Exception as e:
                 planned.append(None)
@@ -238,32 +262,33 @@ class BatchEngine:
         n = max(t.num_nodes for t in trees)
         rows = self.cache.rows
         tokens = np.zeros((rows, n), dtype=np.int32)
-        positions = np.zeros((rows, n), dtype=np.int32)
-        visible = np.zeros((rows, n, n), dtype=bool)
-        visible[:] = np.eye(n, dtype=bool)
-        chains = all(t.is_chain for t in trees)
-        drafts: list[mx.array] = []
-        for (r, (draft, _)), tree in zip(live, trees, strict=True):
-            b, size = r.row, tree.num_nodes
-            tokens[b, 0] = r.decoder.context[-1]
-            positions[b] = self.cache.offsets[b] + np.arange(n)
-            positions[b, :size] = self.cache.offsets[b] + np.array(tree.depths)
-            visible[b, :size, :size] = tree.visibility
-            drafts.append(mx.zeros((0,), mx.int32) if draft is None else draft.tokens)
-        # Draft tokens may be lazy (a draft model's): they go in on the device.
+        for r, _ in live:
+            tokens[r.row, 0] = r.decoder.context[-1]
+        # Each row's nodes at their depths after its offset, seeing their ancestors (a tree's
+        # padding nodes hang off its root; rows no sequence holds see themselves alone). On
+        # the device: an EAGLE tree is chosen there.
+        depths = [mx.arange(n, dtype=mx.int32)] * rows
+        seen = [mx.eye(n, dtype=mx.bool_)] * rows
         batch_tokens = mx.array(tokens)
-        for (r, _), tree, draft in zip(live, trees, drafts, strict=True):
-            if tree.num_nodes > 1:
-                at = mx.array([r.row, 1], dtype=mx.int32)
-                row = draft.astype(mx.int32).reshape(1, -1)
-                batch_tokens = mx.slice_update(batch_tokens, row, at, (0, 1))
+        for (r, (draft, _)), tree in zip(live, trees, strict=True):
+            if tree.num_nodes == 1:
+                continue
+            padded = tree.padded(n)
+            depths[r.row], seen[r.row] = padded.depth_index, padded.ancestors
+            # Draft tokens may be lazy (a draft model's): they go in on the device.
+            at = mx.array([r.row, 1], dtype=mx.int32)
+            row = draft.tokens.astype(mx.int32).reshape(1, -1)
+            batch_tokens = mx.slice_update(batch_tokens, row, at, (0, 1))
+        chains = all(t.is_chain for t in trees)
+        offsets = mx.array(self.cache.offsets, dtype=mx.int32)[:, None]
+        positions = offsets + mx.stack(depths)
         taps = tuple(sorted({t for r, _ in live for t in r.decoder.taps}))
         self.cache.prepare(n)
         out = self.model(
             batch_tokens,
             self.cache,
-            positions=mx.array(positions),
-            mask=None if chains else mx.array(visible),
+            positions=positions,
+            mask=None if chains else mx.stack(seen),
             taps=taps,
         )
         verdicts: list[tuple[Acceptance, mx.array]] = []
@@ -271,11 +296,14 @@ class BatchEngine:
             logits = masked(out.logits[r.row, : tree.num_nodes], guide)
             tokens_in = mx.zeros((0,), mx.int32) if draft is None else draft.tokens
             q = None if draft is None else draft.logprobs
+            seeded |= r.reseed()
             verdicts.append((r.builder.rule(tree, tokens_in, logits, q), logits))
+        if seeded:
+            _unseed()
         mx.eval([a for v, _ in verdicts for a in (v.tokens, v.num_accepted, v.path)])
         seconds = time.perf_counter() - began
         self.planner.observe(rows, n, seconds)
-        self.last_width = n
+        self.last_rows = rows * n
         paths = np.tile(np.arange(n, dtype=np.int32), (rows, 1))
         compacting = False
         commits = []
@@ -378,6 +406,12 @@ class BatchEngine:
         need = next(b for b in BUCKETS if b >= max(1, len(self._running)))
         if need != self.cache.rows:
             self.cache.resize(need)
+
+
+def _unseed() -> None:
+    """Seeds the generator afresh after a seeded sequence's draws, so that the unseeded ones'
+    draws do not repeat from run to run."""
+    mx.random.seed(secrets.randbits(63))
 
 
 def batch_stream(

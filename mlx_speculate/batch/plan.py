@@ -52,12 +52,15 @@ class BatchPlanner:
         self._seconds: dict[tuple[int, int], float] = {}  # (B, N) -> moving average
         self._steps = 0
 
-    def width(self, batch: int, caps: Sequence[int], rates: Sequence[float]) -> int:
+    def width(
+        self, batch: int, caps: Sequence[int], rates: Sequence[float], least: int = 1
+    ) -> int:
         """The rows per sequence for a step of `batch` rows (bucketed) whose sequences may
-        draft up to caps[i] tokens at acceptance rates[i]."""
-        top = min(self.max_width, 1 + max(caps, default=0))
-        if top == 1:
-            return 1
+        draft up to caps[i] tokens at acceptance rates[i], at least `least` (a request that
+        fixed its draft length gets it)."""
+        top = max(least, min(self.max_width, 1 + max(caps, default=0)))
+        if top == least:
+            return least
 
         def throughput(n: int) -> float:
             tokens = sum(
@@ -65,10 +68,10 @@ class BatchPlanner:
             )
             return tokens / self.seconds(batch, n)
 
-        best = max(range(1, top + 1), key=throughput)
+        best = max(range(least, top + 1), key=throughput)
         self._steps += 1
-        if self._steps % EXPLORE_EVERY == 0:  # measure a neighbour, the one measured longest ago
-            near = [n for n in (best - 1, best + 1) if 1 <= n <= top]
+        if self._steps % EXPLORE_EVERY == 0:  # measure a neighbour, one not measured first
+            near = [n for n in (best - 1, best + 1) if least <= n <= top]
             unseen = [n for n in near if (batch, n) not in self._seconds]
             best = (unseen or near)[0] if near else best
         return best
