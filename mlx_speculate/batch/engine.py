@@ -36,7 +36,6 @@ from ..generation import GenerationResponse, Responder, Session
 from ..grammar import Grammar
 from ..grammar.constraint import Constraint, Guide, masked, points
 from ..models.base import CausalLM
-from ..models.rope import LENGTH_DEPENDENT
 from ..sampling import SamplingParams
 from ..tree import ROOT, Tree
 from ..verify import Acceptance, AcceptanceRule
@@ -54,7 +53,7 @@ def check_batchable(model: CausalLM) -> None:
             f"{model.args.model_type} has recurrent layers, whose state a batch cannot roll "
             "back per sequence: serve it one request at a time (--max-batch 1)"
         )
-    if model.args.rope_config()["rope_type"] in LENGTH_DEPENDENT:
+    if not model.traceable:  # a forward that reads the host offset (models/base.py)
         raise ValueError(
             "the model's rope frequencies depend on the longest position, which differs per "
             "sequence: serve it one request at a time (--max-batch 1)"
@@ -229,8 +228,7 @@ class BatchEngine:
         decoder.context.append(token)
         forced = () if guide is None else guide.forced[:1]
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        step = Step((token,), 0, logprobs, 0.0, False, forced)
-        if self._respond(running, step):
+        if self._emit(running, Step((token,), 0, logprobs, 0.0, False, forced)):
             return
         running.row = len(self._running)
         self._running.append(running)
@@ -349,22 +347,28 @@ class BatchEngine:
         if features is not None:
             decoder.drafter.rewind(len(decoder.context) - 1)
             decoder.drafter.extend(features.rows(rows))
-        if running.constraint is not None:
-            running.constraint.commit(emitted)
         drafted = tree.num_nodes - 1 if guide is None else guide.drafted
         forced = () if guide is None else tuple(guide.forced[i] for i in path)
         if guide is None:
             running.rate.observe(drafted, accepted)
         chosen = logits[rows]
         logprobs = chosen - mx.logsumexp(chosen, axis=-1, keepdims=True)
-        step = Step(tuple(emitted), drafted, logprobs, seconds, True, forced)
+        self._emit(running, Step(tuple(emitted), drafted, logprobs, seconds, True, forced))
+
+    def _emit(self, running: _Running, step: Step) -> bool:
+        """Hands the grammar and the responses a step's tokens, then a forced ending the grammar
+        has after them (emitted without a forward, as alone); True (and ended) when done."""
+        decoder, constraint = running.decoder, running.constraint
+        if constraint is not None:
+            constraint.commit(step.tokens)
         if self._respond(running, step):
-            return
-        constraint = running.constraint
+            return True
         if constraint is not None and (ending := constraint.ending(decoder.room())):
             decoder.context.extend(ending)  # no forward: the cache stays behind the context
             rows = points(mx.array(ending), self.model.args.vocab_size)
             self._respond(running, Step(ending, 0, rows, 0.0, False, (True,) * len(ending)))
+            return True
+        return False
 
     def _respond(self, running: _Running, step: Step) -> bool:
         """Feeds a step's tokens to the sequence's responses; True (and ended) when done."""

@@ -341,9 +341,14 @@ class Worker:
         )
         try:
             engine.add(handle)
-        except Exception as e:
+        except ValueError as e:  # the request's prompt cannot run
             pool.discard(entry)
-            job.emit(Failed(f"generation failed: {one_line(e)}", 400, "invalid_request"))
+            job.emit(Failed(one_line(e), 400, "invalid_request"))
+            return
+        except Exception as e:  # the server outlives any one request
+            log.exception("generation failed")
+            pool.discard(entry)
+            job.emit(Failed(f"generation failed: {type(e).__name__}: {one_line(e)}"))
             return
         served[id(handle)] = _Served(job, entry, handle)
         self._running.append(job)
@@ -379,7 +384,10 @@ class Worker:
             pool.release(state.entry)
             self._finish(job, state.last, state.tokens, state.text)
             return
-        pool.discard(state.entry)  # its cache may hold half a step
+        if error is state.failure:  # in delivering: the generation stopped whole at a token
+            pool.release(state.entry)
+        else:
+            pool.discard(state.entry)  # its cache may hold half a step
         if isinstance(error, GrammarError):
             log.warning("generation stopped: %s", error)
             message = f"the output cannot follow the requested format: {error}"
