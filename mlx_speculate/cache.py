@@ -121,6 +121,9 @@ class KVCache:
         path get other nodes' keys; the offset is the caller's (the committed path ends at
         start + accepted + 1)."""
         start = mx.array(start, mx.int32) if isinstance(start, int) else start
+        if start.ndim == 1:  # a batch (batch/cache.py): row b's path below its own start
+            self._rows(start, path)
+            return
         slots = start + path  # (P,)
         at = start.reshape(1)
         for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
@@ -128,6 +131,20 @@ class KVCache:
                 continue
             self.keys[layer] = mx.slice_update(k, mx.take(k, slots, axis=2), at, axes=(2,))
             self.values[layer] = mx.slice_update(v, mx.take(v, slots, axis=2), at, axes=(2,))
+
+    def _rows(self, start: mx.array, paths: mx.array) -> None:
+        """`compact` of row b's slots start[b] + paths[b, i] to start[b] + i ((B,) starts,
+        (B, P) paths, each padded with the identity past its accepted path)."""
+        B, P = paths.shape
+        src = (start[:, None] + paths)[:, None, :, None]  # (B, 1, P, 1)
+        dst = (start[:, None] + mx.arange(P, dtype=mx.int32))[:, None, :, None]
+        for store in (self.keys, self.values):
+            for layer, a in enumerate(store):
+                if a is None:
+                    continue
+                shape = (B, a.shape[1], P, a.shape[3])
+                moved = mx.take_along_axis(a, mx.broadcast_to(src, shape), axis=2)
+                store[layer] = mx.put_along_axis(a, mx.broadcast_to(dst, shape), moved, axis=2)
 
     @property
     def state(self) -> list[mx.array]:

@@ -12,7 +12,7 @@ its largest position only for rope types that depend on it (models/base.py). Und
 its host-side matcher builds each step's chain or tree and masks from the tokens read, and
 reads a drafter's tokens (and EAGLE's tree) back before the verify forward (constraint.py).
 A plain step after a plain one is queued on its lazy token before it is read, and a pipelined
-drafter's step on its lazy accepted count (`_StepBuilder.follow`, when the worst case fits); its
+drafter's step on its lazy accepted count (`StepBuilder.follow`, when the worst case fits); its
 `settle` tells the drafter the count once read. An EAGLE step is fused (`step.Then`): its
 compiled verify graph also runs the head over the accepted path, grows the next tree and
 compacts the path's keys, so a step is one call and one sync; the next fused step is queued
@@ -34,9 +34,8 @@ from .drafters.base import Draft, Drafter, FusedDrafter, PipelinedDrafter, Targe
 from .grammar.constraint import Constraint, Guide, masked, points
 from .graphs import built
 from .models.base import CausalLM
-from .models.quantized_prefill import prefilling
 from .policy.adaptive import FixedPolicy, Policy
-from .prefill import chunks
+from .prefill import Prefill, PrefillCancelled
 from .sampling import SamplingParams
 from .step import Then, Verified, verify
 from .tree import ROOT, Tree
@@ -103,8 +102,22 @@ class Decoder:
 
         Chunks as prefill.py sizes them, each evaluated (a sync) before the next is built; their
         shapes vary with the prompt. `cancelled` is asked before each chunk: when it says so,
-        prefill.PrefillCancelled is raised and the chunks done stay cached as the context's
-        prefix, for a later prompt to reuse. A KeyboardInterrupt lands between chunks too."""
+        PrefillCancelled is raised and the chunks done stay cached as the context's prefix, for
+        a later prompt to reuse; with it, chunks take about CANCEL_SECONDS each (prefill.py). A
+        KeyboardInterrupt lands between chunks too."""
+        prefill = self.begin_prefill(prompt, sized=cancelled is not None)
+        while not prefill.done:
+            if cancelled is not None and cancelled():
+                raise PrefillCancelled(
+                    f"cancelled at {prefill.start} of {len(prefill.prompt)} prompt tokens"
+                )
+            prefill.chunk()
+        return prefill.kept
+
+    def begin_prefill(self, prompt: Sequence[int], sized: bool = False) -> Prefill:
+        """A prefill of `prompt` to run a chunk at a time (`Prefill.chunk`), so that other work
+        (a batch's decoding steps) can run between chunks; ValueError for a prompt that cannot
+        be run. `sized`: chunks of about CANCEL_SECONDS each, else PREFILL_STEP (prefill.py)."""
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
         if len(prompt) > self.max_context:
@@ -119,19 +132,18 @@ class Decoder:
             self.drafter.rewind(kept)
         self._prompt_logits = None
         self.context = prompt[:kept]
-        with mx.stream(GENERATION_STREAM):
-            for start, stop in chunks(kept, len(prompt), cancelled):
-                with prefilling():  # a head drafter's own prompt forward (in extend) too
-                    out = self.model(mx.array([prompt[start:stop]]), self.cache, taps=self.taps)
-                    if self.drafter is not None:
-                        hidden, taps = out.hidden[0], tuple(t[0] for t in out.taps)
-                        self.drafter.extend(TargetFeatures(hidden, taps))
-                    mx.eval(self.cache.state)
-                self.context = prompt[:stop]
-            # Only the last row is projected (the prefill's own logits are never evaluated).
-            self._prompt_logits = self.model.project(out.hidden[0, -1:])
-        self.context = prompt
-        return kept
+        return Prefill(self, prompt, kept, sized)
+
+    def take_prompt_logits(self) -> mx.array:
+        """The (1, V) logits after the prompt, once (the first token is chosen from them)."""
+        if self._prompt_logits is None:
+            raise ValueError("prefill a prompt before decoding")
+        logits, self._prompt_logits = self._prompt_logits, None
+        return logits
+
+    def limit(self, max_tokens: int | None) -> None:
+        """Bounds the generation starting now to `max_tokens` tokens (None: the context)."""
+        self._limit = len(self.context) - 1 + (max_tokens or self.max_context + 1)
 
     def reusable(self, prompt: Sequence[int]) -> int:
         """How many tokens of `prompt` the cache holds already: the prefix it shares with the
@@ -190,10 +202,10 @@ class Decoder:
         policy = policy or FixedPolicy(0)
         if sampling.seed is not None:
             mx.random.seed(sampling.seed)  # the one generator every draw comes from
-        self._limit = len(self.context) - 1 + (max_tokens or self.max_context + 1)
+        self.limit(max_tokens)
         self._clock = (time.perf_counter(), built())
         rule = AcceptanceRule(replace(sampling, seed=None), typical_acceptance)
-        queue = _StepBuilder(self, sampling, rule, constraint)
+        queue = StepBuilder(self, sampling, rule, constraint)
         guide = None if constraint is None else constraint.first()
         logits, self._prompt_logits = masked(self._prompt_logits, guide), None
         acceptance = queue.accept(ROOT, mx.zeros((0,), dtype=mx.int32), logits, None)
@@ -234,7 +246,7 @@ class Decoder:
 
     def _finish(self, step: _Pending, followed: bool = False) -> Step:
         """Reads the step's acceptance (the one sync) and commits the accepted path;
-        `followed`: the drafter's next chain is queued already (`_StepBuilder.follow`)."""
+        `followed`: the drafter's next chain is queued already (`StepBuilder.follow`)."""
         acceptance = step.acceptance
         mx.eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
         n = acceptance.num_accepted.item()
@@ -272,7 +284,7 @@ class Decoder:
         return Step(tuple(tokens), drafted, logprobs, seconds, verified, forced, traced)
 
 
-class _StepBuilder:
+class StepBuilder:
     """Builds and schedules one step: draft, verify forward and acceptance rule, all lazy."""
 
     def __init__(
@@ -291,21 +303,23 @@ class _StepBuilder:
         with mx.stream(GENERATION_STREAM):
             return self._queue(pending, k)
 
-    def _queue(self, pending: mx.array, k: int) -> _Pending:
-        decoder = self.decoder
-        draft: Draft | None = None
-        guide: Guide | None = None
-        drafter = decoder.drafter
+    def plan(self, k: int) -> tuple[Draft | None, Guide | None]:
+        """The step's draft of up to `k` tokens (None: the pending token alone) and, under a
+        grammar, its guide (the chain or tree it walked, and the rows' masks)."""
+        decoder, drafter = self.decoder, self.decoder.drafter
         if self.constraint is not None and (drafter is None or drafter.follows_context):
             sampling = self.sampling
             propose = None if drafter is None else lambda c, n: drafter.propose(c, n, sampling)
             guide = self.constraint.guide(decoder.context, propose, k, decoder.room())
-            draft = guide.draft
-        elif self.constraint is not None:  # a tree drafter
+            return guide.draft, guide
+        if self.constraint is not None:  # a tree drafter
             guide = self.constraint.tree_guide(lambda: self._propose(k), decoder.room())
-            draft = guide.draft
-        else:
-            draft = self._propose(k)
+            return guide.draft, guide
+        return self._propose(k), None
+
+    def _queue(self, pending: mx.array, k: int) -> _Pending:
+        decoder = self.decoder
+        draft, guide = self.plan(k)
         tree = ROOT if draft is None else draft.tree
         offset = decoder.cache.offset
         then = None if draft is None or guide is not None else self._then()

@@ -12,7 +12,7 @@ import mlx.core as mx
 
 from . import arguments
 from .chat import plain_tokens
-from .decode import Decoder
+from .decode import Decoder, Step
 from .device import wired_limit
 from .drafters import (
     Drafter,
@@ -214,11 +214,7 @@ class Session:
             cached = decoder.prefill(tokens, cancelled)
         except PrefillCancelled:
             return
-        prompt_tps = first_time = 0.0
-        eos = set(tokenizer.eos_token_ids)
-        detokenizer = tokenizer.detokenizer
-        detokenizer.reset()
-        emitted = drafted = accepted = forwards = generated = text_sent = forced = 0
+        responder = Responder(tokenizer, len(tokens), cached, max_tokens, stop, start)
         steps = decoder.steps(
             sampling,
             policy,
@@ -226,60 +222,109 @@ class Session:
             typical_acceptance=self.typical_acceptance,
             constraint=constraint,
         )
-        for n, step in enumerate(steps):
-            if n == 0:  # the first token, chosen by the prompt's forward
-                first_time = time.perf_counter()
-                # Counts the tokens prefilled now, not those whose cache carried over.
-                prompt_tps = (len(tokens) - cached) / max(first_time - start, 1e-9)
-            forwards += step.verified
-            drafted += step.drafted
-            last_step = decoder.room() < 0
-            for i, token in enumerate(step.tokens):
-                generated += n > 0
-                was_forced = i < len(step.forced) and step.forced[i]
-                from_draft = i < len(step.tokens) - 1 and not was_forced
-                accepted += from_draft
-                forced += was_forced
-                finish = None
-                if token in eos:
-                    finish = "stop"
-                else:
-                    emitted += 1
-                    detokenizer.add_token(token)
+        for step in steps:
+            yield from responder.feed(step, decoder.room() < 0, decoder.context_full)
+            if responder.finished:
+                steps.close()
+                return
+
+
+class Responder:
+    """One generation's steps as responses: the text each token adds (held back while it may
+    grow into a stop string), the finish reason and the counts. The loop and the batch engine
+    feed it alike, so a stream reads the same whichever ran it."""
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt_tokens: int,
+        cached: int,
+        max_tokens: int,
+        stop: Sequence[str],
+        started: float,
+    ):
+        """`cached`: prompt tokens whose cache carried over; `started`: when the prefill began."""
+        self.prompt_tokens = prompt_tokens
+        self.cached = cached
+        self.max_tokens = max_tokens
+        self.stop = stop
+        self._started, self._first_time, self._prompt_tps = started, 0.0, 0.0
+        self._eos = set(tokenizer.eos_token_ids)
+        self._detokenizer = tokenizer.detokenizer
+        self._detokenizer.reset()
+        self._steps = 0
+        self.emitted = self.drafted = self.accepted = self.forwards = self.generated = 0
+        self.forced = self._text_sent = 0
+        self.finished = False
+
+    def feed(
+        self, step: Step, last_step: bool, context_full: bool
+    ) -> Iterator[GenerationResponse]:
+        """The responses of `step`'s tokens, up to the one that finishes the generation;
+        `last_step`: no step follows (the context or the tokens wanted ran out), `context_full`:
+        the context did."""
+        first, self._steps = self._steps == 0, self._steps + 1
+        if first:  # the first token, chosen by the prompt's forward
+            self._first_time = time.perf_counter()
+            # Counts the tokens prefilled now, not those whose cache carried over.
+            prefilled = self.prompt_tokens - self.cached
+            self._prompt_tps = prefilled / max(self._first_time - self._started, 1e-9)
+        self.forwards += step.verified
+        self.drafted += step.drafted
+        detokenizer, stop = self._detokenizer, self.stop
+        for i, token in enumerate(step.tokens):
+            self.generated += not first
+            was_forced = i < len(step.forced) and step.forced[i]
+            from_draft = i < len(step.tokens) - 1 and not was_forced
+            self.accepted += from_draft
+            self.forced += was_forced
+            finish = None
+            if token in self._eos:
+                finish = "stop"
+            else:
+                self.emitted += 1
+                detokenizer.add_token(token)
+            text = detokenizer.text
+            cut = _find_stop(text, stop, self._text_sent)
+            if cut >= 0:
+                finish = "stop"
+            elif finish is None and self.emitted >= self.max_tokens:
+                finish = "length"
+            elif finish is None and last_step and i == len(step.tokens) - 1:
+                finish = "context" if context_full else "length"
+            if finish is not None:
+                detokenizer.finalize()
                 text = detokenizer.text
-                cut = _find_stop(text, stop, text_sent)
-                if cut >= 0:
-                    finish = "stop"
-                elif finish is None and emitted >= max_tokens:
-                    finish = "length"
-                elif finish is None and last_step and i == len(step.tokens) - 1:
-                    finish = "context" if decoder.context_full else "length"
-                if finish is not None:
-                    detokenizer.finalize()
-                    text = detokenizer.text
-                    end = cut if cut >= 0 else len(text)
-                else:
-                    end = len(text) - _stop_hold(text, stop)
-                segment = text[text_sent:end] if end > text_sent else ""
-                text_sent = max(text_sent, end)
-                elapsed = time.perf_counter() - first_time
-                yield GenerationResponse(
-                    text=segment,
-                    token=token,
-                    from_draft=from_draft,
-                    logprobs=step.logprobs[i],
-                    prompt_tokens=len(tokens),
-                    prompt_tps=prompt_tps,
-                    generation_tokens=emitted,
-                    generation_tps=(emitted - 1) / elapsed if emitted > 1 else 0.0,
-                    peak_memory=mx.get_peak_memory() / 1e9,
-                    finish_reason=finish,
-                    stats=SpeculativeStats(drafted, accepted, forwards, generated, forced),
-                    cached_tokens=cached,
-                )
-                if finish is not None:
-                    steps.close()
-                    return
+                end = cut if cut >= 0 else len(text)
+            else:
+                end = len(text) - _stop_hold(text, stop)
+            segment = text[self._text_sent : end] if end > self._text_sent else ""
+            self._text_sent = max(self._text_sent, end)
+            elapsed = time.perf_counter() - self._first_time
+            emitted = self.emitted
+            yield GenerationResponse(
+                text=segment,
+                token=token,
+                from_draft=from_draft,
+                logprobs=step.logprobs[i],
+                prompt_tokens=self.prompt_tokens,
+                prompt_tps=self._prompt_tps,
+                generation_tokens=emitted,
+                generation_tps=(emitted - 1) / elapsed if emitted > 1 else 0.0,
+                peak_memory=mx.get_peak_memory() / 1e9,
+                finish_reason=finish,
+                stats=self.stats,
+                cached_tokens=self.cached,
+            )
+            if finish is not None:
+                self.finished = True
+                return
+
+    @property
+    def stats(self) -> SpeculativeStats:
+        return SpeculativeStats(
+            self.drafted, self.accepted, self.forwards, self.generated, self.forced
+        )
 
 
 # stream_generate's own keywords: a misspelling of one is suggested as readily as of an option.

@@ -52,12 +52,17 @@ def serve(
     model, tokenizer, spec=None, *, model_id: str = "stories", load=None, **options
 ) -> Iterator[Running]:
     """Serves `model` (or what `load` returns) until the block ends; `options` go to
-    `create_app` (api_key, max_body), `Worker` (max_queue) and `SessionPool` (max_sessions)."""
+    `create_app` (api_key, max_body), `Worker` (max_queue, max_batch) and `SessionPool`
+    (max_sessions)."""
     max_sessions = options.pop("max_sessions", 4)
     max_queue = options.pop("max_queue", 16)
+    max_batch = options.pop("max_batch", 8)
     metrics = Metrics()
     worker = Worker(
-        load or (lambda: SessionPool(model, tokenizer, spec, max_sessions)), metrics, max_queue
+        load or (lambda: SessionPool(model, tokenizer, spec, max_sessions)),
+        metrics,
+        max_queue,
+        max_batch=max_batch,
     )
     app = create_app(worker, model_id, metrics, **options)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))

@@ -22,7 +22,7 @@ from mlx_speculate.generation import stream_generate
 from mlx_speculate.loading import build_model, load
 from mlx_speculate.models import quantized_prefill
 from mlx_speculate.models.quantized_prefill import PrefillQuantizedLinear, prefilling
-from mlx_speculate.prefill import CANCELLABLE_STEPS, PREFILL_STEP, PrefillCancelled, chunks
+from mlx_speculate.prefill import CANCELLABLE_STEPS, PREFILL_STEP, PrefillCancelled
 
 from .helpers import random_weights, tiny_config
 from .serving import serve
@@ -180,7 +180,7 @@ def test_a_client_leaving_during_prefill_frees_the_server_within_a_chunk(quantiz
         client.start()
         client.join(150)
         deadline = time.monotonic() + 120  # a bound on a hung test, not a measurement
-        while not (running.worker._running is not None and running.worker._running.cancelled):
+        while not any(job.cancelled for job in running.worker._running):
             assert time.monotonic() < deadline, "the disconnect never cancelled the job"
             time.sleep(0.01)
         gated.go.set()  # chunk 1 finishes; chunks 2 to 8 must not run
@@ -228,13 +228,22 @@ def test_a_cancellable_prefill_sizes_its_chunks_by_their_time(quantized):
     assert plain.sizes[:-1] == [PREFILL_STEP] * (len(plain.sizes) - 1)
 
 
-def test_chunks_cover_the_prompt_and_stop_when_cancelled():
-    """Without a callback: PREFILL_STEP tokens a chunk, the last what is left; with one, the
-    callback is asked before each chunk and its yes raises with the chunks done kept."""
-    assert list(chunks(5, 600)) == [(5, 261), (261, 517), (517, 600)]
-    assert list(chunks(7, 7)) == []
-    done = []
-    with pytest.raises(PrefillCancelled, match="cancelled at 48 of 600 prompt tokens"):
-        for start, stop in chunks(16, 600, cancelled=lambda: len(done) == 1):
-            done.append((start, stop))
-    assert done == [(16, 48)]  # the first cancellable chunk is CANCELLABLE_STEPS[1] tokens
+def test_a_prefill_runs_a_chunk_at_a_time(quantized):
+    """`begin_prefill` validates and reuses the cached prefix at once; each `chunk` then runs
+    the next PREFILL_STEP tokens (sized: CANCELLABLE_STEPS[1] first), so a batch can step
+    between them, and the last one leaves the first token's logits."""
+    model, _ = quantized
+    decoder = Decoder(model)
+    prefill = decoder.begin_prefill(LONG_PROMPT[:600])
+    starts = []
+    while not prefill.done:
+        starts.append(prefill.start)
+        prefill.chunk()
+    assert starts == [0, PREFILL_STEP, 2 * PREFILL_STEP] and decoder.cache.offset == 600
+    assert decoder.take_prompt_logits().shape == (1, model.args.vocab_size)
+    again = decoder.begin_prefill(LONG_PROMPT[:640], sized=True)
+    assert again.kept == 600 and not again.done
+    again.chunk()
+    assert again.start == 600 + min(40, CANCELLABLE_STEPS[1])
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        decoder.begin_prefill([])

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from mlx_speculate.generation import Session
+from mlx_speculate.decode import Decoder
 
 from .helpers import SHARED, require
 from .serving import load_cached, serve
@@ -217,9 +217,11 @@ def test_failed_load_is_reported(stories):
         assert "no config.json" in error["message"]
 
 
-def test_a_failing_generation_leaves_the_server_up(stories, monkeypatch):
+@pytest.mark.parametrize("max_batch", [1, 8])
+def test_a_failing_generation_leaves_the_server_up(stories, monkeypatch, max_batch):
+    """A generation that raises (one at a time, or in the batch engine) fails alone."""
     calls = []
-    original = Session.stream
+    original = Decoder.begin_prefill
 
     def flaky(self, *args, **kwargs):
         calls.append(1)
@@ -227,8 +229,8 @@ def test_a_failing_generation_leaves_the_server_up(stories, monkeypatch):
             raise RuntimeError("boom")
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Session, "stream", flaky)
-    with serve(*stories) as running:
+    monkeypatch.setattr(Decoder, "begin_prefill", flaky)
+    with serve(*stories, max_batch=max_batch) as running:
         error = assert_error(post(running, "/v1/completions", TEXT, key=None), 500)
         assert "boom" in error["message"] and error["type"] == "server_error"
         with pytest.raises(openai.APIError, match="boom"):

@@ -97,6 +97,8 @@ def build_context(
     default. A cache view (`KVCache.view`, inside a compiled step) carries its own array
     start and attended slots: the host reserved room and no shape depends on the offset."""
     start = None if cache is None else cache.start
+    if start is not None and start.ndim == 1 and rope.depends_on_length:
+        raise ValueError("a batch cannot run a rope whose frequencies depend on the length")
     offset = 0 if cache is None else cache.offset if start is None else None
     end = None if offset is None else offset + length
     if start is None:
@@ -111,6 +113,11 @@ def build_context(
         mask = None if mask is None else mask.astype(dtype)
         causal_mask = "causal" if mask is None and length > 1 else mask
         return ForwardContext(None, start, end, positions, seq_len, causal_mask, None, sliding)
+    if start.ndim == 1:  # a batch: each row writes at its own slot (batch/cache.py)
+        seq_len = rope.max_position_embeddings  # the frequencies of rope types a batch runs
+        return _batch_context(
+            cache, start, length, positions, mask, window, sliding, dtype, seq_len
+        )
     if cache is None:
         span = length
     elif end is not None:  # a host offset: attention reads the leading slots up to `end`
@@ -162,3 +169,51 @@ def _to_span(mask: mx.array, span: int, offset: int | None) -> mx.array:
     pad = span - mask.shape[-1]
     hidden = mx.full((*mask.shape[:-1], pad), mx.finfo(mask.dtype).min, dtype=mask.dtype)
     return mx.concatenate([mask, hidden], axis=-1)
+
+
+def _batch_context(
+    cache: KVCache,
+    start: mx.array,
+    length: int,
+    positions: mx.array | None,
+    mask: mx.array | None,
+    window: int | None,
+    sliding: tuple[bool, ...],
+    dtype: mx.Dtype,
+    seq_len: int,
+) -> ForwardContext:
+    """The context of a batch forward whose row b writes its `length` new keys at slot
+    start[b] of its own cache row: committed slots are those below start[b], so rows of any
+    lengths share one forward and no row sees another's or its own stale slots. `mask`: None
+    (causal) or a bool (B, L, L) visibility among each row's new tokens (its draft tree);
+    masks come out (B, 1, L, span)."""
+    if mask is not None and (mask.dtype != mx.bool_ or mask.shape[-1] != length):
+        raise ValueError("a batch forward takes a bool (B, L, L) mask among its new tokens")
+    span = cache.attended or cache.capacity
+    slots = mx.arange(span, dtype=mx.int32)
+    rel = slots[None, :] - start[:, None]  # (B, C): index among the row's new tokens
+    rows = mx.arange(length, dtype=mx.int32)
+    if mask is None:
+        allowed = rel[:, None, :] <= rows[None, :, None]  # (B, L, C)
+    else:
+        near = mx.clip(rel, 0, length - 1)[:, None, :]
+        new = mx.take_along_axis(mask, mx.broadcast_to(near, (mask.shape[0], length, span)), -1)
+        allowed = (rel < 0)[:, None, :] | (new & (rel < length)[:, None, :])
+    window_mask = None
+    if window is not None and any(sliding):
+        q_pos = start[:, None] + rows if positions is None else positions  # (B, L)
+        at = mx.clip(rel, 0, length - 1)
+        k_pos = mx.where(rel < 0, slots[None, :], mx.take_along_axis(q_pos, at, axis=-1))
+        near = q_pos[:, :, None] - k_pos[:, None, :] < window  # (B, L, C)
+        window_mask = additive_mask(allowed & near, dtype)[:, None]
+    return ForwardContext(
+        cache,
+        start,
+        None,
+        positions,
+        seq_len,
+        additive_mask(allowed, dtype)[:, None],
+        window_mask,
+        sliding,
+        span,
+    )

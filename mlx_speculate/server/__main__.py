@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-queue", type=cli.positive_int, default=16, help="requests waiting at most (then 429)"
     )
     parser.add_argument(
+        "--max-batch",
+        type=cli.positive_int,
+        default=8,
+        help="requests decoding together in one forward per step (1: one at a time, with the "
+        "single-stream loop's compiled steps)",
+    )
+    parser.add_argument(
         "--prompt-cache-size",
         type=cli.positive_int,
         default=4,
@@ -162,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return SessionPool(model, tokenizer, spec, args.prompt_cache_size, group)
 
     metrics = Metrics()
-    worker = Worker(load, metrics, args.max_queue, lockstep)
+    worker = Worker(load, metrics, args.max_queue, lockstep, args.max_batch)
     if lockstep is not None and not lockstep.leads:
         return _follow(worker)
     app = create_app(

@@ -59,6 +59,22 @@ class Metrics:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
             registry=registry,
         )
+        self.batch_size = Gauge(
+            f"{PREFIX}_batch_size", "Requests decoding together in the batch", registry=registry
+        )
+        self.rows_per_forward = Histogram(
+            f"{PREFIX}_rows_per_forward",
+            "Rows (requests times verified tokens each, padding included) per batch forward",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=registry,
+        )
+        self.acceptance_rate = Histogram(
+            f"{PREFIX}_acceptance_rate",
+            "Accepted over drafted tokens, one observation per generation that drafted",
+            ["method"],
+            buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+            registry=registry,
+        )
         self.queue_depth = Gauge(
             f"{PREFIX}_queue_depth", "Requests waiting for the generation thread", registry=registry
         )
@@ -77,3 +93,5 @@ class Metrics:
             self.target_forwards.labels(method).inc(stats.target_forwards)
             if stats.target_forwards:
                 self.tokens_per_forward.labels(method).observe(stats.tokens_per_forward)
+            if stats.drafted:
+                self.acceptance_rate.labels(method).observe(stats.acceptance_rate)

@@ -6,9 +6,10 @@ longest prefix with the prompt, when that prefix covers at least half of the pro
 last served: the request continues that conversation (turn 2 of a chat prefills only what turn
 1 did not) or redoes its last turn. A request that only shares, say, a system prompt takes a
 fresh session while there is room, so that two conversations served in turn keep their caches.
-At most `max_sessions` sessions live at once; past that the least recently used one is
-dropped. Each session's cache grows with its context, so the memory held is at most
-`max_sessions` full contexts (plus a draft model's).
+At most `max_sessions` idle sessions are kept; past that the least recently used one is
+dropped. A session serves one generation at a time: while the batch engine runs several, each
+has its own (`acquire` skips busy ones), so the memory held is at most max(`max_sessions`,
+generations running) full contexts (plus a draft model's).
 
 A session only ever reuses the tokens it verified against the new prompt (`Decoder.prefill`
 truncates everything past the shared prefix), so no request sees another's tokens.
@@ -34,6 +35,7 @@ class Entry:
     method: str
     session: Session
     prompt_tokens: int = 0  # length of the last prompt it served
+    busy: bool = False  # serving a generation (until `release`)
 
 
 class SessionPool:
@@ -87,27 +89,34 @@ class SessionPool:
             raise ValueError(f"method {method!r} is not served (served: {', '.join(self.methods)})")
         best, shared = None, 0
         for entry in self._entries:
-            if entry.method == method:
+            if entry.method == method and not entry.busy:
                 n = entry.session.decoder.reusable(tokens)
                 if best is None or n > shared:
                     best, shared = entry, n
+        idle = [e for e in self._entries if not e.busy]
         if best is not None and 2 * shared >= best.prompt_tokens:
             entry = best
-        elif len(self._entries) < self.max_sessions:
+        elif len(idle) < self.max_sessions:
             entry = self._new(method)
         else:
-            entry = self._entries[0]
+            entry = idle[0]
             if entry.method != method:
-                self._entries.pop(0)
+                self._entries.remove(entry)
                 entry = self._new(method)
         if entry in self._entries:
             self._entries.remove(entry)
         self._entries.append(entry)
         entry.prompt_tokens = len(tokens)
+        entry.busy = True
         return entry
+
+    def release(self, entry: Entry) -> None:
+        """`entry`'s generation ended: another may take its session (and its cached context)."""
+        entry.busy = False
 
     def discard(self, entry: Entry) -> None:
         """Drops a session whose state can no longer be trusted (its generation failed)."""
+        entry.busy = False
         if entry in self._entries:
             self._entries.remove(entry)
 

@@ -1,13 +1,17 @@
 """One thread does every MLX call of the server: it loads the model, then runs the queued
-generations one at a time, first come first served, and hands their tokens to the event loop.
+generations, first come first served, and hands their tokens to the event loop. With
+`max_batch` > 1 (the default) they run together in the batch engine (batch/engine.py): a
+request joins the running ones between steps, its prompt prefilled a chunk per step so the
+others keep streaming, up to `max_batch` decoding at once; else (or for a target a batch
+cannot run: a hybrid's recurrent layers, a sharded target) one at a time.
 
 MLX streams belong to the thread that made them (on Metal, an array built on one thread cannot
 be evaluated on another), so loading and decoding share this one thread, and what crosses to
 the event loop is plain Python: text, token ids, floats.
 
-A job is cancelled (its client went away) by a flag the thread reads after every token and
-between prefill chunks, so a cancelled generation stops within one decoding step or one prefill
-chunk; a cancelled job still waiting is skipped.
+A job is cancelled (its client went away) by a flag the thread reads after every token (every
+batch step) and between prefill chunks, so a cancelled generation stops within one decoding
+step or one prefill chunk; a cancelled job still waiting is skipped.
 
 With a sharded target (lockstep.py) the thread is rank 0's and every other rank runs `follow`
 on its main thread: each request is shared as it is taken, and each flag read goes through
@@ -22,9 +26,11 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import closing
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..batch import BatchEngine, Handle, check_batchable
 from ..cli import one_line
 from ..device import clear_cache
 from ..generation import GenerationResponse
@@ -33,7 +39,7 @@ from ..policy.adaptive import FixedPolicy
 from .lockstep import Lockstep, Mirror, Solo
 from .metrics import Metrics
 from .records import Delta, Failed, Finished, Generation, Job, TokenLogprob, Usage
-from .sessions import SessionPool
+from .sessions import Entry, SessionPool
 
 log = logging.getLogger("mlx_speculate.server")
 GRAMMAR = "grammar_error"  # the error code of a grammar that could not go on
@@ -58,9 +64,13 @@ class Worker:
         metrics: Metrics,
         max_queue: int = 16,
         lockstep: Lockstep | Solo | None = None,
+        max_batch: int = 8,
     ):
         if max_queue < 1:
             raise ValueError(f"the queue must hold at least 1 request, got {max_queue}")
+        if max_batch < 1:
+            raise ValueError(f"a batch holds at least 1 request, got {max_batch}")
+        self.max_batch = max_batch
         self._load = load
         self._metrics = metrics
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
@@ -70,7 +80,7 @@ class Worker:
         self.loaded = threading.Event()  # set when loading ended, well or not
         self.fatal: str | None = None
         self._lockstep = lockstep or Solo()
-        self._running: Job | None = None
+        self._running: list[Job] = []
         metrics.queue_depth.set_function(self._queue.qsize)
 
     def start(self) -> None:
@@ -80,7 +90,7 @@ class Worker:
         """Cancels the running generation and every waiting one (thread-safe)."""
         with self._queue.mutex:
             waiting = [job for job in self._queue.queue if job is not None]
-        for job in [*waiting, self._running]:
+        for job in [*waiting, *self._running]:
             if job is not None:
                 job.cancel()
 
@@ -126,8 +136,11 @@ class Worker:
                 finally:
                     self.loaded.set()
                     self._lockstep.idle()
-                while (job := self._take()) is not None:
-                    self._serve(job)
+                if self.pool is not None and self._batched():
+                    self._run_batched()
+                else:
+                    while (job := self._take()) is not None:
+                        self._serve(job)
         except ConnectionError as e:  # a rank was lost: no generation can run any more
             self.fatal = one_line(e)
             with self._queue.mutex:
@@ -150,7 +163,7 @@ class Worker:
         return job
 
     def _serve(self, job: Job | Mirror) -> None:
-        self._running = job
+        self._running = [job]
         try:
             self._generate(job)
         except GrammarError as e:  # the request's grammar, not a bug: no traceback
@@ -162,7 +175,7 @@ class Worker:
             if self._lockstep.lost(e):
                 raise
         finally:
-            self._running = None
+            self._running = []
             self._lockstep.idle()
             clear_cache()  # the request's buffers go back, as mlx-lm's server does
 
@@ -216,8 +229,21 @@ class Worker:
         except Exception:
             pool.discard(entry)  # its cache may hold half a step
             raise
+        pool.release(entry)
         if failure is not None:  # the cache is whole: every rank keeps its session
             raise failure
+        self._finish(job, last, tokens, text)
+
+    def _finish(
+        self,
+        job: Job | Mirror,
+        last: GenerationResponse | None,
+        tokens: list[int],
+        text: list[str],
+    ) -> None:
+        """Tells the job how its generation ended (`last`: its last response, if any), given
+        every token but an EOS and every text segment sent."""
+        pool, request = self.pool, job.request
         if last is None:
             job.emit(Finished("cancelled", None))
             return
@@ -229,12 +255,147 @@ class Worker:
             method=request.method,
             stats=last.stats,
         )
-        metrics.generation_done(usage)
+        self._metrics.generation_done(usage)
         stop = None
+        eos = pool.tokenizer.eos_token_ids
         if reason == "stop" and last.token not in eos:
             stop = _stop_string(pool.tokenizer.decode(tokens), len("".join(text)), request.stop)
         # OpenAI knows no "context": the model's context ending the output is a length limit.
         job.emit(Finished("length" if reason == "context" else reason, usage, stop))
+
+    def _batched(self) -> bool:
+        """Whether requests run in the batch engine: asked for, on one machine, and a target
+        whose sequences can share a forward (else one at a time, said once in the log)."""
+        if self.max_batch == 1 or not isinstance(self._lockstep, Solo):
+            return False
+        try:
+            check_batchable(self.pool.model)
+        except ValueError as e:
+            log.warning("serving one request at a time: %s", e)
+            return False
+        return True
+
+    def _run_batched(self) -> None:
+        """The batch engine's loop: takes queued jobs while there is room (one more than the
+        batch, so that the next prompt prefills while the batch is full), steps the engine and
+        hands each job its tokens; waits on the queue only when nothing runs."""
+        engine = BatchEngine(self.pool.model, self.max_batch)
+        served: dict[int, _Served] = {}
+        while True:
+            while engine.load <= self.max_batch:
+                try:
+                    job = self._queue.get(block=engine.idle)
+                except queue.Empty:
+                    break
+                if job is None:
+                    for state in served.values():
+                        state.job.cancel()
+                        self._end(state, engine_failed=None)
+                    return
+                if job.cancelled:
+                    job.emit(Finished("cancelled", None))
+                    continue
+                self._admit(engine, job, served)
+            self._metrics.batch_size.set(engine.size)
+            try:
+                touched = engine.step()
+            except Exception as e:  # the batch's forward, not one request's: all of them fail
+                log.exception("a batch step failed")
+                for state in served.values():
+                    self._end(state, engine_failed=e)
+                served.clear()
+                self._running = []
+                engine = BatchEngine(self.pool.model, self.max_batch)
+                clear_cache()
+                continue
+            if engine.last_rows:
+                self._metrics.rows_per_forward.observe(engine.last_rows)
+            for handle in touched:
+                state = served[id(handle)]
+                self._deliver(state)
+                if handle.done:
+                    del served[id(handle)]
+                    self._running.remove(state.job)
+                    self._end(state, engine_failed=None)
+            if engine.idle:
+                clear_cache()  # the requests' buffers go back, as mlx-lm's server does
+
+    def _admit(self, engine: BatchEngine, job: Job, served: dict[int, _Served]) -> None:
+        """Starts `job` in the engine (a one-line error when its request cannot run)."""
+        request, pool = job.request, self.pool
+        try:
+            entry = pool.acquire(request.method, request.tokens)
+        except ValueError as e:
+            job.emit(Failed(one_line(e), 400, "invalid_request"))
+            return
+        handle = Handle(
+            entry.session,
+            request.tokens,
+            request.sampling,
+            request.max_tokens,
+            tuple(request.stop),
+            request.grammar,
+            request.num_draft_tokens,
+            cancelled=lambda: job.cancelled,
+            submitted=job.submitted,
+        )
+        try:
+            engine.add(handle)
+        except ValueError as e:  # the request's prompt cannot run
+            pool.discard(entry)
+            job.emit(Failed(one_line(e), 400, "invalid_request"))
+            return
+        except Exception as e:  # the server outlives any one request
+            log.exception("generation failed")
+            pool.discard(entry)
+            job.emit(Failed(f"generation failed: {type(e).__name__}: {one_line(e)}"))
+            return
+        served[id(handle)] = _Served(job, entry, handle)
+        self._running.append(job)
+
+    def _deliver(self, state: _Served) -> None:
+        """Hands the job the responses its generation made since the last step."""
+        job, request = state.job, state.job.request
+        eos = self.pool.tokenizer.eos_token_ids
+        for response in state.handle.take():
+            state.last = response
+            if state.first:
+                self._metrics.time_to_first_token.observe(time.perf_counter() - job.submitted)
+                state.first = False
+            try:
+                logprob = None
+                if request.top_logprobs is not None and not (
+                    response.finish_reason == "stop" and response.token in eos
+                ):
+                    logprob = self._logprob(response, request.top_logprobs)
+                job.emit(Delta(response.text, logprob))
+            except Exception as e:  # the stream stops cleanly at this token
+                state.failure = e
+                job.cancel()
+            state.text.append(response.text)
+            if response.token not in eos:
+                state.tokens.append(response.token)
+
+    def _end(self, state: _Served, engine_failed: Exception | None) -> None:
+        """Tells the job how it ended and gives its session back (dropped if it failed)."""
+        job, handle, pool = state.job, state.handle, self.pool
+        error = engine_failed or handle.error or state.failure
+        if error is None:
+            pool.release(state.entry)
+            self._finish(job, state.last, state.tokens, state.text)
+            return
+        if error is state.failure:  # in delivering: the generation stopped whole at a token
+            pool.release(state.entry)
+        else:
+            pool.discard(state.entry)  # its cache may hold half a step
+        if isinstance(error, GrammarError):
+            log.warning("generation stopped: %s", error)
+            message = f"the output cannot follow the requested format: {error}"
+            job.emit(Failed(message, 400, GRAMMAR))
+        else:
+            if error is not state.failure:
+                log.error("generation failed: %s", one_line(error))
+            job.emit(Failed(f"generation failed: {type(error).__name__}: {one_line(error)}"))
 
     def _logprob(self, response: GenerationResponse, top: int) -> TokenLogprob:
         logprobs = response.logprobs  # (V,)
@@ -249,6 +410,20 @@ class Worker:
                 for i, v in zip(ids[order].tolist(), values[order].tolist(), strict=True)
             ]
         return TokenLogprob(decode([response.token]), logprobs[response.token].item(), alternatives)
+
+
+@dataclass(eq=False)
+class _Served:
+    """A job in the batch engine: its session, its handle and what it was sent."""
+
+    job: Job
+    entry: Entry
+    handle: Handle
+    last: GenerationResponse | None = None
+    first: bool = True
+    failure: Exception | None = None  # in delivering a token: the stream stopped there
+    text: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # every token but an EOS
 
 
 def _stop_string(full: str, sent: int, stops: list[str]) -> str | None:

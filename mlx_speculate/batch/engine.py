@@ -1,0 +1,433 @@
+"""Continuous batching with speculation per sequence: sequences join and leave between steps,
+and each step verifies every running sequence's own draft in one target forward.
+
+A sequence comes with its `Session` (its model, drafter and one-sequence cache: the server's
+prompt-prefix cache). Its prompt is prefilled into that cache a chunk per engine step
+(`Decoder.begin_prefill`), so running streams keep flowing while it joins; then its keys
+move into a row of the batch cache (batch/cache.py) and it decodes there: each step, its
+drafter proposes (or not) as it would alone (`StepBuilder.plan`: grammar and room included),
+its tree is padded to the step's width, and one forward of (rows, width) tokens at each row's
+own slots and positions verifies them all. Each row's acceptance follows its own rule
+(greedy, or lossless rejection sampling at its own settings) on its own rows alone, so a
+sequence's output is what it would be alone. When it ends (its stop, length, context,
+cancellation or error), its keys go back to its session's cache.
+
+Host syncs per step: one `mx.eval` of every row's acceptance; drafters and grammars add
+their own as they do alone. A prefill chunk is evaluated as it is alone.
+The planner (plan.py) sets the step's width from measured step costs and each sequence's
+acceptance. Targets with recurrent layers (hybrids) and length-dependent rope types are
+refused (`check_batchable`): their state per row cannot follow a padded verify here.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import mlx.core as mx
+import numpy as np
+
+from ..decode import Prefill, Step, StepBuilder
+from ..device import GENERATION_STREAM
+from ..drafters.base import Draft, TargetFeatures
+from ..generation import GenerationResponse, Responder, Session
+from ..grammar import Grammar
+from ..grammar.constraint import Constraint, Guide, masked, points
+from ..models.base import CausalLM
+from ..sampling import SamplingParams
+from ..tree import ROOT, Tree
+from ..verify import Acceptance, AcceptanceRule
+from .cache import BatchKVCache
+from .plan import Acceptance as Rate
+from .plan import BatchPlanner
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch rows: a batch grows and shrinks by these
+
+
+def check_batchable(model: CausalLM) -> None:
+    """ValueError (one line) when sequences of `model` cannot share a batch forward."""
+    if model.recurrent:
+        raise ValueError(
+            f"{model.args.model_type} has recurrent layers, whose state a batch cannot roll "
+            "back per sequence: serve it one request at a time (--max-batch 1)"
+        )
+    if not model.traceable:  # a forward that reads the host offset (models/base.py)
+        raise ValueError(
+            "the model's rope frequencies depend on the longest position, which differs per "
+            "sequence: serve it one request at a time (--max-batch 1)"
+        )
+
+
+@dataclass(eq=False)
+class Handle:
+    """One sequence in the engine, as its caller sees it: what it asked for, then what it got.
+    `responses` are taken by `BatchEngine.step`'s caller; `done` once it ended (`error` set
+    when it failed: its session's state is then not to be trusted)."""
+
+    session: Session
+    prompt: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    grammar: Grammar | None = None
+    num_draft_tokens: int | None = None  # a cap on its drafts per step; None: its drafter's
+    cancelled: Callable[[], bool] = lambda: False
+    submitted: float = field(default_factory=time.perf_counter)
+    done: bool = False
+    cancelled_out: bool = False  # ended by `cancelled`
+    error: Exception | None = None
+    last: GenerationResponse | None = None
+    responses: list[GenerationResponse] = field(default_factory=list)
+
+    def take(self) -> list[GenerationResponse]:
+        """The responses not taken yet, in order."""
+        responses, self.responses = self.responses, []
+        return responses
+
+
+@dataclass(eq=False)
+class _Running:
+    """A sequence's state inside the engine."""
+
+    handle: Handle
+    builder: StepBuilder
+    constraint: Constraint | None
+    responder: Responder | None = None
+    prefill: Prefill | None = None
+    row: int = -1
+    rate: Rate = field(default_factory=Rate)
+    draws: int = 0  # steps that drew from its seeded generator
+
+    def reseed(self) -> bool:
+        """Seeds the generator for this sequence's next random draws when its request has a
+        seed, so that they do not depend on the other sequences' (True: it did)."""
+        seed = self.handle.sampling.seed
+        if seed is None:
+            return False
+        mx.random.seed((seed * 1_000_003 + self.draws) % 2**63)
+        self.draws += 1
+        return True
+
+    @property
+    def fixed(self) -> int:
+        """The draft length its request fixed (0: none, the planner's to choose)."""
+        asked = self.handle.num_draft_tokens
+        return 0 if asked is None else self.cap
+
+    @property
+    def decoder(self):
+        return self.handle.session.decoder
+
+    @property
+    def cap(self) -> int:
+        drafter = self.decoder.drafter
+        if drafter is None:
+            return 0
+        cap = drafter.max_draft
+        asked = self.handle.num_draft_tokens
+        return cap if asked is None else min(cap, asked)
+
+
+class BatchEngine:
+    """Runs many generations over one model: `add` sequences, call `step` until `idle`."""
+
+    def __init__(self, model: CausalLM, max_batch: int = 8):
+        if max_batch < 1:
+            raise ValueError(f"a batch holds at least 1 sequence, got {max_batch}")
+        check_batchable(model)
+        self.model = model
+        self.max_batch = max_batch
+        self.planner = BatchPlanner()
+        self.cache = BatchKVCache(model.kv_shapes(), model.compute_dtype, 1)
+        self._waiting: list[_Running] = []  # to prefill, first come first served
+        self._running: list[_Running] = []  # decoding; running[i] holds cache row i
+        self.last_rows = 0  # the last decoding step's rows, padding included (metrics)
+        self._shrink = False  # sequences left: fit the cache's rows after the step
+
+    @property
+    def idle(self) -> bool:
+        return not self._waiting and not self._running
+
+    @property
+    def size(self) -> int:
+        """Sequences decoding in the batch."""
+        return len(self._running)
+
+    @property
+    def load(self) -> int:
+        """Sequences in the engine: decoding, prefilling or waiting for a row."""
+        return len(self._running) + len(self._waiting)
+
+    def add(self, handle: Handle) -> None:
+        """Queues `handle`'s generation; ValueError (one line) for a prompt it cannot run."""
+        session = handle.session
+        if session.model is not self.model:
+            raise ValueError("the session's model is not the engine's")
+        constraint = None
+        if handle.grammar is not None:
+            constraint = Constraint(handle.grammar, session.tokenizer, self.model.args.vocab_size)
+        rule = AcceptanceRule(replace(handle.sampling, seed=None), session.typical_acceptance)
+        builder = StepBuilder(session.decoder, handle.sampling, rule, constraint)
+        running = _Running(handle, builder, constraint)
+        running.prefill = session.decoder.begin_prefill(handle.prompt, sized=True)
+        started = time.perf_counter()
+        running.responder = Responder(
+            session.tokenizer,
+            len(handle.prompt),
+            running.prefill.kept,
+            handle.max_tokens,
+            handle.stop,
+            started,
+        )
+        self._waiting.append(running)
+
+    def step(self) -> list[Handle]:
+        """One round: a prefill chunk of the first waiting sequence (it joins once done and a
+        row is free), then one decoding step of the batch. Returns the handles that got
+        responses or ended in it; a sequence's failure ends it alone."""
+        touched: dict[int, Handle] = {}
+        self.last_rows = 0
+        with mx.stream(GENERATION_STREAM):
+            for running in [*self._waiting, *self._running]:
+                if not running.handle.done and running.handle.cancelled():
+                    running.handle.cancelled_out = True
+                    self._end(running)
+                    touched[id(running.handle)] = running.handle
+            if self._waiting:
+                running = self._waiting[0]
+                try:
+                    if not running.prefill.done:
+                        running.prefill.chunk()
+                    if running.prefill.done and len(self._running) < self.max_batch:
+                        self._waiting.pop(0)
+                        self._join(running)
+                except Exception as e:  # this request's, not the batch's
+                    self._fail(running, e)
+                touched[id(running.handle)] = running.handle
+            if self._running:
+                for handle in self._decode():
+                    touched[id(handle)] = handle
+            if self._shrink:  # sequences left: a smaller bucket may hold the rest
+                self._shrink = False
+                self._fit_rows()
+        return list(touched.values())
+
+    def _join(self, running: _Running) -> None:
+        """The first token, from the prompt's forward; then a row, unless that token ended it."""
+        decoder, handle = running.decoder, running.handle
+        decoder.limit(handle.max_tokens)
+        guide = None if running.constraint is None else running.constraint.first()
+        logits = masked(decoder.take_prompt_logits(), guide)
+        seeded = running.reseed()
+        acceptance = running.builder.rule(ROOT, mx.zeros((0,), dtype=mx.int32), logits)
+        token = acceptance.tokens.tolist()[0]
+        if seeded:
+            _unseed()
+        decoder.context.append(token)
+        forced = () if guide is None else guide.forced[:1]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if self._emit(running, Step((token,), 0, logprobs, 0.0, False, forced)):
+            return
+        running.row = len(self._running)
+        self._running.append(running)
+        self._fit_rows()
+        self.cache.insert(running.row, decoder.cache, decoder.cache.offset)
+
+    def _decode(self) -> Iterator[Handle]:
+        """One verify forward of every running sequence's draft."""
+        began = time.perf_counter()
+        running = list(self._running)
+        caps = [r.cap if r.decoder.room() > 0 else 0 for r in running]
+        least = 1 + max((r.fixed for r in running), default=0)
+        rates = [r.rate.rate for r in running]
+        width = self.planner.width(self.cache.rows, caps, rates, least)
+        planned: list[tuple[Draft | None, Guide | None] | None] = []
+        seeded = False
+        for r in running:
+            try:
+                seeded |= r.reseed()
+                planned.append(r.builder.plan(min(width - 1, r.cap)))
+            except Exception as e:
+                planned.append(None)
+                self._fail(r, e)
+                yield r.handle
+        live = [(r, p) for r, p in zip(running, planned, strict=True) if p is not None]
+        if not live:
+            return
+        trees = [ROOT if draft is None else draft.tree for _, (draft, _) in live]
+        n = max(t.num_nodes for t in trees)
+        rows = self.cache.rows
+        tokens = np.zeros((rows, n), dtype=np.int32)
+        for r, _ in live:
+            tokens[r.row, 0] = r.decoder.context[-1]
+        # Each row's nodes at their depths after its offset, seeing their ancestors (a tree's
+        # padding nodes hang off its root; rows no sequence holds see themselves alone). On
+        # the device: an EAGLE tree is chosen there.
+        depths = [mx.arange(n, dtype=mx.int32)] * rows
+        seen = [mx.eye(n, dtype=mx.bool_)] * rows
+        batch_tokens = mx.array(tokens)
+        for (r, (draft, _)), tree in zip(live, trees, strict=True):
+            if tree.num_nodes == 1:
+                continue
+            padded = tree.padded(n)
+            depths[r.row], seen[r.row] = padded.depth_index, padded.ancestors
+            # Draft tokens may be lazy (a draft model's): they go in on the device.
+            at = mx.array([r.row, 1], dtype=mx.int32)
+            row = draft.tokens.astype(mx.int32).reshape(1, -1)
+            batch_tokens = mx.slice_update(batch_tokens, row, at, (0, 1))
+        chains = all(t.is_chain for t in trees)
+        offsets = mx.array(self.cache.offsets, dtype=mx.int32)[:, None]
+        positions = offsets + mx.stack(depths)
+        taps = tuple(sorted({t for r, _ in live for t in r.decoder.taps}))
+        self.cache.prepare(n)
+        out = self.model(
+            batch_tokens,
+            self.cache,
+            positions=positions,
+            mask=None if chains else mx.stack(seen),
+            taps=taps,
+        )
+        verdicts: list[tuple[Acceptance, mx.array]] = []
+        for (r, (draft, guide)), tree in zip(live, trees, strict=True):
+            logits = masked(out.logits[r.row, : tree.num_nodes], guide)
+            tokens_in = mx.zeros((0,), mx.int32) if draft is None else draft.tokens
+            q = None if draft is None else draft.logprobs
+            seeded |= r.reseed()
+            verdicts.append((r.builder.rule(tree, tokens_in, logits, q), logits))
+        if seeded:
+            _unseed()
+        mx.eval([a for v, _ in verdicts for a in (v.tokens, v.num_accepted, v.path)])
+        seconds = time.perf_counter() - began
+        self.planner.observe(rows, n, seconds)
+        self.last_rows = rows * n
+        paths = np.tile(np.arange(n, dtype=np.int32), (rows, 1))
+        compacting = False
+        commits = []
+        for (r, (_, guide)), tree, (verdict, logits) in zip(live, trees, verdicts, strict=True):
+            accepted = verdict.num_accepted.item()
+            path = verdict.path.tolist()[: accepted + 1]
+            emitted = verdict.tokens.tolist()[: accepted + 1]
+            if path != list(range(accepted + 1)):
+                paths[r.row, : accepted + 1] = path
+                compacting = True
+            commits.append((r, r.row, guide, tree, accepted, path, emitted, logits))
+        if compacting:
+            self.cache.compact(self.cache.start, mx.array(paths))
+        for r, b, guide, tree, accepted, path, emitted, logits in commits:
+            try:
+                features = None
+                if r.decoder.drafter is not None:
+                    index = [taps.index(t) for t in r.decoder.taps]
+                    features = TargetFeatures(out.hidden[b], tuple(out.taps[i][b] for i in index))
+                self._commit(r, features, guide, tree, accepted, path, emitted, logits, seconds)
+            except Exception as e:  # this request's (its grammar, its drafter), not the batch's
+                self._fail(r, e)
+            yield r.handle
+
+    def _commit(
+        self,
+        running: _Running,
+        features: TargetFeatures | None,
+        guide: Guide | None,
+        tree: Tree,
+        accepted: int,
+        path: list[int],
+        emitted: list[int],
+        logits: mx.array,
+        seconds: float,
+    ) -> None:
+        """Commits a row's accepted path, as `Decoder._finish` does alone (`features`: the
+        row's, for its drafter), and ends the sequence when that finished it."""
+        decoder = running.decoder
+        self.cache.offsets[running.row] += accepted + 1
+        decoder.context.extend(emitted)
+        rows = mx.array(path, dtype=mx.int32)
+        if features is not None:
+            decoder.drafter.rewind(len(decoder.context) - 1)
+            decoder.drafter.extend(features.rows(rows))
+        drafted = tree.num_nodes - 1 if guide is None else guide.drafted
+        forced = () if guide is None else tuple(guide.forced[i] for i in path)
+        if guide is None:
+            running.rate.observe(drafted, accepted)
+        chosen = logits[rows]
+        logprobs = chosen - mx.logsumexp(chosen, axis=-1, keepdims=True)
+        self._emit(running, Step(tuple(emitted), drafted, logprobs, seconds, True, forced))
+
+    def _emit(self, running: _Running, step: Step) -> bool:
+        """Hands the grammar and the responses a step's tokens, then a forced ending the grammar
+        has after them (emitted without a forward, as alone); True (and ended) when done."""
+        decoder, constraint = running.decoder, running.constraint
+        if constraint is not None:
+            constraint.commit(step.tokens)
+        if self._respond(running, step):
+            return True
+        if constraint is not None and (ending := constraint.ending(decoder.room())):
+            decoder.context.extend(ending)  # no forward: the cache stays behind the context
+            rows = points(mx.array(ending), self.model.args.vocab_size)
+            self._respond(running, Step(ending, 0, rows, 0.0, False, (True,) * len(ending)))
+            return True
+        return False
+
+    def _respond(self, running: _Running, step: Step) -> bool:
+        """Feeds a step's tokens to the sequence's responses; True (and ended) when done."""
+        decoder, handle = running.decoder, running.handle
+        responder = running.responder
+        for response in responder.feed(step, decoder.room() < 0, decoder.context_full):
+            handle.last = response
+            handle.responses.append(response)
+        if responder.finished or decoder.room() < 0:
+            self._end(running)
+            return True
+        return False
+
+    def _fail(self, running: _Running, error: Exception) -> None:
+        running.handle.error = error
+        self._end(running)
+
+    def _end(self, running: _Running) -> None:
+        """Takes a sequence out: its keys back to its session's cache, its row to another."""
+        handle = running.handle
+        handle.done = True
+        if running in self._waiting:
+            self._waiting.remove(running)
+            return
+        if running not in self._running:
+            return
+        row = running.row
+        self.cache.extract(row, running.decoder.cache, self.cache.offsets[row])
+        last = self._running.pop()
+        if last is not running:
+            self._running[row] = last
+            self.cache.move(last.row, row)
+            last.row = row
+        running.row = -1
+        self._shrink = True
+
+    def _fit_rows(self) -> None:
+        """The cache's rows: the smallest bucket that holds the running sequences."""
+        need = next(b for b in BUCKETS if b >= max(1, len(self._running)))
+        if need != self.cache.rows:
+            self.cache.resize(need)
+
+
+def _unseed() -> None:
+    """Seeds the generator afresh after a seeded sequence's draws, so that the unseeded ones'
+    draws do not repeat from run to run."""
+    mx.random.seed(secrets.randbits(63))
+
+
+def batch_stream(
+    engine: BatchEngine, handles: Sequence[Handle]
+) -> Iterator[tuple[int, GenerationResponse]]:
+    """Runs `handles` to their ends: yields (index, response) as the steps produce them."""
+    index = {id(h): i for i, h in enumerate(handles)}
+    for h in handles:
+        engine.add(h)
+    while not engine.idle:
+        for h in engine.step():
+            for response in h.take():
+                yield index[id(h)], response
+            if h.error is not None:
+                raise h.error
