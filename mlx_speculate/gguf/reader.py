@@ -1,10 +1,12 @@
 """Read a GGUF file as a Hugging Face-layout checkpoint.
 
 The rest of the package only knows HF parameter names and configs: arch.py maps each
-supported llama.cpp architecture onto one, gguf_tensors.py reads every tensor type, either
+supported llama.cpp architecture onto one, tensors.py reads every tensor type, either
 dequantized to float32 or, with `keep_quantization=True`, as MLX quantized triples (exact for
 the types MLX's affine quantization holds, quantized again at group size 32 otherwise). The
-header is parsed by gguf_header.py, the tensor data read straight from the file.
+header is parsed by header.py, the tensor data read straight from the file. Every tensor is
+read before an architecture's transform regroups them (split, merged or reordered
+projections), and each becomes an MLX array after it.
 """
 
 from __future__ import annotations
@@ -26,10 +28,17 @@ from .arch import (
     hf_name,
 )
 from .header import Header, TensorInfo, read_header, read_metadata
-from .tensors import GROUP_SIZE, Quantized, check_type, read_tensor
+from .tensors import (
+    GROUP_SIZE,
+    QUANTIZED_PARTS,
+    Quantized,
+    Value,
+    check_type,
+    read_tensor,
+    take_rows,
+)
 
 __all__ = ["ARCHITECTURES", "GGUFCheckpoint", "read_gguf", "read_metadata"]
-QUANTIZED_PARTS = ("weight", "scales", "biases")
 
 
 @dataclass(frozen=True)
@@ -96,15 +105,14 @@ def _read_weights(
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     tensors = [t for t in header.tensors if t.name not in arch.side_tensors]
     names = [hf_name(arch, t.name, path) for t in tensors]  # every name checked before reading
-    weights: dict[str, mx.array] = {}
-    bits: dict[str, int] = {}
+    values: dict[str, Value] = {}
     types: dict[str, str] = {}
     for tensor, name in zip(tensors, names, strict=True):
         if name.startswith("model.layers.") and int(name.split(".")[2]) >= layers:
             raise ValueError(
                 f"{path}: tensor {tensor.name!r} is past the {layers} layers the metadata states"
             )
-        want = expected_shape(name, config)
+        want = expected_shape(name, config, arch)
         if want is not None and tensor.shape != want:
             raise ValueError(
                 f"{path}: tensor {tensor.name!r} has shape {tensor.shape}, but the metadata "
@@ -117,15 +125,12 @@ def _read_weights(
         if n_heads is not None:
             value = _unpermute(value, n_heads)
         if isinstance(value, Quantized):
-            bits[module] = value.bits
             kind = "kept" if value.exact else f"requantized ({value.bits}-bit)"
-            for p in QUANTIZED_PARTS:
-                weights[f"{module}.{p}"] = mx.array(getattr(value, p))
         else:
             if is_norm and arch.norm_offset:
                 value = value - np.float32(arch.norm_offset)
-            weights[name] = mx.array(value)
             kind = "float" if tensor.type.name in ("F32", "F16", "BF16") else "dequantized"
+        values[name] = value
         types.setdefault(tensor.type.name, kind)
     seen = {int(n.split(".")[2]) for n in names if n.startswith("model.layers.")}
     if seen != set(range(layers)):
@@ -133,6 +138,24 @@ def _read_weights(
             f"{path}: the metadata states {layers} layers, the tensors hold "
             f"{len(seen)} (blocks {min(seen, default=0)}..{max(seen, default=-1)})"
         )
+    if arch.transform is not None:
+        try:
+            arch.transform(values, config)
+        except KeyError as e:  # a tensor the layout needs (a DeltaNet's A_log, ...)
+            raise ValueError(f"{path}: tensor for {e.args[0]!r} is missing") from None
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+    weights: dict[str, mx.array] = {}
+    bits: dict[str, int] = {}
+    for name in list(values):
+        value = values.pop(name)  # each one freed as it becomes an MLX array
+        if isinstance(value, Quantized):
+            module = name.removesuffix(".weight")
+            bits[module] = value.bits
+            for p in QUANTIZED_PARTS:
+                weights[f"{module}.{p}"] = mx.array(getattr(value, p))
+        else:
+            weights[name] = mx.array(value)
     for name in _required_names(config):
         if name not in weights and f"{name.removesuffix('.weight')}.scales" not in weights:
             raise ValueError(f"{path}: tensor for {name!r} is missing")
@@ -146,13 +169,13 @@ def _required_names(config: dict[str, Any]) -> list[str]:
     return names
 
 
-def _unpermute(value: np.ndarray | Quantized, n_heads: int) -> np.ndarray | Quantized:
+def _unpermute(value: Value, n_heads: int) -> Value:
     # llama.cpp stores each head's rotary pairs interleaved, (heads, half, 2, cols); HF keeps the
     # two halves apart, (heads, 2, half, cols). Rows are output features, so this reorders
     # packed quantized weights and their per-row scales and biases alike.
-    rows = value.weight.shape[0] if isinstance(value, Quantized) else value.shape[0]
+    rows = value.shape[0]
     order = np.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).swapaxes(1, 2).reshape(-1)
-    return value.rows(order) if isinstance(value, Quantized) else value[order]
+    return take_rows(value, order)
 
 
 def _quantization(bits: dict[str, int]) -> dict[str, Any] | None:

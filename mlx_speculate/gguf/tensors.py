@@ -7,7 +7,12 @@ for bit: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (one scale per 32), Q4_K, Q5_K (a 6-bit sc
 TQ1_0, TQ2_0 (levels d * (q - 1): 2 bits). Scales and biases are float16 where that is exact,
 else float32. The other quantized types (16-value groups: Q2_K, Q3_K, Q6_K; non-uniform levels:
 IQ*, MXFP4, NVFP4) have no exact MLX form: `keep` dequantizes them and quantizes again at group
-size 32 with the bits of the type. Float types come back as float32 either way.
+size 32 with the bits of the type. Float types come back as float32 either way. Matrices and
+stacks of expert matrices (E, rows, cols) are kept alike.
+
+`take_rows`, `take_columns` and `concat_rows` move a tensor's output or input features, kept
+quantized where that is exact (whole rows; whole groups of 32 columns), for the architectures
+whose llama.cpp layout reorders or splits HF's projections.
 """
 
 from __future__ import annotations
@@ -49,22 +54,51 @@ REQUANTIZED_BITS = {
     Q.NVFP4: 4,
 }
 SUPPORTED_TYPES = (*FLOAT_TYPES, *KEPT_BITS, *REQUANTIZED_BITS)
+QUANTIZED_PARTS = ("weight", "scales", "biases")
 
 
 @dataclass(frozen=True)
 class Quantized:
     """An MLX affine triple (group size 32), rows as in the file."""
 
-    weight: np.ndarray  # uint32, (rows, cols * bits / 32)
-    scales: np.ndarray  # float16 or float32, (rows, cols / 32)
+    weight: np.ndarray  # uint32, ([E,] rows, cols * bits / 32)
+    scales: np.ndarray  # float16 or float32, ([E,] rows, cols / 32)
     biases: np.ndarray
     bits: int
     exact: bool  # the file's own values (kept), or quantized again
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The matrix's (or expert stack's) own shape."""
+        return (*self.weight.shape[:-1], self.weight.shape[-1] * 32 // self.bits)
+
     def rows(self, order: np.ndarray) -> Quantized:
-        """The same rows reordered: every part holds one row per output feature."""
+        """The rows (output features, axis -2) `order` picks: every part holds one row per
+        output feature."""
         return Quantized(
-            self.weight[order], self.scales[order], self.biases[order], self.bits, self.exact
+            self.weight[..., order, :],
+            self.scales[..., order, :],
+            self.biases[..., order, :],
+            self.bits,
+            self.exact,
+        )
+
+    def columns(self, order: np.ndarray) -> Quantized | None:
+        """The input features permuted by `order`, where it moves whole groups of 32 (a group
+        is `bits` packed words and one scale and bias); None where it splits a group."""
+        groups = order.reshape(-1, GROUP_SIZE)
+        starts = groups[:, 0]
+        aligned = np.array_equal(groups, starts[:, None] + np.arange(GROUP_SIZE))
+        if not aligned or np.any(starts % GROUP_SIZE):
+            return None
+        moved = starts // GROUP_SIZE
+        words = self.weight.reshape(*self.weight.shape[:-1], -1, self.bits)[..., moved, :]
+        return Quantized(
+            words.reshape(self.weight.shape),
+            self.scales[..., moved],
+            self.biases[..., moved],
+            self.bits,
+            self.exact,
         )
 
     def dequantize(self) -> np.ndarray:
@@ -79,6 +113,36 @@ class Quantized:
         return np.array(w)
 
 
+Value = np.ndarray | Quantized
+
+
+def take_rows(value: Value, order: np.ndarray) -> Value:
+    """The output features (axis -2) of a matrix or expert stack that `order` picks."""
+    return value.rows(order) if isinstance(value, Quantized) else value[..., order, :]
+
+
+def take_columns(value: Value, order: np.ndarray) -> Value:
+    """The input features permuted by `order`: kept quantized where whole groups move, else
+    dequantized (a group's scale cannot follow its values apart)."""
+    if isinstance(value, Quantized):
+        moved = value.columns(order)
+        return moved if moved is not None else value.dequantize()[..., order]
+    return value[..., order]
+
+
+def concat_rows(parts: list[Value]) -> Value:
+    """Matrices stacked along their output features: quantized ones of one width stay
+    quantized; any other mixture comes back as float32."""
+    if all(isinstance(p, Quantized) for p in parts) and len({p.bits for p in parts}) == 1:
+        return Quantized(
+            *(np.concatenate([getattr(p, k) for p in parts], axis=-2) for k in QUANTIZED_PARTS),
+            parts[0].bits,
+            all(p.exact for p in parts),
+        )
+    floats = [p.dequantize() if isinstance(p, Quantized) else p for p in parts]
+    return np.concatenate(floats, axis=-2)
+
+
 def check_type(kind: Q, name: str) -> None:
     if kind not in SUPPORTED_TYPES:
         supported = ", ".join(t.name for t in SUPPORTED_TYPES)
@@ -91,21 +155,24 @@ def check_type(kind: Q, name: str) -> None:
 def read_tensor(
     raw: np.ndarray, kind: Q, shape: tuple[int, ...], keep: bool
 ) -> np.ndarray | Quantized:
-    """`raw` (the tensor's bytes) as float32 of `shape`, or with `keep` a quantized 2-D
-    tensor as a triple (exact for the kept types, quantized again for the others)."""
+    """`raw` (the tensor's bytes) as float32 of `shape`, or with `keep` a quantized matrix or
+    (E, rows, cols) expert stack as a triple (exact for the kept types, quantized again for
+    the others)."""
     rows = raw.reshape(-1, raw.size // max(1, _rows(shape)))  # (rows, bytes per row)
     cols = shape[-1] if shape else 1
-    if keep and len(shape) == 2 and kind in KEPT_BITS:
+    matrix = len(shape) in (2, 3)
+    if keep and matrix and kind in KEPT_BITS:
         q, scales, biases = _UNPACK[kind](rows.reshape(-1, gguf.GGML_QUANT_SIZES[kind][1]))
+        lead = shape[:-1]
         return Quantized(
-            pack(q.reshape(rows.shape[0], cols), KEPT_BITS[kind]),
-            _narrow(scales.reshape(rows.shape[0], -1)),
-            _narrow(biases.reshape(rows.shape[0], -1)),
+            pack(q.reshape(rows.shape[0], cols), KEPT_BITS[kind]).reshape(*lead, -1),
+            _narrow(scales.reshape(*lead, -1)),
+            _narrow(biases.reshape(*lead, -1)),
             KEPT_BITS[kind],
             exact=True,
         )
     values = gguf.quants.dequantize(rows, kind).reshape(shape).astype(np.float32, copy=False)
-    if keep and len(shape) == 2 and kind in REQUANTIZED_BITS and cols % GROUP_SIZE == 0:
+    if keep and matrix and kind in REQUANTIZED_BITS and cols % GROUP_SIZE == 0:
         bits = REQUANTIZED_BITS[kind]
         w, scales, biases = mx.quantize(mx.array(values), group_size=GROUP_SIZE, bits=bits)
         return Quantized(np.array(w), np.array(scales), np.array(biases), bits, exact=False)

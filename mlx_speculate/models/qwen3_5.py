@@ -81,9 +81,28 @@ class Model(Qwen3NextModel):
 
     def rename(self, name: str) -> str | None:
         for old, new in _PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
+            if name.startswith(old) or name == old[:-1]:  # a parameter, or a module path
+                name = (new + name[len(old) :]).rstrip(".")
                 break
         if name.startswith(_NOT_TEXT):
             return None
         return super().rename(name)
+
+    def mlx_lm_layout(
+        self, config: dict[str, Any], weights: dict[str, mx.array]
+    ) -> tuple[dict[str, Any], dict[str, mx.array]]:
+        """mlx-lm knows the wrappers' types (`qwen3_5`, `qwen3_5_moe`), which read a text
+        config at the top level too, and holds their modules under `language_model.`: a text
+        type is written as its wrapper, the weights and per-module quantization under mlx-lm's
+        paths (mlx-community's layout, which `rename` reads back)."""
+        config = {**config, "model_type": config["model_type"].removesuffix("_text")}
+        for key in ("quantization", "quantization_config"):
+            if isinstance(config.get(key), dict):
+                config[key] = {
+                    _mlx_lm_path(k) if isinstance(v, dict) else k: v for k, v in config[key].items()
+                }
+        return config, {_mlx_lm_path(k): v for k, v in weights.items()}
+
+
+def _mlx_lm_path(module: str) -> str:
+    return module if module.startswith("language_model.") else f"language_model.{module}"
