@@ -77,18 +77,31 @@ def assert_markov(tokens: list[int], table, sampling: SamplingParams) -> None:
     assert statistic < limit, (statistic, limit)
 
 
+class StubDetokenizer:
+    """Token ids as text, each followed by a space."""
+
+    def __init__(self):
+        self.text = ""
+
+    def reset(self) -> None:
+        self.text = ""
+
+    def add_token(self, token: int) -> None:
+        self.text += f"{token} "
+
+    def finalize(self) -> None:
+        pass
+
+
 class StubTokenizer:
-    """Token ids as text: enough for stream_generate."""
+    """Token ids as text: enough for stream_generate. A detokenizer per caller, as mlx-lm's
+    tokenizer gives (streams are detokenized concurrently in a batch)."""
 
     eos_token_ids = ()
 
-    def __init__(self):
-        self.detokenizer = SimpleNamespace(
-            reset=lambda: setattr(self.detokenizer, "text", ""),
-            add_token=lambda t: setattr(self.detokenizer, "text", self.detokenizer.text + f"{t} "),
-            finalize=lambda: None,
-            text="",
-        )
+    @property
+    def detokenizer(self) -> StubDetokenizer:
+        return StubDetokenizer()
 
     def encode(self, text):
         return [int(t) for t in text.split()]

@@ -1,0 +1,251 @@
+"""The batch engine: sequences of any lengths in one forward, each with its own drafter, are
+lossless per sequence (greedy: the tokens plain greedy decoding gives alone, in every family
+and with every method; sampled: the target's exact marginals), join and leave mid-generation,
+and keep their sessions' caches; its cache, its planner and `batch_generate`."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlx_speculate.batch import BatchEngine, Handle, batch_generate, check_batchable
+from mlx_speculate.batch.cache import BatchKVCache
+from mlx_speculate.batch.engine import batch_stream
+from mlx_speculate.batch.plan import BatchPlanner, expected_tokens
+from mlx_speculate.drafters import DFlashSpec, EagleGrowth, EagleSpec, make_drafter
+from mlx_speculate.drafters.draft_model import DraftModelDrafter
+from mlx_speculate.drafters.lookup import LookupDrafter
+from mlx_speculate.drafters.medusa import MedusaDrafter
+from mlx_speculate.generation import Session
+from mlx_speculate.sampling import SamplingParams
+
+from .families import PROMPT, REPEATING, related_draft
+from .helpers import MIN_MARGIN, greedy_reference, random_eagle_head, tiny_model
+from .markov import StubTokenizer, assert_follows_marginal
+from .test_dflash import dflash_config, random_head
+from .test_gemma4 import DEEP as GEMMA4_DEEP
+from .test_gemma4 import related_gemma4, tiny_gemma4
+from .test_hybrid import tiny_hybrid
+from .test_medusa import random_heads
+
+GREEDY = SamplingParams()
+DEEP = {"num_hidden_layers": 3}
+# Prompts of different lengths (rows at different offsets), some that repeat themselves
+# (prompt lookup proposes there), short ones.
+PROMPTS = [PROMPT, REPEATING, PROMPT[:3], REPEATING[4:]]
+CANDIDATES = [*PROMPTS, PROMPT[2:], REPEATING[:11], [3, 1, 4, 1, 5, 9, 2, 6], [8, 8, 8, 8]]
+# family -> (target, a draft that often agrees with it and often not); seeds whose greedy
+# continuations keep a clear top-2 margin (asserted).
+FAMILIES = {
+    "llama": lambda: (tiny_model("llama", 0, **DEEP), related_draft("llama", 0, 7, **DEEP)),
+    "qwen2": lambda: (tiny_model("qwen2", 2, **DEEP), related_draft("qwen2", 2, 7, **DEEP)),
+    "qwen3": lambda: (tiny_model("qwen3", 6, **DEEP), related_draft("qwen3", 6, 7, **DEEP)),
+    "phi3": lambda: (tiny_model("phi3", 0, **DEEP), related_draft("phi3", 0, 7, **DEEP)),
+    "gemma3_text": lambda: (
+        tiny_model("gemma3_text", 0, **DEEP),
+        related_draft("gemma3_text", 0, 7, **DEEP),
+    ),
+    "gemma4_text": lambda: (tiny_gemma4(4, **GEMMA4_DEEP), related_gemma4(4, 7, **GEMMA4_DEEP)),
+    "gpt_oss": lambda: (tiny_model("gpt_oss", 2, **DEEP), related_draft("gpt_oss", 2, 7, **DEEP)),
+    "qwen3_moe": lambda: (
+        tiny_model("qwen3_moe", 1, **DEEP),
+        related_draft("qwen3_moe", 1, 7, **DEEP),
+    ),
+}
+
+
+def drafters(target, draft) -> dict:
+    """Every method's drafter factory for `target` (a fresh drafter per sequence)."""
+    vocab, hidden = target.args.vocab_size, target.args.hidden_size
+    config = {k: v for k, v in vars(target.args).items() if not k.startswith("_")}
+    layers = target.args.num_hidden_layers
+    eagle1 = random_eagle_head(config, 1, 5, draft_vocab=None, taps=None)
+    eagle3 = random_eagle_head(config, 3, 5, draft_vocab=None, taps=(0, layers // 2, layers - 1))
+    medusa = random_heads(hidden, vocab, seed=3)
+    factories = {
+        "none": lambda: None,
+        "draft model": lambda: DraftModelDrafter(draft, vocab),
+        "lookup chain": lambda: LookupDrafter(max_ngram=3, branches=1),
+        "lookup tree": lambda: LookupDrafter(max_ngram=3, branches=3),
+        "medusa": lambda: MedusaDrafter(medusa),
+        "eagle-1 tree": lambda: make_drafter(
+            EagleSpec(heads=eagle1, tree=EagleGrowth(16, 4, 4)), target
+        ),
+        "eagle-3 chain": lambda: make_drafter(
+            EagleSpec(heads=eagle3, tree=EagleGrowth.chain(4)), target
+        ),
+    }
+    if target.args.model_type != "gemma4_text":  # DFlash taps a Llama-shaped stack
+        block = random_head(dflash_config(config, ids=(0, layers - 2)), seed=1)
+        factories["dflash tree"] = lambda: make_drafter(DFlashSpec(drafter=block, top_k=2), target)
+    return factories
+
+
+def run(target, prompts, make, n, sampling=GREEDY, max_batch=8, fixed=None, engine=None):
+    """Each prompt's first `n` tokens from one engine, every sequence with its own drafter."""
+    engine = engine or BatchEngine(target, max_batch)
+    handles = [
+        Handle(Session(target, StubTokenizer(), make()), p, sampling, n, num_draft_tokens=fixed)
+        for p in prompts
+    ]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    for i, response in batch_stream(engine, handles):
+        tokens[i].append(response.token)
+    return tokens, handles
+
+
+def clear(model, prompt: list[int], n: int) -> bool:
+    """Whether plain greedy decoding's first `n` tokens after `prompt` each win by a clear
+    top-2 margin (where the batch's other kernels cannot flip them)."""
+    tokens = greedy_reference(model, prompt, n)
+    logits = model(mx.array([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    top2 = mx.sort(logits, axis=-1)[:, -2:]
+    return mx.min(top2[:, 1] - top2[:, 0]).item() > MIN_MARGIN
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_method_in_a_batch_equals_greedy_alone(family):
+    """Four sequences at different offsets, each drafting with its own drafter of the method:
+    every one emits exactly plain greedy decoding's tokens alone, and drafts were verified."""
+    target, draft = FAMILIES[family]()
+    n = 24
+    prompts = [p for p in CANDIDATES if clear(target, p, n)][:4]
+    assert len(prompts) >= 3 and len({len(p) for p in prompts}) >= 3
+    references = [greedy_reference(target, p, n) for p in prompts]
+    for name, make in drafters(target, draft).items():
+        tokens, handles = run(target, prompts, make, n, fixed=None if name == "none" else 4)
+        assert tokens == references, name
+        if name in ("draft model", "medusa", "eagle-1 tree", "eagle-3 chain", "dflash tree"):
+            assert sum(h.last.stats.drafted for h in handles) > 0, name
+
+
+def test_sampling_in_a_batch_follows_the_target():
+    """At temperature 1, with a draft model that is often rejected, the first and second
+    tokens of sequences sampled eight at a time follow the target's exact marginals."""
+    target = tiny_model("llama", 0, vocab_size=16)
+    draft = tiny_model("llama", 3, vocab_size=16)  # unrelated: often rejected
+    prompt = [t % 16 for t in PROMPT]
+    mx.random.seed(0)
+    sampling = SamplingParams(temperature=1.0)
+    draws = []
+    engine = BatchEngine(target, 8)
+    for _ in range(50):
+        tokens, _ = run(
+            target, [prompt] * 8, lambda: DraftModelDrafter(draft, 16), 3, sampling, fixed=3,
+            engine=engine,
+        )
+        draws += tokens
+    assert_follows_marginal(target, prompt, 1.0, 0, [t[0] for t in draws])
+    assert_follows_marginal(target, prompt, 1.0, 1, [t[1] for t in draws])
+    with pytest.raises(AssertionError):  # the test tells the draft's distribution apart
+        assert_follows_marginal(draft, prompt, 1.0, 0, [t[0] for t in draws])
+
+
+def test_sequences_join_and_leave_mid_generation():
+    """Two rows for six sequences of different lengths: each joins when another leaves, while
+    the other row is mid-generation; every one equals greedy alone, and a sequence cancelled
+    mid-way ends alone, the rest unaffected."""
+    target, draft = FAMILIES["llama"]()
+    lengths = [5, 30, 12, 3, 25, 9]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(lengths))]
+    engine = BatchEngine(target, 2)
+    handles = [
+        Handle(Session(target, StubTokenizer(), DraftModelDrafter(draft, 97)), p, GREEDY, n)
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+    seen = {}
+    handles[4].cancelled = lambda: len(seen.get(4, [])) >= 10
+    for h in handles:
+        engine.add(h)
+    sizes = []
+    while not engine.idle:
+        index = {id(h): i for i, h in enumerate(handles)}
+        for h in engine.step():
+            seen.setdefault(index[id(h)], []).extend(r.token for r in h.take())
+        sizes.append(engine.size)
+    assert max(sizes) == 2
+    for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
+        if i == 4:
+            assert handles[4].cancelled_out and 10 <= len(seen[4]) < n
+            assert seen[4] == greedy_reference(target, prompt, len(seen[4]))
+        else:
+            assert seen[i] == greedy_reference(target, prompt, n), i
+    # Each session's cache holds its whole context, as after a generation alone: a next turn
+    # reuses it.
+    decoder = handles[1].session.decoder
+    assert decoder.cache.offset == len(decoder.context) - 1
+    assert decoder.reusable(decoder.context + [5]) == len(decoder.context) - 1
+
+
+def test_a_seeded_sequence_samples_the_same_beside_any_others():
+    target, draft = FAMILIES["llama"]()
+    seeded = SamplingParams(temperature=1.0, seed=11)
+
+    def alone_and_with(others: int) -> list[int]:
+        engine = BatchEngine(target, 8)
+        handles = [Handle(Session(target, StubTokenizer()), PROMPT, seeded, 12)]
+        handles += [
+            Handle(Session(target, StubTokenizer()), p, SamplingParams(temperature=1.0), 12)
+            for p in PROMPTS[:others]
+        ]
+        tokens: list[int] = []
+        for i, response in batch_stream(engine, handles):
+            if i == 0:
+                tokens.append(response.token)
+        return tokens
+
+    assert alone_and_with(0) == alone_and_with(3) == alone_and_with(1)
+
+
+def test_batch_generate(tmp_path):
+    target, draft = FAMILIES["llama"]()
+    result = batch_generate(target, StubTokenizer(), PROMPTS, max_tokens=10, prompt_lookup=True)
+    assert result.tokens == [greedy_reference(target, p, 10) for p in PROMPTS]
+    assert result.finish_reasons == ["length"] * 4 and len(result.stats) == 4
+    assert result.texts[0] == "".join(f"{t} " for t in result.tokens[0])
+    with pytest.raises(TypeError, match="prompt_lokup"):
+        batch_generate(target, StubTokenizer(), PROMPTS, prompt_lokup=True)
+    with pytest.raises(ValueError, match="give sampling or temperature"):
+        batch_generate(target, StubTokenizer(), PROMPTS, sampling=GREEDY, temperature=1.0)
+
+
+def test_targets_a_batch_cannot_run_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="recurrent layers.*--max-batch 1") as error:
+        check_batchable(tiny_hybrid("qwen3_5_text"))
+    assert "\n" not in str(error.value)
+    with pytest.raises(ValueError, match="at least 1"):
+        BatchEngine(tiny_model("llama"), 0)
+
+
+def test_cache_rows_move_in_and_out():
+    """A row takes a one-sequence cache's slots and gives them back; moving and resizing keep
+    the rows' slots."""
+    model = tiny_model("llama")
+    single = model.make_cache()
+    model(mx.array([PROMPT]), single)
+    batch = BatchKVCache(model.kv_shapes(), mx.float32, 2)
+    batch.insert(1, single, len(PROMPT))
+    assert batch.offsets == [0, len(PROMPT)]
+    batch.move(1, 0)
+    batch.resize(4)
+    batch.resize(1)
+    out = model.make_cache()
+    batch.extract(0, out, len(PROMPT))
+    assert out.offset == len(PROMPT)
+    for mine, theirs in zip(out.keys, single.keys, strict=True):
+        assert mx.array_equal(mine[..., : len(PROMPT), :], theirs[..., : len(PROMPT), :])
+
+
+def test_the_planner_spends_rows_where_they_pay():
+    """Flat step costs (a memory-bound step): long drafts for well-accepted sequences; costs
+    that grow with every row (compute-bound): none; a fixed draft length is honoured."""
+    flat, steep = BatchPlanner(), BatchPlanner()
+    for n in range(1, 10):
+        flat.observe(8, n, 1.0 + 0.01 * n)
+        steep.observe(8, n, 1.0 * n)
+    caps, rates = [8] * 8, [0.8] * 8
+    assert flat.width(8, caps, rates) >= 6
+    assert steep.width(8, caps, rates) == 1
+    assert steep.width(8, caps, rates, least=4) == 4
+    assert BatchPlanner().width(8, [0] * 8, rates) == 1  # nothing to draft with
+    assert expected_tokens(0.5, 2) == 1.75
