@@ -172,11 +172,13 @@ def test_disconnect_cancels_a_whole_response(endless_server, long_generation):
     assert unavailable(running) == refused  # counted once: not as a 503 too
 
 
-def test_generations_ended_by_shutdown_say_so(endless):
+@pytest.mark.parametrize("max_batch", [1, 8])
+def test_generations_ended_by_shutdown_say_so(endless, max_batch):
     """At the shutdown deadline the server cancels what still runs or waits (what SIGTERM
     leads to): each whole request gets a 503 with code server_shutdown, a stream an error
-    event with that code, and each is counted once in /metrics."""
-    with serve(*endless) as running:
+    event with that code, and each is counted once in /metrics. One at a time the two whole
+    requests wait in the queue; in a batch they run beside the stream."""
+    with serve(*endless, max_batch=max_batch) as running:
         client = running.client()
         args = dict(model="stories", prompt="Once upon a time", max_tokens=LONG, temperature=0)
         stream = client.completions.create(**args, stream=True)
@@ -193,7 +195,8 @@ def test_generations_ended_by_shutdown_say_so(endless):
         for thread in waiting:
             thread.start()
         deadline = time.monotonic() + 30
-        while running.metric("mlx_speculate_queue_depth") < 2:
+        metric = "mlx_speculate_queue_depth" if max_batch == 1 else "mlx_speculate_batch_size"
+        while running.metric(metric) < (2 if max_batch == 1 else 3):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         running.worker.cancel_all()
@@ -211,20 +214,39 @@ def test_generations_ended_by_shutdown_say_so(endless):
         assert running.metric_reaching("mlx_speculate_requests_total", 1, **labels) == 1
 
 
-def test_full_queue_answers_429(endless):
-    with serve(*endless, max_queue=1) as running:
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_full_queue_answers_429(endless, max_batch):
+    """Past the requests running (one at a time: one; in a batch: the batch, and the next one,
+    prefilled, waiting for a row) and `max_queue` waiting, a request gets 429 with Retry-After;
+    the waiting one is served once the running ones end."""
+    with serve(*endless, max_queue=1, max_batch=max_batch) as running:
         client = running.client()
         args = dict(model="stories", prompt="Once upon a time", max_tokens=LONG, temperature=0)
-        running_stream = client.completions.create(**args, stream=True)
-        next(iter(running_stream))  # generating now
-        waiting = client.chat.completions.create(
-            model="stories",
-            messages=[{"role": "user", "content": "Hi"}],
-            max_tokens=2,
-            temperature=0,
-            stream=True,
-        )
+        streams = [client.completions.create(**args, stream=True)]
+        next(iter(streams[0]))  # generating now
         deadline = time.monotonic() + 30
+        if max_batch > 1:
+            opened = []
+            for _ in range(max_batch):  # the batch's other rows, and one waiting for a row
+                thread = threading.Thread(
+                    target=lambda: opened.append(client.completions.create(**args, stream=True))
+                )
+                thread.start()
+            while running.worker._queue.qsize() or len(running.worker._running) < max_batch + 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        waiting: list = []
+        thread = threading.Thread(
+            target=lambda: waiting.append(
+                client.chat.completions.create(
+                    model="stories",
+                    messages=[{"role": "user", "content": "Hi"}],
+                    max_tokens=2,
+                    temperature=0,
+                )
+            )
+        )
+        thread.start()
         while running.metric("mlx_speculate_queue_depth") < 1:
             assert time.monotonic() < deadline
             time.sleep(0.01)
@@ -234,8 +256,10 @@ def test_full_queue_answers_429(endless):
         assert refused.value.response.headers["retry-after"] == "1"
         error = refused.value.response.json()["error"]
         assert error["code"] == "queue_full" and error["type"] == "rate_limit_error"
-        running_stream.close()
-        assert "".join(c.choices[0].delta.content or "" for c in waiting)  # served after all
+        for job in list(running.worker._running):  # their clients leave
+            job.cancel()
+        thread.join(60)
+        assert waiting and waiting[0].choices[0].message.content  # served after all
         assert timed_request(running) < 30
 
 
