@@ -148,8 +148,8 @@ def test_per_expert_checkpoint_names_load():
 # -- (2) recurrent state under speculation ---------------------------------------------------
 
 
-def tiny_hybrid(model_type: str = "qwen3_5_text", seed: int = 0):
-    cfg = {k: v for k, v in config(model_type).items() if v is not None}
+def tiny_hybrid(model_type: str = "qwen3_5_text", seed: int = 0, **overrides):
+    cfg = {k: v for k, v in config(model_type, **overrides).items() if v is not None}
     return build_model(cfg, random_weights(cfg, seed))
 
 
@@ -247,12 +247,20 @@ class OracleDrafter(Drafter):
         return Draft(mx.array(draft, dtype=mx.int32), Tree.chain(k))
 
 
-@pytest.mark.parametrize("model_type", list(FAMILIES))
-def test_speculation_with_partial_accepts_equals_greedy(model_type):
+# Recurrent layers only: what a pipeline rank holds when its block has no attention layer.
+RECURRENT_ONLY = {"num_hidden_layers": 2, "layer_types": ["linear_attention"] * 2}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides"),
+    [*((t, {}) for t in FAMILIES), ("qwen3_5_text", RECURRENT_ONLY)],
+)
+def test_speculation_with_partial_accepts_equals_greedy(model_type, overrides):
     """Greedy speculation equals plain greedy decoding token for token: an oracle drafter
     whose drafts are partly rejected, prompt lookup (a chain by default for these targets) and
-    a tiny Llama draft model that mostly disagrees (its chains queued on lazy counts)."""
-    model = tiny_hybrid(model_type)
+    a tiny Llama draft model that mostly disagrees (its chains queued on lazy counts); also
+    with no attention layer at all (a cache without keys)."""
+    model = tiny_hybrid(model_type, **overrides)
     prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
     reference = greedy_reference(model, prompt, 40)
 
