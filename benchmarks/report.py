@@ -406,7 +406,7 @@ def family_section(report: Report) -> list[str]:
         report.command,
         "```",
         "",
-        *_busy(report),
+        *_busy(report, tau=False),
         *(f"- {key}: {value}" for key, value in report.machine.items()),
         f"- cores: {report.cores}",
         f"- load average (1 min) at start / end: {report.load[0]:.1f} / {report.load[1]:.1f}",
@@ -436,15 +436,16 @@ def family_section(report: Report) -> list[str]:
     return lines
 
 
-def _busy(report: Report) -> list[str]:
-    """A warning, when other processes wanted more cores than the machine has."""
+def _busy(report: Report, tau: bool = True) -> list[str]:
+    """A warning, when other processes wanted more cores than the machine has (`tau`: the
+    table has a tau column, which the load does not move)."""
     if max(report.load) <= report.cores:
         return []
+    exact = "; tau, exact under greedy decoding, is not." if tau else "."
     return [
         f"**The machine was busy**: its load average ({max(report.load):.1f}) exceeded its "
         f"{report.cores} cores, so other processes took CPU time from these runs. Their "
-        "tokens/s and ratios are noisy (see the ranges); tau, exact under greedy decoding, is "
-        "not.",
+        f"tokens/s and ratios are noisy (see the ranges){exact}",
         "",
     ]
 
