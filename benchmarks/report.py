@@ -1,10 +1,11 @@
 """Every method on the shared models and SmolLM2-135M-Instruct (float32 and 4-bit), interleaved
-with mlx-lm's plain decoding on the same weights: the results page docs/results.md and its chart
-docs/results.png (tokens/s, tau and the ratio to our plain decoding, with their spread).
+with mlx-lm's plain decoding on the same weights, and plain decoding against mlx-lm's on the
+2026 families: the results page docs/results.md and its chart docs/results.png (tokens/s, tau
+and the ratio to our plain decoding, with their spread).
 
     python benchmarks/report.py [--openblas] [--runs 3] [--max-tokens 96]
-        [--models stories,smollm2-f32,smollm2-4bit] [--out docs/results.md]
-    python benchmarks/report.py --render   # the page again from docs/results.json, no runs
+        [--models stories,smollm2-f32,smollm2-4bit,families] [--out docs/results.md]
+    python benchmarks/report.py --render   # the page again from docs/results*.json, no runs
 
 The page names the machine (CPU, cores, OS, BLAS, load average), the versions (mlx, mlx-lm,
 Python, this checkout's commit), the exact command and every prompt; each row gives the median
@@ -15,6 +16,11 @@ computes in our dtype (by default it keeps the checkpoint's float16 scales, whic
 backend computes far slower). The chart needs matplotlib: `pip install mlx_speculate[bench]`.
 The measured values go to results.json beside the page, and the page ends with the earlier
 measurements recorded in benchmarks/measurements.json (each with its device, date and command).
+
+The `families` set (benchmarks/family_models.py: Qwen3.5, Qwen3.5-MoE, Qwen3-Next, Qwen3-MoE,
+gpt-oss, Gemma 4 text, each tiny and SmolLM2-sized, random float32 weights) times plain decoding
+only, with EOS ignored and every run's token count checked; it is saved to results-families.json
+and rendered as a section of its own, so a run of either kind keeps the other's section.
 Converted models go under $MLX_SPECULATE_BENCH_DIR, else $MLX_SPECULATE_CACHE, else
 ~/.cache/mlx_speculate.
 """
@@ -33,7 +39,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
 
@@ -44,6 +50,9 @@ from common import CACHE, SHARED, add_blas_argument, header, setup_blas  # noqa:
 ROOT = Path(__file__).resolve().parents[1]
 MEASUREMENTS = Path(__file__).resolve().parent / "measurements.json"
 MIN_RUNS = 3  # a median and its spread need at least three timed rounds
+MODEL_SETS = ("stories", "smollm2-f32", "smollm2-4bit", "families")
+METHOD_TOKENS = 96
+FAMILY_TOKENS = 24  # twelve models, two decoders each: the set stays within minutes on a CPU
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,7 @@ class Row:
     tokens_per_s: tuple[float, ...]
     tau: tuple[float, ...]
     drafted: tuple[int, ...] | None  # tokens proposed per round; None: a row that never drafts
+    tokens: tuple[int, ...] | None = None  # tokens emitted per round (None: not recorded)
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,7 @@ class Report:
     max_tokens: int
     rows: tuple[Row, ...]
     recorded: tuple[Measurement, ...] = ()  # not saved with the run: read at each rendering
+    described: dict[str, str] = field(default_factory=dict)  # model label -> its shapes
 
 
 def recorded(path: Path = MEASUREMENTS) -> tuple[Measurement, ...]:
@@ -130,10 +141,11 @@ def load_saved(path: Path) -> Report:
 
 
 def _row(fields: dict) -> Row:
-    drafted = fields["drafted"]
+    drafted, tokens = fields["drafted"], fields.get("tokens")
     return Row(
         **{**fields, "tokens_per_s": tuple(fields["tokens_per_s"]), "tau": tuple(fields["tau"]),
-           "drafted": None if drafted is None else tuple(drafted)}
+           "drafted": None if drafted is None else tuple(drafted),
+           "tokens": None if tokens is None else tuple(tokens)}
     )
 
 
@@ -177,28 +189,42 @@ def cases(names: list[str]):
             raise SystemExit(f"unknown model {name!r} (stories, smollm2-f32, smollm2-4bit)")
 
 
-def ours(model, tokenizer, prompt, max_tokens, **kwargs) -> tuple[float, float, int]:
-    """tokens/s, tau and the tokens drafted, for one generation."""
+def timed(stream, decode_only: bool) -> tuple[float, list]:
+    """Tokens/s of a generation and its responses: from the call on, or with `decode_only` from
+    the first token (the prompt's forward) to the last."""
+    start, first, responses = time.perf_counter(), None, []
+    for response in stream:
+        responses.append(response)
+        first = first or time.perf_counter()
+    end = time.perf_counter()
+    if decode_only:
+        return (len(responses) - 1) / (end - first), responses
+    return len(responses) / (end - start), responses
+
+
+def ours(model, tokenizer, prompt, max_tokens, decode_only=False, **kwargs):
+    """tokens/s, tau, the tokens drafted and the tokens emitted, for one generation."""
     from mlx_speculate import stream_generate
 
-    start = time.perf_counter()
-    responses = list(stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs))
-    seconds = time.perf_counter() - start
+    stream = stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, **kwargs)
+    rate, responses = timed(stream, decode_only)
     stats = responses[-1].stats
     tau = stats.tokens_per_forward if stats.target_forwards else 1.0
-    return len(responses) / seconds, tau, stats.drafted
+    return rate, tau, stats.drafted, len(responses)
 
 
-def theirs(model, tokenizer, prompt, max_tokens) -> tuple[float, float, int]:
+def theirs(model, tokenizer, prompt, max_tokens, decode_only=False):
     import mlx_lm
 
-    start, n = time.perf_counter(), 0
-    for _ in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
-        n += 1
-    return n / (time.perf_counter() - start), 1.0, 0
+    stream = mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)
+    rate, responses = timed(stream, decode_only)
+    return rate, 1.0, 0, len(responses)
 
 
-def measure(label, folder, prompt: Prompt, methods, runs, max_tokens) -> list[Row]:
+def measure(label, folder, prompt: Prompt, methods, runs, max_tokens, exact=False) -> list[Row]:
+    """Every method's rows on one model, interleaved round by round. `exact`: EOS is ignored
+    (random weights emit it by chance), every run must emit `max_tokens` (else SystemExit), and
+    tokens/s counts decoding only, from the first token on."""
     import mlx_lm
 
     from mlx_speculate import load
@@ -208,22 +234,27 @@ def measure(label, folder, prompt: Prompt, methods, runs, max_tokens) -> list[Ro
     model, tokenizer = load(folder)
     their_model, their_tokenizer = mlx_lm.load(str(folder))
     their_model.set_dtype(model.compute_dtype)  # same weights, same arithmetic
+    if exact:
+        tokenizer.eos_token_ids = their_tokenizer.eos_token_ids = []
     if prompt.chat:
         tokens = apply_chat_template(tokenizer, prompt.text)
     else:
         tokens = plain_tokens(tokenizer, [prompt.text])
     rows = {
-        "plain": lambda: ours(model, tokenizer, tokens, max_tokens),
-        "mlx-lm plain": lambda: theirs(their_model, their_tokenizer, tokens, max_tokens),
+        "plain": lambda: ours(model, tokenizer, tokens, max_tokens, exact),
+        "mlx-lm plain": lambda: theirs(their_model, their_tokenizer, tokens, max_tokens, exact),
     }
     for name, kwargs in methods.items():
         # Draft models and heads are loaded once here, not inside each timed generation.
         spec = spec_from_keywords(**kwargs).resolve(model)
         rows[name] = lambda spec=spec: ours(model, tokenizer, tokens, max_tokens, drafter=spec)
     results = {name: [] for name in rows}
-    for _ in range(runs + 1):
+    for round_ in range(runs + 1):
         for name, run in rows.items():
             results[name].append(run())
+            if exact and (n := results[name][-1][3]) != max_tokens:
+                raise SystemExit(f"{label}, {name}: {n} tokens in round {round_} (0 warms up), "
+                                 f"not {max_tokens}: a run must emit all of them")
     out = []
     for name, values in results.items():
         timed = values[1:]  # the first round warms up
@@ -234,8 +265,9 @@ def measure(label, folder, prompt: Prompt, methods, runs, max_tokens) -> list[Ro
             tokens_per_s=tuple(v[0] for v in timed),
             tau=tuple(v[1] for v in timed),
             drafted=None if name in ("plain", "mlx-lm plain") else tuple(v[2] for v in timed),
+            tokens=tuple(v[3] for v in timed),
         )
-        print(f"{label:<18} {name:<34} {statistics.median(row.tokens_per_s):>8.2f} tok/s  "
+        print(f"{label:<28} {name:<34} {statistics.median(row.tokens_per_s):>8.2f} tok/s  "
               f"tau {statistics.median(row.tau):.2f}", flush=True)
         out.append(row)
     return out
@@ -267,9 +299,10 @@ def note(row: Row) -> str:
     return ""
 
 
-def render(report: Report, chart: str | None = None) -> str:
-    """The results page, in markdown: a pure function of the report (`chart`: the PNG's path
-    relative to the page, or None for no chart)."""
+def render(report: Report, chart: str | None = None, families: Report | None = None) -> str:
+    """The results page, in markdown: a pure function of the reports (`chart`: the PNG's path
+    relative to the page, or None for no chart; `families`: the families set's run, measured
+    apart, as its own section)."""
     runs = {len(row.tokens_per_s) for row in report.rows}
     lines = [
         "# Results",
@@ -327,6 +360,8 @@ def render(report: Report, chart: str | None = None) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if chart is not None:
         lines += ["", f"![tokens/s relative to plain decoding, median and range]({chart})"]
+    if families is not None:
+        lines += ["", *family_section(families)]
     if report.recorded:
         lines += [
             "",
@@ -347,15 +382,70 @@ def render(report: Report, chart: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _busy(report: Report) -> list[str]:
-    """A warning, when other processes wanted more cores than the machine has."""
+def family_section(report: Report) -> list[str]:
+    """The families set's section: each model's shapes, the tokens every timed run emitted,
+    and our plain decoding against mlx-lm's, with the machine and versions of that run."""
+    runs = {len(row.tokens_per_s) for row in report.rows}
+    lines = [
+        "## Families",
+        "",
+        "Plain decoding, ours against mlx-lm's, on the families added in 2026: random float32 "
+        "weights in each family's shapes (benchmarks/family_models.py), converted by "
+        "`mlx_speculate.convert` into one folder that both load. Greedy, with EOS ignored: "
+        f"every timed run emitted exactly its {report.max_tokens} tokens (checked), after the "
+        f"**{', '.join(p.name for p in report.prompts)}** prompt above. Tokens/s counts "
+        "decoding only, from the first token (the prompt's forward) to the last. Each row is "
+        "the median of "
+        f"{' / '.join(str(n) for n in sorted(runs))} timed rounds, ours and mlx-lm's "
+        "interleaved after one warm-up round, with the range (min–max) in brackets; *ours / "
+        "mlx-lm* is the median of the per-round ratios.",
+        "",
+        f"Measured on {report.date}, apart from the table above:",
+        "",
+        "```",
+        report.command,
+        "```",
+        "",
+        *_busy(report, tau=False),
+        *(f"- {key}: {value}" for key, value in report.machine.items()),
+        f"- cores: {report.cores}",
+        f"- load average (1 min) at start / end: {report.load[0]:.1f} / {report.load[1]:.1f}",
+        *(f"- {key}: {value}" for key, value in report.versions.items()),
+        "",
+        "| model | shapes | tokens a run | ours (tokens/s) | mlx-lm (tokens/s) | ours / mlx-lm |",
+        "|---|---|---|---|---|---|",
+    ]
+    by_model: dict[str, dict[str, Row]] = {}
+    for row in report.rows:
+        by_model.setdefault(row.model, {})[row.method] = row
+    for model, rows in by_model.items():
+        mine, theirs = rows["plain"], rows["mlx-lm plain"]
+        ratio = tuple(
+            a / b for a, b in zip(mine.tokens_per_s, theirs.tokens_per_s, strict=True)
+        )
+        counts = [n for row in (mine, theirs) for n in row.tokens or ()]
+        cells = [
+            model,
+            report.described.get(model, ""),
+            spread(counts, 0) if counts else "",
+            spread(mine.tokens_per_s, 1),
+            spread(theirs.tokens_per_s, 1),
+            spread(ratio, 2, "x"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _busy(report: Report, tau: bool = True) -> list[str]:
+    """A warning, when other processes wanted more cores than the machine has (`tau`: the
+    table has a tau column, which the load does not move)."""
     if max(report.load) <= report.cores:
         return []
+    exact = "; tau, exact under greedy decoding, is not." if tau else "."
     return [
         f"**The machine was busy**: its load average ({max(report.load):.1f}) exceeded its "
         f"{report.cores} cores, so other processes took CPU time from these runs. Their "
-        "tokens/s and ratios are noisy (see the ranges); tau, exact under greedy decoding, is "
-        "not.",
+        f"tokens/s and ratios are noisy (see the ranges){exact}",
         "",
     ]
 
@@ -456,53 +546,106 @@ def _runs(text: str) -> int:
     return value
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a positive number of tokens, got {value}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="stories,smollm2-f32,smollm2-4bit")
+    parser.add_argument("--models", default="stories,smollm2-f32,smollm2-4bit",
+                        help=f"comma-separated, of {', '.join(MODEL_SETS)} (families: plain "
+                        "decoding against mlx-lm on the 2026 families, a section of its own)")
     parser.add_argument("--runs", type=_runs, default=3, help="timed rounds (at least 3)")
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=_positive, default=None,
+                        help=f"tokens a run (default {METHOD_TOKENS}; {FAMILY_TOKENS} for "
+                        "families)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "results.md",
                         help="the page; its chart goes beside it as .png")
     parser.add_argument("--render", action="store_true",
                         help="write the page and chart again from the saved results, no runs")
     add_blas_argument(parser)
     args = parser.parse_args(argv)
-    saved = args.out.with_suffix(".json")
+    saved, saved_families = args.out.with_suffix(".json"), families_file(args.out)
     if args.render:
-        publish(dataclasses.replace(load_saved(saved), recorded=recorded()), args.out)
+        publish(load_saved(saved), load_families(saved_families), args.out)
         return
+    names = args.models.split(",")
+    if unknown := [n for n in names if n not in MODEL_SETS]:
+        parser.error(f"unknown model set {unknown[0]!r} (known: {', '.join(MODEL_SETS)})")
     command = shlex.join(["python", "benchmarks/report.py", *sys.argv[1:]])
     preload = {k: os.environ[k] for k in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS") if k in os.environ}
     if preload:
         command = " ".join(f"{k}={shlex.quote(v)}" for k, v in preload.items()) + " " + command
-    load_start = os.getloadavg()
     blas = setup_blas(args.openblas)
     header("Every method against plain decoding and mlx-lm (greedy, same weights)", blas)
     versions = describe_versions()  # the code that runs, before the checkout can change
 
-    rows, prompts = [], {}
-    for label, folder, prompt, methods in cases(args.models.split(",")):
-        prompts[prompt.name] = prompt
-        rows += measure(label, folder, prompt, methods, args.runs, args.max_tokens)
-    report = Report(
-        date=datetime.date.today().isoformat(),
-        command=command,
-        machine=describe_machine(blas),
-        cores=os.cpu_count() or 1,
-        load=(load_start[0], os.getloadavg()[0]),
-        versions=versions,
-        prompts=tuple(prompts.values()),
-        max_tokens=args.max_tokens,
-        rows=tuple(rows),
-    )
-    save(report, saved)
-    publish(dataclasses.replace(report, recorded=recorded()), args.out)
+    def run(measured, max_tokens: int, **fields) -> Report:
+        """A Report of the rows `measured()` returns, with the load around it."""
+        load_start = os.getloadavg()
+        rows, prompts = measured()
+        return Report(
+            date=datetime.date.today().isoformat(),
+            command=command,
+            machine=describe_machine(blas),
+            cores=os.cpu_count() or 1,
+            load=(load_start[0], os.getloadavg()[0]),
+            versions=versions,
+            prompts=prompts,
+            max_tokens=max_tokens,
+            rows=tuple(rows),
+            **fields,
+        )
+
+    methods = families = None
+    method_sets = [n for n in names if n != "families"]
+    if method_sets:
+        tokens = args.max_tokens or METHOD_TOKENS
+
+        def every_method():
+            rows, prompts = [], {}
+            for label, folder, prompt, methods in cases(method_sets):
+                prompts[prompt.name] = prompt
+                rows += measure(label, folder, prompt, methods, args.runs, tokens)
+            return rows, tuple(prompts.values())
+
+        methods = run(every_method, tokens)
+        save(methods, saved)
+    if "families" in names:
+        from family_models import family_cases
+
+        tokens, described = args.max_tokens or FAMILY_TOKENS, {}
+
+        def plain_on_families():
+            rows = []
+            for label, folder, shapes in family_cases():
+                described[label] = shapes
+                rows += measure(label, folder, STORY, {}, args.runs, tokens, exact=True)
+            return rows, (STORY,)
+
+        families = run(plain_on_families, tokens, described=described)
+        save(families, saved_families)
+    publish(methods or load_saved(saved), families or load_families(saved_families), args.out)
 
 
-def publish(report: Report, out: Path) -> None:
+def families_file(page: Path) -> Path:
+    """Where the families set's run is saved, beside the page's own results."""
+    return page.with_name(f"{page.stem}-families.json")
+
+
+def load_families(path: Path) -> Report | None:
+    return load_saved(path) if path.exists() else None
+
+
+def publish(report: Report, families: Report | None, out: Path) -> None:
+    """The page (with the recorded measurements read now) and the chart of `report`."""
+    report = dataclasses.replace(report, recorded=recorded())
     chart = out.with_suffix(".png")
     draw(report, chart)
-    _install(out, lambda staged: staged.write_text(render(report, chart.name)))
+    _install(out, lambda staged: staged.write_text(render(report, chart.name, families)))
     print(f"wrote {out} and {chart}")
 
 

@@ -43,7 +43,8 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+        # No layers: a pipeline rank whose block has no attention layer (state_cache.py).
+        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[2]
 
     def capacity_for(self, length: int) -> int:
         """The capacity once `length` slots are reserved: storage only grows, a chunk at a time."""

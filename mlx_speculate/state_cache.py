@@ -69,6 +69,7 @@ class HybridCache(KVCache):
         super().__init__(self.linear.count(False), step, like)
         self.shape = shape
         self.model_type = model_type
+        self.like = like  # batch and dtype, also where no attention layer has a `likes` entry
         self._kv = {i: n for n, i in enumerate(i for i, r in enumerate(linear) if not r)}
         self._rec = {i: n for n, i in enumerate(i for i, r in enumerate(linear) if r)}
         count = len(self._rec)
@@ -176,7 +177,7 @@ class HybridCache(KVCache):
 
     def reserve(self, length: int) -> None:
         super().reserve(length)
-        like = self.likes[0]  # one shape for all attention layers: it gives batch and dtype
+        like = self.like
         if like is not None:
             s, batch = self.shape, like.shape[0]
             for r, conv in enumerate(self.conv):

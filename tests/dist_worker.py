@@ -33,6 +33,10 @@ METHODS = {
     "medusa": {"num_draft_tokens": 3},  # random heads of the family's sizes, added below
     "eagle": {"eagle_tree": EagleGrowth(8, 2, 3), "num_draft_tokens": 7},
 }
+# A hybrid target (recurrent layers) verifies chains only: EAGLE chains, no Medusa trees.
+CHAIN_METHODS = {k: v for k, v in METHODS.items() if k != "medusa"} | {
+    "eagle": {"eagle_tree": EagleGrowth.chain(3), "num_draft_tokens": 3},
+}
 
 
 def heads(model) -> dict:
@@ -62,7 +66,7 @@ def record(model, prefix: str, out: dict, draft, generations: bool, group, beat)
     tokenizer = StubTokenizer()
     drafters = heads(model)
     drafters["draft"] = {"draft_model": draft}
-    for name, options in METHODS.items():
+    for name, options in (CHAIN_METHODS if model.recurrent else METHODS).items():
         options = {**options, **drafters.get(name, {})}
         out[f"{prefix}{name}"] = np.array(tokens(model, tokenizer, **options))
         beat()

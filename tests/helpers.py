@@ -62,6 +62,12 @@ def require(path: Path, how: str) -> Path:
     pytest.skip(reason)
 
 
+# The hybrids' experts: 4, 2 a token, and a shared expert.
+HYBRID_MOE = {
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+}  # fmt: skip
+
 # What a family needs besides TINY to be tiny and to exercise its own features: Qwen3's
 # explicit head_dim (not hidden / heads); Gemma 3's sliding layer 0 (with a small window and a
 # fast-turning local RoPE base) beside global layer 1, and an attention scale of its own.
@@ -81,6 +87,20 @@ FAMILY_TINY = {
     "gemma4_text": {
         "head_dim": 16, "global_head_dim": 32, "sliding_window": 6,
         "vocab_size_per_layer_input": 97, "hidden_size_per_layer_input": 8,
+    },
+    # The hybrids: 4 layers, Gated DeltaNet in layers 0-2 and attention in layer 3 (split over
+    # two ranks, rank 0 holds no attention layer); Qwen3-Next's layer 1 dense, the rest experts.
+    **{
+        model_type: {
+            "num_hidden_layers": 4, "head_dim": 16, "partial_rotary_factor": 0.5,
+            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 12,
+            "linear_num_key_heads": 2, "linear_num_value_heads": 4, **experts,
+        }
+        for model_type, experts in {
+            "qwen3_next": {**HYBRID_MOE, "mlp_only_layers": [1]},
+            "qwen3_5_text": {},
+            "qwen3_5_moe_text": HYBRID_MOE,
+        }.items()
     },
     "gemma3_text": {
         "head_dim": 32,

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mlx_speculate.parallel.pipeline import split_layers
 from mlx_speculate.parallel.sharding import check_shardable, shard
 
 from .helpers import tiny_model
@@ -22,6 +23,12 @@ from .test_cli import tiny_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("llama", "qwen2", "phi3", "qwen3", "gemma3_text")
+# The families tensor parallelism does not split (experts, recurrent or shared-key layers):
+# pipeline parallelism runs them.
+PIPELINE_ONLY = (
+    "qwen3_moe", "gpt_oss", "gemma4_text", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text",
+)  # fmt: skip
+HYBRIDS = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 LAUNCH = Path(sys.executable).with_name("mlx.launch")
 
 
@@ -86,7 +93,10 @@ def assert_sharded_matches(results, families, generate=(), atol=2e-5) -> None:
             np.testing.assert_allclose(rank[f"{family}/sharded/logits"], single, atol=atol)
             taps = rank[f"{family}/single/taps"]
             np.testing.assert_allclose(rank[f"{family}/sharded/taps"], taps, atol=atol)
-        for method in ("plain", "lookup", "draft", "medusa", "eagle") if family in generate else ():
+        # A hybrid verifies chains only: no Medusa trees (dist_worker.CHAIN_METHODS).
+        methods = ("plain", "lookup", "draft", "eagle")
+        methods += () if family in HYBRIDS else ("medusa",)
+        for method in methods if family in generate else ():
             for rank in results:
                 assert list(rank[f"{family}/sharded/{method}"]) == list(
                     rank[f"{family}/single/{method}"]
@@ -116,23 +126,35 @@ def test_two_ranks_quantized(tmp_path):
 
 def test_pipeline_two_ranks_every_family(tmp_path):
     """Layers split across ranks: the same logits and taps (EAGLE-3 reads layers of both
-    halves), the same greedy tokens with and without a draft model, the same samples."""
-    spec = {"families": FAMILIES, "generate": ["llama", "gemma3_text"], "parallel": "pipeline"}
-    assert_sharded_matches(launch(tmp_path, 2, spec), FAMILIES, spec["generate"], atol=1e-6)
+    halves), the same greedy tokens with and without a draft model, the same samples. Every
+    family, those tensor parallelism refuses too; a hybrid's rank 0 holds only recurrent
+    layers and rank 1 both kinds, and each rolls its own recurrent state back after rejected
+    drafts: its tokens equal the single process's with every chain method."""
+    families = FAMILIES + PIPELINE_ONLY
+    generate = ["llama", "gemma3_text", "qwen3_next", "gpt_oss"]
+    spec = {"families": families, "generate": generate, "parallel": "pipeline"}
+    assert_sharded_matches(launch(tmp_path, 2, spec), families, generate, atol=1e-6)
 
 
 def test_pipeline_three_ranks_uneven_blocks(tmp_path):
-    spec = {"families": ["qwen2"], "generate": ["qwen2"], "parallel": "pipeline"}
-    spec["overrides"] = {"num_hidden_layers": 4}  # blocks of 2, 1 and 1 layers
-    assert_sharded_matches(launch(tmp_path, 3, spec), ["qwen2"], ["qwen2"], atol=1e-6)
+    """Blocks of 2, 1 and 1 layers; the hybrid's hold two Gated DeltaNet layers, one, and
+    its attention layer alone, each rank keeping its own layers' recurrent state."""
+    families = ["qwen2", "qwen3_5_text"]
+    spec = {"families": families, "generate": families, "parallel": "pipeline"}
+    spec["overrides"] = {"num_hidden_layers": 4}
+    assert_sharded_matches(launch(tmp_path, 3, spec), families, families, atol=1e-6)
 
 
 class FakeGroup:
-    def __init__(self, size: int):
+    def __init__(self, size: int, rank: int = 0):
         self._size = size
+        self._rank = rank
 
     def size(self) -> int:
         return self._size
+
+    def rank(self) -> int:
+        return self._rank
 
 
 @pytest.mark.parametrize(
@@ -150,7 +172,7 @@ def test_indivisible_counts_raise(overrides, name):
         check_shardable(model, 3)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("model_type", PIPELINE_ONLY)
 def test_tensor_parallel_refuses_families_it_does_not_split(model_type):
     """Experts (and recurrent or shared-key layers) are not split: one line naming the way that
     works, never a traceback from a missing projection."""
@@ -158,6 +180,20 @@ def test_tensor_parallel_refuses_families_it_does_not_split(model_type):
     refused = f"does not split {model_type} models.*--parallel pipeline"
     with pytest.raises(ValueError, match=refused):
         shard(model, FakeGroup(2))
+
+
+def test_pipeline_refuses_a_gemma4_split_between_shared_keys():
+    """A Gemma 4 layer that reads an earlier layer's keys must sit on that layer's rank: a
+    split between them is refused in one line naming what works, before any collective."""
+    S, F = "sliding_attention", "full_attention"
+    shared = {"num_hidden_layers": 4, "layer_types": [S, F, S, F], "num_kv_shared_layers": 2}
+    split_layers(tiny_model("gemma4_text", **shared), FakeGroup(2, rank=0))  # layers 0 and 1
+    refused = "layer 2 reads layer 0's keys.*use fewer ranks.*layers 0 to 2"
+    with pytest.raises(ValueError, match=refused):
+        split_layers(tiny_model("gemma4_text", **shared), FakeGroup(2, rank=1))
+    # Without shared keys every split works; each rank's cache holds its own layers.
+    model = split_layers(tiny_model("gemma4_text", num_hidden_layers=4), FakeGroup(2, rank=1))
+    assert len(model.layers) == len(model.make_cache().keys) == 2
 
 
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])

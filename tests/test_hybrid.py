@@ -148,8 +148,8 @@ def test_per_expert_checkpoint_names_load():
 # -- (2) recurrent state under speculation ---------------------------------------------------
 
 
-def tiny_hybrid(model_type: str = "qwen3_5_text", seed: int = 0):
-    cfg = {k: v for k, v in config(model_type).items() if v is not None}
+def tiny_hybrid(model_type: str = "qwen3_5_text", seed: int = 0, **overrides):
+    cfg = {k: v for k, v in config(model_type, **overrides).items() if v is not None}
     return build_model(cfg, random_weights(cfg, seed))
 
 
@@ -247,12 +247,20 @@ class OracleDrafter(Drafter):
         return Draft(mx.array(draft, dtype=mx.int32), Tree.chain(k))
 
 
-@pytest.mark.parametrize("model_type", list(FAMILIES))
-def test_speculation_with_partial_accepts_equals_greedy(model_type):
+# Recurrent layers only: what a pipeline rank holds when its block has no attention layer.
+RECURRENT_ONLY = {"num_hidden_layers": 2, "layer_types": ["linear_attention"] * 2}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides"),
+    [*((t, {}) for t in FAMILIES), ("qwen3_5_text", RECURRENT_ONLY)],
+)
+def test_speculation_with_partial_accepts_equals_greedy(model_type, overrides):
     """Greedy speculation equals plain greedy decoding token for token: an oracle drafter
     whose drafts are partly rejected, prompt lookup (a chain by default for these targets) and
-    a tiny Llama draft model that mostly disagrees (its chains queued on lazy counts)."""
-    model = tiny_hybrid(model_type)
+    a tiny Llama draft model that mostly disagrees (its chains queued on lazy counts); also
+    with no attention layer at all (a cache without keys)."""
+    model = tiny_hybrid(model_type, **overrides)
     prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
     reference = greedy_reference(model, prompt, 40)
 
@@ -342,3 +350,34 @@ def test_4bit_conversion_is_read_alike_by_mlx_lm(tmp_path, model_type):
     assert mx.allclose(theirs, ours, rtol=1e-4, atol=1e-4).item()
     quantized = dict(tree_flatten(load(dst)[0].parameters()))
     assert any("switch_mlp.gate_proj.scales" in k for k in quantized)
+
+
+def test_conversion_writes_the_fields_mlx_lm_requires(tmp_path):
+    """A Qwen3-Next config that leaves fields to transformers' defaults (the sparse step, the
+    dense layers, the rotary fraction) converts into a folder mlx-lm loads, with the logits of
+    the model converted; layer types that follow no interval are refused in one line."""
+    from mlx_lm.utils import load_model
+
+    def source(folder: Path, cfg: dict):
+        folder.mkdir()
+        model = build_model(cfg, random_weights(cfg, seed=2))
+        weights = dict(tree_flatten(model.parameters()))
+        mx.save_safetensors(str(folder / "model.safetensors"), weights)
+        (folder / "config.json").write_text(json.dumps(cfg))
+        save_tokenizer(folder, VOCAB)
+        return model
+
+    cfg = tiny_config("qwen3_next")
+    del cfg["partial_rotary_factor"]  # 0.25, the family's default
+    model = source(tmp_path / "src", cfg)
+    dst = convert(tmp_path / "src", tmp_path / "mlx")
+    written = json.loads((dst / "config.json").read_text())
+    assert written["mlp_only_layers"] == [1] and written["full_attention_interval"] == 4
+    ids = mx.array(tokens(12))
+    expected = model(ids).logits
+    assert mx.allclose(load(dst)[0](ids).logits, expected, rtol=1e-5, atol=1e-5).item()
+    assert mx.allclose(load_model(dst)[0](ids), expected, rtol=1e-4, atol=1e-4).item()
+    types = ["linear_attention", "full_attention", "full_attention", "linear_attention"]
+    source(tmp_path / "no-interval", {**cfg, "layer_types": types})
+    with pytest.raises(ValueError, match="layer_types follow no interval"):
+        convert(tmp_path / "no-interval", tmp_path / "refused")

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
+
+from .helpers import SHARED, require
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +60,7 @@ def test_page_names_machine_versions_command_and_prompts(report):
 
 
 def table(page: str) -> dict[str, list[str]]:
-    lines = page.split("## Table\n", 1)[1].splitlines()
+    lines = page.split("## Table\n", 1)[1].split("\n## ", 1)[0].splitlines()
     rows = [[c.strip() for c in line[1:-1].split("|")] for line in lines if line.startswith("| ")]
     assert rows[0] == ["model", "method", "prompt", "tokens/s", "tau", "vs plain", "note"]
     return {cells[1]: cells for cells in rows[1:]}
@@ -120,3 +124,128 @@ def test_a_saved_run_renders_the_same_page(report, tmp_path):
     assert report.load_saved(tmp_path / "results.json") == run
     with pytest.raises(SystemExit, match="without --render first"):
         report.load_saved(tmp_path / "missing.json")
+
+
+def made_up_families(report, load=(1.5, 1.2)):
+    shapes = {"qwen3_5 (tiny)": "hidden 64, 6 layers", "gpt_oss (tiny)": "hidden 64, experts"}
+    rows = (
+        report.Row("qwen3_5 (tiny)", "plain", "story", (60.0, 30.0, 90.0), (1.0,) * 3, None,
+                   (24, 24, 24)),
+        report.Row("qwen3_5 (tiny)", "mlx-lm plain", "story", (30.0, 30.0, 30.0), (1.0,) * 3,
+                   None, (24, 24, 24)),
+        report.Row("gpt_oss (tiny)", "plain", "story", (10.0, 12.0, 8.0), (1.0,) * 3, None,
+                   (24, 24, 24)),
+        report.Row("gpt_oss (tiny)", "mlx-lm plain", "story", (20.0, 12.0, 16.0), (1.0,) * 3,
+                   None, (24, 24, 24)),
+    )
+    return report.Report(**{
+        **vars(made_up(report)), "rows": rows, "described": shapes, "max_tokens": 24,
+        "load": load, "date": "2026-11-29",
+        "command": "python benchmarks/report.py --openblas --models families --runs 3",
+    })  # fmt: skip
+
+
+def family_table(page: str) -> dict[str, list[str]]:
+    section = page.split("## Families\n", 1)[1]
+    lines = section.split("\n## ", 1)[0].splitlines()
+    rows = [[c.strip() for c in line[1:-1].split("|")] for line in lines if line.startswith("| ")]
+    assert rows[0] == ["model", "shapes", "tokens a run", "ours (tokens/s)", "mlx-lm (tokens/s)",
+                       "ours / mlx-lm"]
+    return {cells[0]: cells for cells in rows[1:]}
+
+
+def test_families_section_gives_shapes_tokens_and_ratio_to_mlx_lm(report):
+    families = made_up_families(report)
+    page = report.render(made_up(report), None, families)
+    rows = family_table(page)
+    assert list(rows) == ["qwen3_5 (tiny)", "gpt_oss (tiny)"]
+    assert rows["qwen3_5 (tiny)"][1:] == [
+        "hidden 64, 6 layers", "24", "60.0 (30.0–90.0)", "30.0", "2.00x (1.00–3.00)",
+    ]
+    # Ratios round by round: 0.5, 1.0, 0.5.
+    assert rows["gpt_oss (tiny)"][5] == "0.50x (0.50–1.00)"
+    section = page.split("## Families\n", 1)[1]
+    for text in ("2026-11-29", "--models families", "exactly its 24 tokens (checked)",
+                 "decoding only", "start / end: 1.5 / 1.2", "abc1234"):
+        assert text in section, text
+    # The method sets' table stays as it was, the families section sits before the recorded
+    # measurements, and a busy families run is flagged in its own section.
+    assert table(page) == table(report.render(made_up(report)))
+    with_recorded = report.Report(**{**vars(made_up(report)), "recorded": report.recorded()[:1]})
+    page = report.render(with_recorded, None, families)
+    assert page.index("## Families") < page.index("## Earlier measurements")
+    busy = report.render(made_up(report), None, made_up_families(report, load=(1.0, 5.0)))
+    flagged = busy.split("## Families\n", 1)[1]
+    assert "load average (5.0) exceeded" in flagged and "tau" not in flagged
+    assert "## Families" not in report.render(made_up(report))
+
+
+def test_a_saved_families_run_renders_the_same(report, tmp_path):
+    run = made_up_families(report)
+    path = report.families_file(tmp_path / "results.md")
+    assert path.name == "results-families.json"
+    report.save(run, path)
+    assert report.load_families(path) == run
+    assert report.load_families(tmp_path / "missing.json") is None
+    # A run saved before token counts and shapes were recorded still loads.
+    old = tmp_path / "old.json"
+    report.save(made_up(report), old)
+    fields = json.loads(old.read_text())
+    del fields["described"]
+    for row in fields["rows"]:
+        del row["tokens"]
+    old.write_text(json.dumps(fields))
+    assert report.load_saved(old) == made_up(report)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--models", "stories,bogus"], "unknown model set 'bogus'"),
+        (["--max-tokens", "0"], "a positive number of tokens"),
+    ],
+)
+def test_bad_arguments_are_refused_in_one_line(report, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        report.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_exact_run_checks_every_token_count(report, monkeypatch):
+    """The families set ignores EOS and times decoding alone: every run emits its tokens (here
+    stories260K's, 6 of them), and a run that emitted fewer ends the benchmark in one line."""
+    folder = require(SHARED / "models" / "stories260K-llama", "../shared holds the models")
+    rows = report.measure("stories", folder, report.STORY, {}, 1, 6, exact=True)
+    assert [(r.method, r.tokens) for r in rows] == [("plain", (6,)), ("mlx-lm plain", (6,))]
+    assert all(r.tokens_per_s[0] > 0 for r in rows)
+    monkeypatch.setattr(report, "theirs", lambda *args: (1.0, 1.0, 0, 5))
+    with pytest.raises(SystemExit, match="stories, mlx-lm plain: 5 tokens in round 0"):
+        report.measure("stories", folder, report.STORY, {}, 1, 6, exact=True)
+
+
+def test_family_folders_load_alike_in_both(report, tmp_path):
+    """The families set's premise: each tiny folder the converter writes loads here and in
+    mlx-lm with the same logits, and its tokenizer has no EOS."""
+    import mlx_lm
+
+    from mlx_speculate import load
+
+    require(SHARED / "models" / "stories260K-llama", "its tokenizer comes from ../shared")
+    import family_models  # beside report.py, whose import put benchmarks/ on the path
+
+    seen = set()
+    for label, folder, shapes in family_models.family_cases(("tiny",), tmp_path):
+        seen.add(label.split()[0])
+        ours, tokenizer = load(folder)
+        theirs, their_tokenizer = mlx_lm.load(str(folder))
+        assert not tokenizer.eos_token_ids and not their_tokenizer.eos_token_ids, label
+        ids = mx.array([tokenizer.encode(report.STORY.text)])
+        expected = theirs(ids)
+        scale = max(mx.abs(expected).max().item(), 1.0)
+        assert mx.abs(ours(ids).logits - expected).max().item() < 1e-4 * scale, label
+        assert shapes.startswith("hidden 64, 6 layers"), shapes
+    assert seen == set(family_models.FAMILIES)
+    for family in family_models.FAMILIES:  # the larger configs are well formed too
+        shapes = family_models.describe(family_models.family_config(family, "SmolLM2-sized"))
+        assert shapes.startswith("hidden 576, 30 layers") and "49,152" in shapes, shapes

@@ -433,7 +433,8 @@ class TextModel(DecoderStack):
             if source is not None and source not in kept:
                 raise ValueError(
                     f"cannot split this Gemma 4 here: layer {i} reads layer {source}'s keys, "
-                    "which another rank holds (KV sharing)"
+                    f"which another rank holds (KV sharing): use fewer ranks, so that one "
+                    f"holds layers {source} to {i}, or run it on one machine"
                 )
         super().keep(stage, block)
 

@@ -17,7 +17,7 @@ chain of verified rows but not a tree, so a tree mask is refused in one line.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -234,6 +234,54 @@ class Model(CausalLM):
         args = self.args
         like = mx.zeros((1, args.num_key_value_heads, 0, args.head_dim), self.compute_dtype)
         return HybridCache(linear, state_shape(args), args.model_type, like=like)
+
+    def mlx_lm_layout(
+        self, config: dict[str, Any], weights: dict[str, mx.array]
+    ) -> tuple[dict[str, Any], dict[str, mx.array]]:
+        """mlx-lm's qwen3_next requires the expert and DeltaNet fields transformers leaves to
+        defaults (its qwen3_5 defaults them otherwise), places attention by
+        `full_attention_interval` alone (no `layer_types`: the interval is taken from them) and
+        reads the rotary fraction at the top level: written out, the fraction in both forms, as
+        this model computes it."""
+        args = self.args
+        linear = [args.linear(i) for i in range(args.num_hidden_layers)]
+        every = linear.index(False) + 1 if False in linear else len(linear) + 1
+        if linear != [(i + 1) % every != 0 for i in range(len(linear))]:
+            raise ValueError(
+                f"mlx-lm's {args.model_type} places attention every full_attention_interval-th "
+                "layer; this model's layer_types follow no interval"
+            )
+        sparse = [args.sparse(i) for i in range(args.num_hidden_layers)]
+        rotary = args.rope_config()["partial_rotary_factor"]
+        rope = {**(config.get("rope_parameters") or {}), "partial_rotary_factor": rotary}
+        fields = {
+            name: getattr(args, name)
+            for name in (
+                "linear_num_value_heads",
+                "linear_num_key_heads",
+                "linear_key_head_dim",
+                "linear_value_head_dim",
+                "linear_conv_kernel_dim",
+                "num_experts_per_tok",
+                "shared_expert_intermediate_size",
+                "moe_intermediate_size",
+                "norm_topk_prob",
+                "rms_norm_eps",
+                "num_key_value_heads",
+                "max_position_embeddings",
+                "head_dim",
+                "tie_word_embeddings",
+            )
+        }
+        fields |= {
+            "full_attention_interval": every,
+            "num_experts": args.num_experts if any(sparse) else 0,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i, s in enumerate(sparse) if not s],
+            "partial_rotary_factor": rotary,
+            "rope_parameters": rope,
+        }
+        return {**config, **fields}, weights
 
     def rename(self, name: str) -> str | None:
         if name.startswith("mtp."):

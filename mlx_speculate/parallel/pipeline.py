@@ -12,7 +12,11 @@ graph holding two forwards a rank could wait on the second one's receive while i
 on the first one's collective. Here every collective's input follows the previous one, and the
 rank's KV cache follows the forward's last one, so every rank runs them in one order and
 evaluating the cache (what prefill does) runs them all. The ranks compute one after another:
-a split saves memory per rank, not time. Each rank's KV cache holds its own layers only.
+a split saves memory per rank, not time. Each rank's cache holds its own layers only: a
+hybrid's recurrent state too (state_cache.py), which each rank keeps per row and rolls back for
+the layers it runs, every rank truncating to the same accepted length; a block may hold no
+attention layer. A family whose layers read other layers' keys (Gemma 4's KV sharing) refuses,
+in one line, a split between a layer and its source (models/gemma4.py).
 """
 
 from __future__ import annotations
