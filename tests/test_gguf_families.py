@@ -52,7 +52,8 @@ FAMILIES = {
     # GGUF architecture: its transformers config (tiny); Qwen3 MoE checkpoints renormalize.
     "qwen3moe": tiny_config("qwen3_moe", norm_topk_prob=True, moe_intermediate_size=32),
     "gpt-oss": tiny_config("gpt_oss"),
-    "qwen3next": tiny_config("qwen3_next", **HYBRID, **EXPERTS),
+    # llama.cpp's qwen3next has no dense layers
+    "qwen3next": tiny_config("qwen3_next", **HYBRID, **EXPERTS, mlp_only_layers=[]),
     "qwen35": tiny_config("qwen3_5_text", **HYBRID),
     "qwen35moe": tiny_config("qwen3_5_moe_text", **HYBRID, **EXPERTS),
 }
