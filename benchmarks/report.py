@@ -13,8 +13,10 @@ adaptive policy, and is dropped); decoding is greedy, so every method emits the 
 plain decoding. A speculative row whose adaptive policy drafted nothing says so. mlx-lm
 computes in our dtype (by default it keeps the checkpoint's float16 scales, which MLX's CPU
 backend computes far slower). The chart needs matplotlib: `pip install mlx_speculate[bench]`.
-The measured values go to results.json beside the page, and the page ends with the earlier
-measurements recorded in benchmarks/measurements.json (each with its device, date and command).
+The measured values go to results.json beside the page. The page then shows the newest
+concurrent-serving run (benchmarks/bench_serving.py's benchmarks/results/serving-*.json, with
+its own device, date and command) and ends with the earlier measurements recorded in
+benchmarks/measurements.json (each with its device, date and command).
 Converted models go under $MLX_SPECULATE_BENCH_DIR, else $MLX_SPECULATE_CACHE, else
 ~/.cache/mlx_speculate.
 """
@@ -26,23 +28,29 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib.metadata import version
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CACHE, SHARED, add_blas_argument, header, setup_blas  # noqa: E402
+from common import (  # noqa: E402
+    SHARED,
+    add_blas_argument,
+    describe_machine,
+    describe_versions,
+    header,
+    setup_blas,
+    smollm2_f32,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASUREMENTS = Path(__file__).resolve().parent / "measurements.json"
+RESULTS = Path(__file__).resolve().parent / "results"  # bench_serving.py's runs, among others
 MIN_RUNS = 3  # a median and its spread need at least three timed rounds
 
 
@@ -89,6 +97,33 @@ class Measurement:
 
 
 @dataclass(frozen=True)
+class ServingRow:
+    """One server at one client count: medians over rounds."""
+
+    server: str
+    clients: int
+    tokens_per_s: float  # aggregate: every client's completion tokens over the wall time
+    ttft_p50_ms: float
+    ttft_p95_ms: float
+
+
+@dataclass(frozen=True)
+class Serving:
+    """A run of benchmarks/bench_serving.py (its JSON file), as the page shows it."""
+
+    date: str
+    command: str
+    device: str  # in words: CPU or GPU, cores, BLAS
+    load: tuple[float, float]  # 1-minute load average when the run started and ended
+    cores: int
+    model: str
+    method: str  # our server's method per request
+    max_tokens: int
+    rounds: int
+    rows: tuple[ServingRow, ...]
+
+
+@dataclass(frozen=True)
 class Report:
     date: str
     command: str
@@ -100,6 +135,7 @@ class Report:
     max_tokens: int
     rows: tuple[Row, ...]
     recorded: tuple[Measurement, ...] = ()  # not saved with the run: read at each rendering
+    serving: Serving | None = None  # likewise: the newest serving run in benchmarks/results
 
 
 def recorded(path: Path = MEASUREMENTS) -> tuple[Measurement, ...]:
@@ -112,9 +148,40 @@ def recorded(path: Path = MEASUREMENTS) -> tuple[Measurement, ...]:
     )
 
 
+def newest_serving(folder: Path = RESULTS) -> Serving | None:
+    """The serving run in `folder` (serving-*.json) with the latest date, None when there is
+    none; a file that is not such a run is a one-line SystemExit."""
+    runs = []
+    for path in sorted(folder.glob("serving-*.json")):
+        try:
+            data = json.loads(path.read_text())
+            machine = data["machine"]
+            runs.append(Serving(
+                date=data["date"],
+                command=data["command"],
+                device=f"{machine['CPU']} ({machine['MLX device']}), BLAS: {machine['BLAS']}",
+                load=tuple(data["load"]),
+                cores=data["cores"],
+                model=data["model"],
+                method=data["method"],
+                max_tokens=data["max_tokens"],
+                rounds=data["rounds"],
+                rows=tuple(
+                    ServingRow(r["server"], r["clients"], r["tokens_per_s"], r["ttft_p50_ms"],
+                               r["ttft_p95_ms"])
+                    for r in data["rows"]
+                ),
+            ))
+        except (ValueError, KeyError, TypeError) as e:
+            raise SystemExit(
+                f"{path} is not a bench_serving.py run: {type(e).__name__}: {e}"
+            ) from None
+    return max(runs, key=lambda run: run.date, default=None)
+
+
 def save(report: Report, path: Path) -> None:
-    run = dataclasses.asdict(dataclasses.replace(report, recorded=()))
-    del run["recorded"]
+    run = dataclasses.asdict(dataclasses.replace(report, recorded=(), serving=None))
+    del run["recorded"], run["serving"]
     _install(path, lambda staged: staged.write_text(json.dumps(run, indent=1) + "\n"))
 
 
@@ -135,16 +202,6 @@ def _row(fields: dict) -> Row:
         **{**fields, "tokens_per_s": tuple(fields["tokens_per_s"]), "tau": tuple(fields["tau"]),
            "drafted": None if drafted is None else tuple(drafted)}
     )
-
-
-def smollm2_f32() -> Path:
-    from mlx_speculate.convert import convert
-    from mlx_speculate.default_model import smollm2_gguf
-
-    folder = CACHE / "smollm2-f32-mlx"
-    if not folder.exists():
-        convert(smollm2_gguf(), folder, dtype="float32")
-    return folder
 
 
 def cases(names: list[str]):
@@ -327,6 +384,8 @@ def render(report: Report, chart: str | None = None) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if chart is not None:
         lines += ["", f"![tokens/s relative to plain decoding, median and range]({chart})"]
+    if report.serving is not None:
+        lines += ["", *serving_section(report.serving)]
     if report.recorded:
         lines += [
             "",
@@ -345,6 +404,45 @@ def render(report: Report, chart: str | None = None) -> str:
         lines += ["", "Commands:", ""]
         lines += [f"{n}. `{m.command}`" for n, m in enumerate(report.recorded, 1)]
     return "\n".join(lines) + "\n"
+
+
+def serving_section(run: Serving) -> list[str]:
+    """The Serving section: per client count, each server's aggregate tokens/s, then each
+    server's time to first token p50 / p95, servers in the run's order."""
+    servers = list(dict.fromkeys(row.server for row in run.rows))
+    by = {(row.server, row.clients): row for row in run.rows}
+    rounds = "1 round" if run.rounds == 1 else f"medians over {run.rounds} rounds"
+    lines = [
+        "## Serving",
+        "",
+        "Several clients at once, each sending one streamed greedy chat completion of "
+        f"{run.max_tokens} tokens (its own prompt) through the `openai` client: aggregate "
+        "tokens/s (every client's completion tokens over the wall time from the first request "
+        "to the last stream's end) and time to first token (p50 / p95 over the clients), "
+        f"{rounds}, the servers taking turns within each round. mlx_speculate.server runs "
+        f"method `{run.method}`; mlx_lm.server batches plain decoding. Model: {run.model}, "
+        "the same folder for both.",
+        "",
+        f"Measured on {run.date}, {run.device}, {run.cores} cores, load average (1 min) at start "
+        f"/ end: {run.load[0]:.1f} / {run.load[1]:.1f}"
+        + (" (busy: more than its cores)" if max(run.load) > run.cores else "") + ":",
+        "",
+        "```",
+        run.command,
+        "```",
+        "",
+        "| clients | " + " | ".join(f"{s} tokens/s" for s in servers) + " | "
+        + " | ".join(f"{s} TTFT p50 / p95 ms" for s in servers) + " |",
+        "|---" * (1 + 2 * len(servers)) + "|",
+    ]
+    for clients in sorted({row.clients for row in run.rows}):
+        mine = [by.get((s, clients)) for s in servers]
+        cells = [str(clients)]
+        cells += ["–" if r is None else f"{r.tokens_per_s:,.1f}" for r in mine]
+        cells += ["–" if r is None else f"{r.ttft_p50_ms:,.0f} / {r.ttft_p95_ms:,.0f}"
+                  for r in mine]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _busy(report: Report) -> list[str]:
@@ -393,52 +491,6 @@ def draw(report: Report, path: Path) -> None:
     _install(path, lambda staged: fig.savefig(staged, dpi=120))
 
 
-def describe_machine(blas: str) -> dict[str, str]:
-    import mlx.core as mx
-
-    return {
-        "CPU": _cpu_model(),
-        "OS": platform.platform(),
-        "MLX device": str(mx.default_device()),
-        "BLAS": blas,
-    }
-
-
-def _cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    if platform.system() == "Darwin":
-        return _output(["sysctl", "-n", "machdep.cpu.brand_string"]) or platform.machine()
-    return platform.processor() or platform.machine()
-
-
-def describe_versions() -> dict[str, str]:
-    import mlx.core as mx
-
-    commit = _output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]) or "unknown"
-    changed = _output(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no",
-                       "--", "mlx_speculate", "benchmarks"])
-    if changed:
-        commit += " (with uncommitted changes to the package or benchmarks)"
-    return {
-        "mlx": mx.__version__,
-        "mlx-lm": version("mlx-lm"),
-        "Python": platform.python_version(),
-        "mlx_speculate commit": commit,
-    }
-
-
-def _output(command: list[str]) -> str:
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return result.stdout.strip() if result.returncode == 0 else ""
-
-
 def _install(path: Path, write) -> None:
     """Writes `path` through `write(staged)` in one rename: a re-run never leaves half a file."""
     from mlx_speculate.atomic import install_file, staging_folder
@@ -469,7 +521,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     saved = args.out.with_suffix(".json")
     if args.render:
-        publish(dataclasses.replace(load_saved(saved), recorded=recorded()), args.out)
+        run = load_saved(saved)
+        publish(dataclasses.replace(run, recorded=recorded(), serving=newest_serving()), args.out)
         return
     command = shlex.join(["python", "benchmarks/report.py", *sys.argv[1:]])
     preload = {k: os.environ[k] for k in ("LD_PRELOAD", "OPENBLAS_NUM_THREADS") if k in os.environ}
@@ -496,7 +549,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         rows=tuple(rows),
     )
     save(report, saved)
-    publish(dataclasses.replace(report, recorded=recorded()), args.out)
+    publish(dataclasses.replace(report, recorded=recorded(), serving=newest_serving()), args.out)
 
 
 def publish(report: Report, out: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -120,3 +121,66 @@ def test_a_saved_run_renders_the_same_page(report, tmp_path):
     assert report.load_saved(tmp_path / "results.json") == run
     with pytest.raises(SystemExit, match="without --render first"):
         report.load_saved(tmp_path / "missing.json")
+
+
+def serving_run(date: str, load=(1.0, 1.5)) -> dict:
+    """A run in the shape benchmarks/bench_serving.py writes (its per-round lists included)."""
+    rows = []
+    for server, scale in (("mlx_speculate", 1.0), ("mlx-lm", 2.0)):
+        for clients in (1, 4):
+            row = {"server": server, "clients": clients, "tokens_per_s": 10.0 * clients * scale,
+                   "ttft_p50_ms": 100.0 * clients, "ttft_p95_ms": 150.0 * clients + 0.4}
+            rows.append({**row, "rounds": [row]})
+    return {
+        "benchmark": "serving", "date": date, "device": "cpu",
+        "command": "python benchmarks/bench_serving.py --openblas --quick",
+        "machine": {"CPU": "AMD EPYC", "OS": "Linux-6", "MLX device": "Device(cpu, 0)",
+                    "BLAS": "OpenBLAS (x) in every server"},
+        "cores": 2, "load": list(load), "versions": {"mlx": "0.32.4"},
+        "model": "smollm2-f32-mlx", "max_tokens": 24, "rounds": 3, "method": "none",
+        "servers": {"mlx_speculate": "python -m mlx_speculate.server", "mlx-lm": "mlx_lm"},
+        "rows": rows,
+    }
+
+
+def test_serving_section_gives_each_client_count(report, tmp_path):
+    (tmp_path / "serving-2026-11-28-cpu.json").write_text(json.dumps(serving_run("2026-11-28")))
+    run = report.newest_serving(tmp_path)
+    page = report.render(report.Report(**{**vars(made_up(report)), "serving": run}))
+    section = page.split("## Serving\n", 1)[1]
+    for text in ("2026-11-28", "AMD EPYC (Device(cpu, 0)), BLAS: OpenBLAS (x) in every server",
+                 "2 cores", "start / end: 1.0 / 1.5", "smollm2-f32-mlx", "method `none`",
+                 "of 24 tokens", "medians over 3 rounds",
+                 "python benchmarks/bench_serving.py --openblas --quick"):
+        assert text in section, text
+    assert "busy" not in section
+    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    assert lines[0] == ("| clients | mlx_speculate tokens/s | mlx-lm tokens/s | mlx_speculate "
+                        "TTFT p50 / p95 ms | mlx-lm TTFT p50 / p95 ms |")
+    assert lines[1:] == ["| 1 | 10.0 | 20.0 | 100 / 150 | 100 / 150 |",
+                         "| 4 | 40.0 | 80.0 | 400 / 600 | 400 / 600 |"]
+    # It comes before the earlier measurements, and only when there is a run.
+    entries = report.recorded()
+    both = report.render(report.Report(**{**vars(made_up(report)), "serving": run,
+                                          "recorded": entries[:1]}))
+    assert both.index("## Serving") < both.index("## Earlier measurements")
+    assert "## Serving" not in report.render(made_up(report))
+
+
+def test_the_newest_serving_run_is_rendered(report, tmp_path):
+    assert report.newest_serving(tmp_path) is None
+    for date, load in (("2026-11-27", (1.0, 1.0)), ("2026-11-29", (2.5, 3.0)),
+                       ("2026-11-28", (1.0, 1.0))):
+        (tmp_path / f"serving-{date}-cpu.json").write_text(json.dumps(serving_run(date, load)))
+    (tmp_path / "gpu-2026-11-30-h100.json").write_text("{}")  # another benchmark's file
+    run = report.newest_serving(tmp_path)
+    assert run.date == "2026-11-29" and run.load == (2.5, 3.0)
+    assert "(busy: more than its cores)" in "\n".join(report.serving_section(run))
+    # The saved run of the stories table does not carry it: it is read at each rendering.
+    full = report.Report(**{**vars(made_up(report)), "serving": run})
+    report.save(full, tmp_path / "results.json")
+    assert report.load_saved(tmp_path / "results.json") == made_up(report)
+    (tmp_path / "serving-2026-12-01-cpu.json").write_text(json.dumps({"date": "2026-12-01"}))
+    with pytest.raises(SystemExit, match="serving-2026-12-01-cpu.json is not a bench_serving.py "
+                                         "run: KeyError"):
+        report.newest_serving(tmp_path)
