@@ -70,9 +70,20 @@ def ours(model: Path, *flags: str) -> list[str]:
     return [sys.executable, "-m", "mlx_speculate.server", "--model", str(model), *flags]
 
 
+# mlx_lm.server listens through socketserver, whose listen backlog of 5 resets the connections
+# of a burst of more clients than that before its accept loop drains them; this launch raises
+# the backlog, so that a burst measures its batching rather than the resets.
+BACKLOG = 128
+THEIR_LAUNCH = (
+    f"import socketserver; socketserver.TCPServer.request_queue_size = {BACKLOG}; "
+    "from mlx_lm.server import main; main()"
+)
+
+
 def theirs(model: Path, *flags: str) -> list[str]:
-    """The command line of mlx-lm's server on `model` (it batches plain decoding)."""
-    return [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), *flags]
+    """The command line of mlx-lm's server on `model` (it batches plain decoding), its listen
+    backlog raised to BACKLOG."""
+    return [sys.executable, "-c", THEIR_LAUNCH, "--model", str(model), *flags]
 
 
 def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -242,7 +253,8 @@ def send(
     try:
         return asyncio.run(run(server, conversations, max_tokens, extra_body))
     except openai.APIError as e:
-        raise SystemExit(f"{server.name}: {type(e).__name__}: {e}") from None
+        log = server.tail(600).strip() or "(empty)"
+        raise SystemExit(f"{server.name}: {type(e).__name__}: {e}; its log ends: {log}") from None
 
 
 def check_lengths(server: Server, replies: Sequence[Reply], max_tokens: int, what: str) -> None:
