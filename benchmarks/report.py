@@ -420,10 +420,11 @@ def serving_section(run: Serving) -> list[str]:
         "tokens/s (every client's completion tokens over the wall time from the first request "
         "to the last stream's end) and time to first token (p50 / p95 over the clients), "
         f"{rounds}, the servers taking turns within each round. mlx_speculate.server runs "
-        f"method `{run.method}`; mlx_lm.server batches plain decoding. Model: {run.model}, "
-        "the same folder for both.",
+        f"method `{run.method}`; mlx_lm.server (its listen backlog raised from socketserver's 5, "
+        "which resets a burst of connections) batches plain decoding. Model: "
+        f"{run.model}, the same folder for both.",
         "",
-        f"Measured on {run.date}, {run.device}, {run.cores} cores, load average (1 min) at start "
+        f"Measured on {run.date} on {run.device}, {run.cores} cores, load average (1 min) at start "
         f"/ end: {run.load[0]:.1f} / {run.load[1]:.1f}"
         + (" (busy: more than its cores)" if max(run.load) > run.cores else "") + ":",
         "",
