@@ -2,7 +2,8 @@
 streamed greedy chat requests sent to them through the `openai` client, one or many at once.
 
 A server's stderr goes to a temporary file (a pipe nobody reads fills up and stalls a server
-that logs every request); its tail is shown when the server exits early. The servers import
+that logs every request); its tail is shown when the server fails to start or a request
+fails. The servers import
 this checkout's package (its root leads PYTHONPATH), so a run measures the code beside it.
 """
 
@@ -132,8 +133,9 @@ class Server:
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
+                tail = self.tail()
                 self.stop()
-                raise SystemExit(f"{name} did not answer within {START_TIMEOUT} s: {self.tail()}")
+                raise SystemExit(f"{name} did not answer within {START_TIMEOUT} s: {tail}")
             time.sleep(0.2)
 
     def tail(self, size: int = 2000) -> str:
