@@ -22,13 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -36,6 +31,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import CACHE, SHARED, add_blas_argument, median  # noqa: E402
+from servers import Server, ours, server_env, started, theirs  # noqa: E402
 
 from mlx_speculate.default_model import gguf_path  # noqa: E402
 
@@ -53,59 +49,6 @@ CHAT_TURNS = [
     "And this: The fox went home and slept untill the morning sun woke it up again.",
     "Last one: The owl flew over the forrest and saw the fox sleeping under a tree.",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A server subprocess on 127.0.0.1, ready once GET /v1/models answers."""
-
-    def __init__(self, name: str, command: list[str], model: str, env: dict[str, str]):
-        self.name = name
-        self.model = model  # the id requests name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        command = [*command, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.process = subprocess.Popen(
-            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
-        deadline = time.monotonic() + 600
-        while True:
-            if self.process.poll() is not None:
-                raise SystemExit(f"{name} exited: {self.process.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{name} did not start")
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-
-
-@contextmanager
-def started(env: dict[str, str], **commands: tuple[list[str], str]) -> Iterator[dict[str, Server]]:
-    """The servers `commands` name ((command, model id) each), stopped on the way out, also
-    when a later one fails to start."""
-    servers: dict[str, Server] = {}
-    try:
-        for name, (command, model) in commands.items():
-            servers[name] = Server(name, command, model, env)
-        yield servers
-    finally:
-        for server in servers.values():
-            server.stop()
 
 
 def request(server: Server, body: dict, chat: bool) -> dict:
@@ -223,14 +166,6 @@ def run_setup(
             print(f"answers equal to {names[0]}'s: {name}: {same}/{len(texts[name])}")
 
 
-def ours(model: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "mlx_speculate.server", "--model", str(model), *flags]
-
-
-def theirs(model: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "mlx_lm", "server", "--model", str(model), *flags]
-
-
 def bench_stories(env: dict[str, str], runs: int, max_tokens: int) -> None:
     target = SHARED / "models" / "stories260K-llama"
     draft = SHARED / "models" / "llama2xs281K-llama"
@@ -308,7 +243,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     add_blas_argument(parser)
     args = parser.parse_args(argv)
-    env = dict(os.environ)
+    env = server_env()
     blas = "MLX wheel default"
     if args.openblas:
         env["LD_PRELOAD"] = args.openblas

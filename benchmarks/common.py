@@ -14,16 +14,20 @@ import argparse
 import ctypes
 import json
 import os
+import platform
 import shutil
 import statistics
+import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 from mlx_speculate import blas
 from mlx_speculate.default_model import cache_dir
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
 CACHE = Path(os.environ.get("MLX_SPECULATE_BENCH_DIR") or cache_dir()).expanduser()
 
 # Qwen2.5-0.5B's shapes (random weights: speed only, text is noise).
@@ -86,6 +90,18 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def smollm2_f32() -> Path:
+    """SmolLM2-135M-Instruct in float32 as an MLX folder (mlx-lm loads it too), converted
+    once from the package's default GGUF (fetched on first use)."""
+    from mlx_speculate.convert import convert
+    from mlx_speculate.default_model import smollm2_gguf
+
+    folder = CACHE / "smollm2-f32-mlx"
+    if not folder.exists():
+        convert(smollm2_gguf(), folder, dtype="float32")
+    return folder
+
+
 def random_model(config: dict, dtype=None, seed: int = 0):
     """A model of `config`'s shapes with N(0, 0.02) weights in `dtype` (float32), in memory."""
     import mlx.core as mx
@@ -129,3 +145,52 @@ def write_qwen2_tokenizer(folder: Path) -> None:
     if not gguf.exists():
         raise SystemExit(f"{gguf} not found: the Qwen2 tokenizer comes from ../shared")
     write_gguf_tokenizer(gguf, folder)
+
+
+def describe_machine(blas: str) -> dict[str, str]:
+    """The machine a run measured, label -> value in display order."""
+    import mlx.core as mx
+
+    return {
+        "CPU": _cpu_model(),
+        "OS": platform.platform(),
+        "MLX device": str(mx.default_device()),
+        "BLAS": blas,
+    }
+
+
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    if platform.system() == "Darwin":
+        return _output(["sysctl", "-n", "machdep.cpu.brand_string"]) or platform.machine()
+    return platform.processor() or platform.machine()
+
+
+def describe_versions() -> dict[str, str]:
+    """mlx, mlx-lm, Python and this checkout's commit (flagged when the package or the
+    benchmarks have uncommitted changes)."""
+    import mlx.core as mx
+
+    commit = _output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]) or "unknown"
+    changed = _output(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no",
+                       "--", "mlx_speculate", "benchmarks"])
+    if changed:
+        commit += " (with uncommitted changes to the package or benchmarks)"
+    return {
+        "mlx": mx.__version__,
+        "mlx-lm": version("mlx-lm"),
+        "Python": platform.python_version(),
+        "mlx_speculate commit": commit,
+    }
+
+
+def _output(command: list[str]) -> str:
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return result.stdout.strip() if result.returncode == 0 else ""

@@ -14,8 +14,11 @@ adaptive policy, and is dropped); decoding is greedy, so every method emits the 
 plain decoding. A speculative row whose adaptive policy drafted nothing says so. mlx-lm
 computes in our dtype (by default it keeps the checkpoint's float16 scales, which MLX's CPU
 backend computes far slower). The chart needs matplotlib: `pip install mlx_speculate[bench]`.
-The measured values go to results.json beside the page, and the page ends with the earlier
-measurements recorded in benchmarks/measurements.json (each with its device, date and command).
+The measured values go to results.json beside the page. The page then shows the families
+section (below), the newest concurrent-serving run (benchmarks/bench_serving.py's
+benchmarks/results/serving-*.json, with its own device, date and command) and ends with the
+earlier measurements recorded in benchmarks/measurements.json (each with its device, date and
+command).
 
 The `families` set (benchmarks/family_models.py: Qwen3.5, Qwen3.5-MoE, Qwen3-Next, Qwen3-MoE,
 gpt-oss, Gemma 4 text, each tiny and SmolLM2-sized, random float32 weights) times plain decoding
@@ -32,23 +35,29 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from importlib.metadata import version
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CACHE, SHARED, add_blas_argument, header, setup_blas  # noqa: E402
+from common import (  # noqa: E402
+    SHARED,
+    add_blas_argument,
+    describe_machine,
+    describe_versions,
+    header,
+    setup_blas,
+    smollm2_f32,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASUREMENTS = Path(__file__).resolve().parent / "measurements.json"
+RESULTS = Path(__file__).resolve().parent / "results"  # bench_serving.py's runs, among others
 MIN_RUNS = 3  # a median and its spread need at least three timed rounds
 MODEL_SETS = ("stories", "smollm2-f32", "smollm2-4bit", "families")
 METHOD_TOKENS = 96
@@ -99,6 +108,33 @@ class Measurement:
 
 
 @dataclass(frozen=True)
+class ServingRow:
+    """One server at one client count: medians over rounds."""
+
+    server: str
+    clients: int
+    tokens_per_s: float  # aggregate: every client's completion tokens over the wall time
+    ttft_p50_ms: float
+    ttft_p95_ms: float
+
+
+@dataclass(frozen=True)
+class Serving:
+    """A run of benchmarks/bench_serving.py (its JSON file), as the page shows it."""
+
+    date: str
+    command: str
+    device: str  # in words: CPU or GPU, cores, BLAS
+    load: tuple[float, float]  # 1-minute load average when the run started and ended
+    cores: int
+    model: str
+    method: str  # our server's method per request
+    max_tokens: int
+    rounds: int
+    rows: tuple[ServingRow, ...]
+
+
+@dataclass(frozen=True)
 class Report:
     date: str
     command: str
@@ -111,6 +147,7 @@ class Report:
     rows: tuple[Row, ...]
     recorded: tuple[Measurement, ...] = ()  # not saved with the run: read at each rendering
     described: dict[str, str] = field(default_factory=dict)  # model label -> its shapes
+    serving: Serving | None = None  # likewise: the newest serving run in benchmarks/results
 
 
 def recorded(path: Path = MEASUREMENTS) -> tuple[Measurement, ...]:
@@ -123,9 +160,40 @@ def recorded(path: Path = MEASUREMENTS) -> tuple[Measurement, ...]:
     )
 
 
+def newest_serving(folder: Path = RESULTS) -> Serving | None:
+    """The serving run in `folder` (serving-*.json) with the latest date, None when there is
+    none; a file that is not such a run is a one-line SystemExit."""
+    runs = []
+    for path in sorted(folder.glob("serving-*.json")):
+        try:
+            data = json.loads(path.read_text())
+            machine = data["machine"]
+            runs.append(Serving(
+                date=data["date"],
+                command=data["command"],
+                device=f"{machine['CPU']} ({machine['MLX device']}), BLAS: {machine['BLAS']}",
+                load=tuple(data["load"]),
+                cores=data["cores"],
+                model=data["model"],
+                method=data["method"],
+                max_tokens=data["max_tokens"],
+                rounds=data["rounds"],
+                rows=tuple(
+                    ServingRow(r["server"], r["clients"], r["tokens_per_s"], r["ttft_p50_ms"],
+                               r["ttft_p95_ms"])
+                    for r in data["rows"]
+                ),
+            ))
+        except (ValueError, KeyError, TypeError) as e:
+            raise SystemExit(
+                f"{path} is not a bench_serving.py run: {type(e).__name__}: {e}"
+            ) from None
+    return max(runs, key=lambda run: run.date, default=None)
+
+
 def save(report: Report, path: Path) -> None:
-    run = dataclasses.asdict(dataclasses.replace(report, recorded=()))
-    del run["recorded"]
+    run = dataclasses.asdict(dataclasses.replace(report, recorded=(), serving=None))
+    del run["recorded"], run["serving"]
     _install(path, lambda staged: staged.write_text(json.dumps(run, indent=1) + "\n"))
 
 
@@ -147,16 +215,6 @@ def _row(fields: dict) -> Row:
            "drafted": None if drafted is None else tuple(drafted),
            "tokens": None if tokens is None else tuple(tokens)}
     )
-
-
-def smollm2_f32() -> Path:
-    from mlx_speculate.convert import convert
-    from mlx_speculate.default_model import smollm2_gguf
-
-    folder = CACHE / "smollm2-f32-mlx"
-    if not folder.exists():
-        convert(smollm2_gguf(), folder, dtype="float32")
-    return folder
 
 
 def cases(names: list[str]):
@@ -362,6 +420,8 @@ def render(report: Report, chart: str | None = None, families: Report | None = N
         lines += ["", f"![tokens/s relative to plain decoding, median and range]({chart})"]
     if families is not None:
         lines += ["", *family_section(families)]
+    if report.serving is not None:
+        lines += ["", *serving_section(report.serving)]
     if report.recorded:
         lines += [
             "",
@@ -436,6 +496,46 @@ def family_section(report: Report) -> list[str]:
     return lines
 
 
+def serving_section(run: Serving) -> list[str]:
+    """The Serving section: per client count, each server's aggregate tokens/s, then each
+    server's time to first token p50 / p95, servers in the run's order."""
+    servers = list(dict.fromkeys(row.server for row in run.rows))
+    by = {(row.server, row.clients): row for row in run.rows}
+    rounds = "1 round" if run.rounds == 1 else f"medians over {run.rounds} rounds"
+    lines = [
+        "## Serving",
+        "",
+        "Several clients at once, each sending one streamed greedy chat completion of "
+        f"{run.max_tokens} tokens (its own prompt) through the `openai` client: aggregate "
+        "tokens/s (every client's completion tokens over the wall time from the first request "
+        "to the last stream's end) and time to first token (p50 / p95 over the clients), "
+        f"{rounds}, the servers taking turns within each round. mlx_speculate.server runs "
+        f"method `{run.method}`; mlx_lm.server (its listen backlog raised from socketserver's 5, "
+        "which resets a burst of connections) batches plain decoding. Model: "
+        f"{run.model}, the same folder for both.",
+        "",
+        f"Measured on {run.date} on {run.device}, {run.cores} cores, load average (1 min) at start "
+        f"/ end: {run.load[0]:.1f} / {run.load[1]:.1f}"
+        + (" (busy: more than its cores)" if max(run.load) > run.cores else "") + ":",
+        "",
+        "```",
+        run.command,
+        "```",
+        "",
+        "| clients | " + " | ".join(f"{s} tokens/s" for s in servers) + " | "
+        + " | ".join(f"{s} TTFT p50 / p95 ms" for s in servers) + " |",
+        "|---" * (1 + 2 * len(servers)) + "|",
+    ]
+    for clients in sorted({row.clients for row in run.rows}):
+        mine = [by.get((s, clients)) for s in servers]
+        cells = [str(clients)]
+        cells += ["–" if r is None else f"{r.tokens_per_s:,.1f}" for r in mine]
+        cells += ["–" if r is None else f"{r.ttft_p50_ms:,.0f} / {r.ttft_p95_ms:,.0f}"
+                  for r in mine]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def _busy(report: Report, tau: bool = True) -> list[str]:
     """A warning, when other processes wanted more cores than the machine has (`tau`: the
     table has a tau column, which the load does not move)."""
@@ -481,52 +581,6 @@ def draw(report: Report, path: Path) -> None:
                  f"{max(report.load):.1f}, {report.date}", fontsize=9)
     fig.tight_layout()
     _install(path, lambda staged: fig.savefig(staged, dpi=120))
-
-
-def describe_machine(blas: str) -> dict[str, str]:
-    import mlx.core as mx
-
-    return {
-        "CPU": _cpu_model(),
-        "OS": platform.platform(),
-        "MLX device": str(mx.default_device()),
-        "BLAS": blas,
-    }
-
-
-def _cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    if platform.system() == "Darwin":
-        return _output(["sysctl", "-n", "machdep.cpu.brand_string"]) or platform.machine()
-    return platform.processor() or platform.machine()
-
-
-def describe_versions() -> dict[str, str]:
-    import mlx.core as mx
-
-    commit = _output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]) or "unknown"
-    changed = _output(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no",
-                       "--", "mlx_speculate", "benchmarks"])
-    if changed:
-        commit += " (with uncommitted changes to the package or benchmarks)"
-    return {
-        "mlx": mx.__version__,
-        "mlx-lm": version("mlx-lm"),
-        "Python": platform.python_version(),
-        "mlx_speculate commit": commit,
-    }
-
-
-def _output(command: list[str]) -> str:
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return result.stdout.strip() if result.returncode == 0 else ""
 
 
 def _install(path: Path, write) -> None:
@@ -641,8 +695,9 @@ def load_families(path: Path) -> Report | None:
 
 
 def publish(report: Report, families: Report | None, out: Path) -> None:
-    """The page (with the recorded measurements read now) and the chart of `report`."""
-    report = dataclasses.replace(report, recorded=recorded())
+    """The page (with the recorded measurements and the newest serving run read now) and the
+    chart of `report`."""
+    report = dataclasses.replace(report, recorded=recorded(), serving=newest_serving())
     chart = out.with_suffix(".png")
     draw(report, chart)
     _install(out, lambda staged: staged.write_text(render(report, chart.name, families)))

@@ -249,3 +249,89 @@ def test_family_folders_load_alike_in_both(report, tmp_path):
     for family in family_models.FAMILIES:  # the larger configs are well formed too
         shapes = family_models.describe(family_models.family_config(family, "SmolLM2-sized"))
         assert shapes.startswith("hidden 576, 30 layers") and "49,152" in shapes, shapes
+
+
+def serving_run(date: str, load=(1.0, 1.5)) -> dict:
+    """A run in the shape benchmarks/bench_serving.py writes (its per-round lists included)."""
+    rows = []
+    for server, scale in (("mlx_speculate", 1.0), ("mlx-lm", 2.0)):
+        for clients in (1, 4):
+            row = {"server": server, "clients": clients, "tokens_per_s": 10.0 * clients * scale,
+                   "ttft_p50_ms": 100.0 * clients, "ttft_p95_ms": 150.0 * clients + 0.4}
+            rows.append({**row, "rounds": [row]})
+    return {
+        "benchmark": "serving", "date": date, "device": "cpu",
+        "command": "python benchmarks/bench_serving.py --openblas --quick",
+        "machine": {"CPU": "AMD EPYC", "OS": "Linux-6", "MLX device": "Device(cpu, 0)",
+                    "BLAS": "OpenBLAS (x) in every server"},
+        "cores": 2, "load": list(load), "versions": {"mlx": "0.32.4"},
+        "model": "smollm2-f32-mlx", "max_tokens": 24, "rounds": 3, "method": "none",
+        "servers": {"mlx_speculate": "python -m mlx_speculate.server", "mlx-lm": "mlx_lm"},
+        "rows": rows,
+    }
+
+
+def test_serving_section_gives_each_client_count(report, tmp_path):
+    (tmp_path / "serving-2026-11-28-cpu.json").write_text(json.dumps(serving_run("2026-11-28")))
+    run = report.newest_serving(tmp_path)
+    page = report.render(report.Report(**{**vars(made_up(report)), "serving": run}))
+    section = page.split("## Serving\n", 1)[1]
+    for text in ("2026-11-28", "AMD EPYC (Device(cpu, 0)), BLAS: OpenBLAS (x) in every server",
+                 "2 cores", "start / end: 1.0 / 1.5", "smollm2-f32-mlx", "method `none`",
+                 "of 24 tokens", "medians over 3 rounds",
+                 "python benchmarks/bench_serving.py --openblas --quick"):
+        assert text in section, text
+    assert "busy" not in section
+    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    assert lines[0] == ("| clients | mlx_speculate tokens/s | mlx-lm tokens/s | mlx_speculate "
+                        "TTFT p50 / p95 ms | mlx-lm TTFT p50 / p95 ms |")
+    assert lines[1:] == ["| 1 | 10.0 | 20.0 | 100 / 150 | 100 / 150 |",
+                         "| 4 | 40.0 | 80.0 | 400 / 600 | 400 / 600 |"]
+    # It comes before the earlier measurements, and only when there is a run.
+    entries = report.recorded()
+    both = report.render(report.Report(**{**vars(made_up(report)), "serving": run,
+                                          "recorded": entries[:1]}))
+    assert both.index("## Serving") < both.index("## Earlier measurements")
+    assert "## Serving" not in report.render(made_up(report))
+
+
+def test_the_newest_serving_run_is_rendered(report, tmp_path):
+    assert report.newest_serving(tmp_path) is None
+    for date, load in (("2026-11-27", (1.0, 1.0)), ("2026-11-29", (2.5, 3.0)),
+                       ("2026-11-28", (1.0, 1.0))):
+        (tmp_path / f"serving-{date}-cpu.json").write_text(json.dumps(serving_run(date, load)))
+    (tmp_path / "gpu-2026-11-30-h100.json").write_text("{}")  # another benchmark's file
+    run = report.newest_serving(tmp_path)
+    assert run.date == "2026-11-29" and run.load == (2.5, 3.0)
+    assert "(busy: more than its cores)" in "\n".join(report.serving_section(run))
+    # The saved run of the stories table does not carry it: it is read at each rendering.
+    full = report.Report(**{**vars(made_up(report)), "serving": run})
+    report.save(full, tmp_path / "results.json")
+    assert report.load_saved(tmp_path / "results.json") == made_up(report)
+    (tmp_path / "serving-2026-12-01-cpu.json").write_text(json.dumps({"date": "2026-12-01"}))
+    with pytest.raises(SystemExit, match="serving-2026-12-01-cpu.json is not a bench_serving.py "
+                                         "run: KeyError"):
+        report.newest_serving(tmp_path)
+
+
+def test_render_shows_the_families_and_the_serving_sections(report, tmp_path, monkeypatch):
+    """--render reads the saved method sets, the saved families run and the newest serving run
+    again: the page has all three, each once, before the earlier measurements."""
+    pytest.importorskip("matplotlib", reason="the chart needs matplotlib")
+    out = tmp_path / "page" / "results.md"
+    report.save(made_up(report), out.with_suffix(".json"))
+    report.save(made_up_families(report), report.families_file(out))
+    (tmp_path / "serving-2026-11-28-cpu.json").write_text(json.dumps(serving_run("2026-11-28")))
+    newest = report.newest_serving
+    monkeypatch.setattr(report, "newest_serving", lambda: newest(tmp_path))
+    report.main(["--render", "--out", str(out)])
+    page = out.read_text()
+    assert table(page) == table(report.render(made_up(report)))
+    assert list(family_table(page)) == ["qwen3_5 (tiny)", "gpt_oss (tiny)"]
+    sections = ("## Families", "## Serving", "## Earlier measurements")
+    assert [page.count(s) for s in sections] == [1, 1, 1]
+    assert page.index(sections[0]) < page.index(sections[1]) < page.index(sections[2])
+    assert out.with_suffix(".png").exists()
+    # The saved runs carry neither the serving run nor the recorded measurements.
+    assert report.load_saved(out.with_suffix(".json")) == made_up(report)
+    assert report.load_families(report.families_file(out)) == made_up_families(report)

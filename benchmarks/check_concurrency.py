@@ -1,0 +1,221 @@
+"""Issue #38's acceptance checks for concurrent serving, through the `openai` client against
+mlx_speculate.server.
+
+    python benchmarks/check_concurrency.py [--openblas] [--model FOLDER] [--max-tokens 48]
+        [--copy-max-tokens 96] [--rounds 1] [--out FILE]
+
+(a) Eight greedy chat requests (a story each, on eight topics) sent at once, then the same
+    eight one after another: the ratio of their aggregate tokens/s (goal: at least 3; the
+    median over --rounds rounds of the per-round ratio), and how many of the eight answers
+    equal their one-at-a-time answers in every concurrent pass (goal: at least 7). The
+    concurrent pass goes first in the first round, so whatever the prefix cache keeps from it
+    helps the one-at-a-time baseline, never the concurrent side; the order alternates after.
+(b) Two copy-heavy requests at once ("fix the typos in this paragraph"), with prompt lookup and
+    with speculation off (the `speculative` request field): the ratio of their aggregate
+    tokens/s (goal: at least 1.2), the median over --rounds rounds of the per-round ratio, the
+    two methods' order alternating; greedy answers must be equal between the methods
+    (lossless). A warm-up pass of each method first, so both find their prompts cached alike.
+
+Aggregate tokens/s: all completion tokens (usage) over the wall time from sending the first
+request to the last stream's end. Prints the figures and whether each goal is met, writes them
+to benchmarks/results/concurrency-<date>-<device>.json (`--out` for another path), and exits
+with status 1 when a goal is missed (a server that generates one request at a time misses the
+speed goals).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (  # noqa: E402
+    add_blas_argument,
+    describe_machine,
+    describe_versions,
+    setup_blas,
+    smollm2_f32,
+)
+from servers import (  # noqa: E402
+    Server,
+    blas_env,
+    check_lengths,
+    ours,
+    send,
+    started,
+    stories,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+GOALS = {"concurrent_speedup": 3.0, "equal_answers": 7, "lookup_speedup": 1.2}
+PARAGRAPHS = (
+    "The comittee met on tuesday to discus the new librery budget. After a long debate, they "
+    "agreed to by more books for the childrens section and to fix the leeking roof before the "
+    "winter. The mayor thanked evryone for there hard work and promissed to visit the librery "
+    "next month.",
+    "Our familly went to the beach last sumer. We bilt a huge sand castle with towers and a "
+    "moat, and my little brother found a crab hiding under a rock. In the evening we ate fish "
+    "and chips and watched the sun go down behind the lighthouse untill it was compleetly dark.",
+)
+
+
+def copy_requests() -> list[list[dict]]:
+    return [
+        [{"role": "user", "content": "Fix the typos in this paragraph and return it otherwise "
+                                     f"unchanged:\n\n{paragraph}"}]
+        for paragraph in PARAGRAPHS
+    ]
+
+
+def rate(wall: float, replies) -> float:
+    return sum(r.completion_tokens for r in replies) / wall
+
+
+def check_concurrent(server: Server, max_tokens: int, rounds: int) -> dict:
+    """(a): eight at once against the same eight one after another, in each of `rounds`
+    rounds (the concurrent pass first in the first round, the order alternating after)."""
+    requests = stories("a", 8)
+    none = {"speculative": {"method": "none"}}
+    send(server, stories("warm-up", 1), max_tokens, False, none)
+    at_once, in_turn = [], []
+    for r in range(rounds):
+        for concurrent in (True, False) if r % 2 == 0 else (False, True):
+            wall, replies = send(server, requests, max_tokens, concurrent, none)
+            (at_once if concurrent else in_turn).append((wall, replies))
+    check_lengths(server, in_turn[0][1], max_tokens, "one at a time")
+    reference = [reply.text for reply in in_turn[0][1]]
+    # An answer counts as equal when every concurrent pass gave its one-at-a-time text.
+    equal = sum(all(replies[i].text == text for _, replies in at_once)
+                for i, text in enumerate(reference))
+    ratios = [rate(*a) / rate(*b) for a, b in zip(at_once, in_turn, strict=True)]
+    return {
+        "requests": len(requests),
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "concurrent_tokens_per_s": [rate(*a) for a in at_once],
+        "one_at_a_time_tokens_per_s": [rate(*b) for b in in_turn],
+        "concurrent_speedup": statistics.median(ratios),
+        "equal_answers": equal,
+        "concurrent_completion_tokens": [[r.completion_tokens for r in a[1]] for a in at_once],
+        "one_at_a_time_cached_tokens": [[r.cached_tokens for r in b[1]] for b in in_turn],
+    }
+
+
+def check_lookup(server: Server, max_tokens: int, rounds: int) -> dict:
+    """(b): two copy-heavy requests at once, prompt lookup against no speculation."""
+    methods = {m: {"speculative": {"method": m}} for m in ("prompt_lookup", "none")}
+    requests = copy_requests()
+    for extra in methods.values():
+        send(server, requests, max_tokens, True, extra)
+    figures = {m: [] for m in methods}
+    texts, lengths, per_forward = {}, {}, []
+    for r in range(rounds):
+        for method in list(methods) if r % 2 == 0 else list(methods)[::-1]:
+            wall, replies = send(server, requests, max_tokens, True, methods[method])
+            figures[method].append(rate(wall, replies))
+            texts.setdefault(method, [reply.text for reply in replies])
+            lengths.setdefault(method, [reply.completion_tokens for reply in replies])
+            if method == "prompt_lookup":
+                per_forward += [reply.speculative["tokens_per_target_forward"]
+                                for reply in replies if reply.speculative]
+    if texts["prompt_lookup"] != texts["none"]:
+        raise SystemExit("prompt lookup's greedy answers differ from plain decoding's: not "
+                         "lossless")
+    ratios = [a / b for a, b in zip(figures["prompt_lookup"], figures["none"], strict=True)]
+    return {
+        "requests": len(requests),
+        "max_tokens": max_tokens,
+        "rounds": rounds,
+        "lookup_tokens_per_s": figures["prompt_lookup"],
+        "plain_tokens_per_s": figures["none"],
+        "lookup_speedup": statistics.median(ratios),
+        "completion_tokens": lengths["none"],
+        "lookup_tokens_per_target_forward": per_forward,
+    }
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return value
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None,
+                        help="an MLX folder (default: SmolLM2-135M-Instruct f32)")
+    parser.add_argument("--max-tokens", type=positive, default=48, help="per request in (a)")
+    parser.add_argument("--copy-max-tokens", type=positive, default=96,
+                        help="per request in (b)")
+    parser.add_argument("--rounds", type=positive, default=1,
+                        help="timed rounds of (a) and of (b); ratios are medians over them")
+    parser.add_argument("--out", type=Path, default=None)
+    add_blas_argument(parser)
+    args = parser.parse_args(argv)
+    command = shlex.join(["python", "benchmarks/check_concurrency.py", *sys.argv[1:]])
+    load_start = os.getloadavg()
+    env, blas = blas_env(args.openblas, setup_blas(args.openblas))
+    import mlx.core as mx
+
+    folder = args.model or smollm2_f32()
+    if not (folder / "config.json").exists():
+        raise SystemExit(f"{folder} is not an MLX model folder (no config.json)")
+    versions = describe_versions()
+    with started(env, ours=(ours(folder, "--max-queue", "64"), folder.name)) as servers:
+        concurrent = check_concurrent(servers["ours"], args.max_tokens, args.rounds)
+        lookup = check_lookup(servers["ours"], args.copy_max_tokens, args.rounds)
+    met = {
+        "concurrent_speedup": concurrent["concurrent_speedup"] >= GOALS["concurrent_speedup"],
+        "equal_answers": concurrent["equal_answers"] >= GOALS["equal_answers"],
+        "lookup_speedup": lookup["lookup_speedup"] >= GOALS["lookup_speedup"],
+    }
+    device = "gpu" if mx.default_device().type == mx.gpu else "cpu"
+    date = datetime.date.today().isoformat()
+    result = {
+        "benchmark": "concurrency",
+        "date": date,
+        "command": command,
+        "device": device,
+        "machine": describe_machine(blas),
+        "cores": os.cpu_count() or 1,
+        "load": [load_start[0], os.getloadavg()[0]],
+        "versions": versions,
+        "model": folder.name,
+        "goals": GOALS,
+        "met": met,
+        "concurrent": concurrent,
+        "lookup": lookup,
+    }
+    out = args.out or RESULTS / f"concurrency-{date}-{device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+
+    def verdict(key: str) -> str:
+        return "met" if met[key] else "MISSED"
+
+    print(f"(a) 8 at once vs one at a time: "
+          f"{statistics.median(concurrent['concurrent_tokens_per_s']):.1f} vs "
+          f"{statistics.median(concurrent['one_at_a_time_tokens_per_s']):.1f} tok/s, "
+          f"{concurrent['concurrent_speedup']:.2f}x (goal >= {GOALS['concurrent_speedup']}: "
+          f"{verdict('concurrent_speedup')}); answers equal: {concurrent['equal_answers']}/8 "
+          f"(goal >= {GOALS['equal_answers']}: {verdict('equal_answers')})")
+    print(f"(b) 2 copy-heavy at once, prompt lookup vs none: "
+          f"{statistics.median(lookup['lookup_tokens_per_s']):.1f} vs "
+          f"{statistics.median(lookup['plain_tokens_per_s']):.1f} tok/s, "
+          f"{lookup['lookup_speedup']:.2f}x (goal >= {GOALS['lookup_speedup']}: "
+          f"{verdict('lookup_speedup')})")
+    print(f"wrote {out}")
+    if not all(met.values()):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
