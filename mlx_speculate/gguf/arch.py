@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .gemma4 import GEMMA4_ARCHITECTURES
 from .hybrid import HYBRID_ARCHITECTURES
 from .moe import MOE_ARCHITECTURES
 from .spec import LLAMA_LAYER, QK_NORMS, Architecture, float32, none, required
@@ -118,7 +119,11 @@ ARCHITECTURES = {
     ),
     **MOE_ARCHITECTURES,
     **HYBRID_ARCHITECTURES,
+    **GEMMA4_ARCHITECTURES,
 }
+
+# Metadata arrays any architecture reads (per-layer values); the header skips the others.
+METADATA_ARRAYS = frozenset(k for a in ARCHITECTURES.values() for k in a.arrays)
 
 
 def architecture(meta: dict[str, Any], path: Path) -> Architecture:
@@ -135,6 +140,8 @@ def hf_name(arch: Architecture, name: str, path: Path) -> str:
     base, _, suffix = name.rpartition(".")
     if base in _GLOBAL_NAMES and suffix == "weight":
         return f"{_GLOBAL_NAMES[base]}.weight"
+    if base in arch.global_names and suffix == "weight":
+        return f"{arch.global_names[base]}.weight"
     match = _LAYER_TENSOR.fullmatch(name)
     if match is not None:
         block, tensor, suffix = match.groups()
@@ -195,10 +202,16 @@ def hf_config(
                 f"which {arch.hf_class} does not support"
             )
         config["partial_rotary_factor"] = rope_dim / head_dim
-    scaling = _rope_scaling(arch_name, meta, side, path)
+    longrope = {k: v for k, v in side.items() if k.startswith("rope_factors_")}
+    scaling = _rope_scaling(arch_name, meta, longrope, path)
     if scaling:
         config["rope_scaling"] = scaling  # the pre-5.0 transformers spelling
     config.update(arch.extra_config(meta, config, shapes, path))
+    if arch.side_config is not None:
+        try:
+            arch.side_config(config, side)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
     config.setdefault(
         "rope_parameters", {"rope_type": "default", **scaling, "rope_theta": config["rope_theta"]}
     )
@@ -243,6 +256,8 @@ def expected_shape(name: str, config: dict[str, Any], arch: Architecture) -> tup
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     module, _, part = name.rpartition(".")
     parent, _, leaf = module.rpartition(".")
+    if arch.shapes_vary and not (leaf.endswith("layernorm") or leaf in ("embed_tokens", "lm_head", "norm")):
+        return None
     if parent.endswith((".switch_mlp", ".mlp.experts")):
         return _expert_shape(leaf, part, config)
     if ".linear_attn." in name or ".shared_expert" in name:

@@ -21,6 +21,7 @@ import numpy as np
 
 from .arch import (
     ARCHITECTURES,
+    METADATA_ARRAYS,
     Architecture,
     architecture,
     expected_shape,
@@ -64,7 +65,7 @@ def read_gguf(path: str | Path, *, keep_quantization: bool = False) -> GGUFCheck
     float tensors are float32.
     """
     path = Path(path)
-    header = read_header(path)
+    header = read_header(path, METADATA_ARRAYS)
     arch_name = header.metadata.get("general.architecture")
     arch = architecture(header.metadata, path)
     for tensor in header.tensors:

@@ -20,6 +20,8 @@ from .tensors import Value
 ExtraConfig = Callable[[dict[str, Any], dict[str, Any], dict[str, tuple[int, ...]], Path], dict]
 # HF-named tensors as read (float32 or quantized) and the config; rewrites them in place.
 Transform = Callable[[dict[str, Value], dict[str, Any]], None]
+# The config so far and the side tensors (float32); completes the config in place.
+SideConfig = Callable[[dict[str, Any], dict[str, np.ndarray]], None]
 
 LLAMA_LAYER = {
     "attn_q": "self_attn.q_proj",
@@ -49,6 +51,12 @@ class Architecture:
     partial_rotary: bool = False  # rope.dimension_count may be below the head size
     query_gate: bool = False  # q_proj holds queries and a per-head output gate: twice as wide
     transform: Transform | None = None
+    global_names: dict[str, str] = field(default_factory=dict)  # GGUF -> HF module, off-block
+    side_config: SideConfig | None = None  # reads side tensors other than Phi-3's longrope
+    # Head sizes or MLP widths differ between layers (Gemma 4): their shapes are not checked
+    # against the config here, the model checks them as it loads.
+    shapes_vary: bool = False
+    arrays: tuple[str, ...] = ()  # metadata keys whose array values the header keeps
 
 
 def none(
