@@ -11,8 +11,9 @@ writable before the source is read, and `--overwrite` replaces only a model fold
 empty one); without it the final rename refuses a DST that another writer made meanwhile.
 
 A GGUF source (llama, qwen2, qwen3, phi3, gemma3, qwen3moe, gpt-oss, qwen3next, qwen35,
-qwen35moe) converted with -q keeps llama.cpp's own Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/TQ1_0/TQ2_0
-tensors bit for bit (MLX's affine quantization at group size 32 represents them exactly) and
+qwen35moe, gemma4) converted with -q keeps llama.cpp's own
+Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/TQ1_0/TQ2_0 tensors bit for bit (MLX's affine quantization
+at group size 32 represents them exactly) and
 quantizes the others (Q2_K, Q3_K, Q6_K, IQ*, *FP4) again at group size 32 with their bits; it
 says per type which it did. A mixed file (Q4_K_M) gives per-module bits in config.json, as
 mlx-lm reads them.

@@ -326,7 +326,7 @@ def test_other_architecture_is_named_in_the_error(tmp_path: Path) -> None:
     write_gguf(tmp_path / "m.gguf", hf_state_dict(tied=True), arch="mamba")
     supported = (
         "'mamba' is not supported (supported: llama, qwen2, qwen3, phi3, gemma3, qwen3moe, "
-        "gpt-oss, qwen3next, qwen35, qwen35moe)"
+        "gpt-oss, qwen3next, qwen35, qwen35moe, gemma4)"
     )
     with pytest.raises(ValueError, match=re.escape(supported)):
         read_gguf(tmp_path / "m.gguf")

@@ -172,6 +172,6 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path: Path) -> No
     writer.write_tensors_to_file()
     writer.close()
     message = "GGUF architecture 'mamba' is not supported (supported: llama, qwen2, qwen3, phi3, "
-    message += "gemma3, qwen3moe, gpt-oss, qwen3next, qwen35, qwen35moe)"
+    message += "gemma3, qwen3moe, gpt-oss, qwen3next, qwen35, qwen35moe, gemma4)"
     with pytest.raises(ValueError, match=re.escape(message)):
         read_gguf(tmp_path / "m.gguf")

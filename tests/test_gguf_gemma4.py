@@ -24,7 +24,7 @@ from mlx_speculate.loading import build_model, load, load_model
 
 from .helpers import assert_float32_close, tiny_config
 from .test_convert import relative_rms, save_tokenizer
-from .test_gemma4 import SHARED, S, F, save_gemma4
+from .test_gemma4 import SHARED, F, S, save_gemma4
 from .test_gguf_families import TOKENS, parameters
 
 pytest.importorskip("torch")
@@ -104,7 +104,8 @@ def _metadata(writer: gguf.GGUFWriter, config: dict) -> None:
     writer.add_value_length_swa(config["head_dim"])
     if config.get("use_double_wide_mlp"):
         ffn = config["intermediate_size"]
-        writer.add_feed_forward_length([ffn * (2 if i >= layers - shared else 1) for i in range(layers)])
+        widths = [ffn * (2 if i >= layers - shared else 1) for i in range(layers)]
+        writer.add_feed_forward_length(widths)
     full_heads, heads = config.get("num_global_key_value_heads"), config["num_key_value_heads"]
     if full_heads is not None:
         writer.add_head_count_kv([heads if s else full_heads for s in swa])

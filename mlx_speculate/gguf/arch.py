@@ -256,7 +256,8 @@ def expected_shape(name: str, config: dict[str, Any], arch: Architecture) -> tup
     q, kv = config["num_attention_heads"] * hd, config["num_key_value_heads"] * hd
     module, _, part = name.rpartition(".")
     parent, _, leaf = module.rpartition(".")
-    if arch.shapes_vary and not (leaf.endswith("layernorm") or leaf in ("embed_tokens", "lm_head", "norm")):
+    checked = leaf.endswith("layernorm") or leaf in ("embed_tokens", "lm_head", "norm")
+    if arch.shapes_vary and not checked:
         return None
     if parent.endswith((".switch_mlp", ".mlp.experts")):
         return _expert_shape(leaf, part, config)
