@@ -47,15 +47,20 @@ VARIANTS = {
 }  # fmt: skip
 
 
-def write_like_llama_cpp(path: Path, folder: Path, source: dict, quantize: bool = False) -> None:
+def write_like_llama_cpp(
+    path: Path, folder: Path, source: dict, quantize: bool = False, extra: dict | None = None
+) -> None:
     """The folder as Gemma4Model writes it: F32, or with `quantize` its matrices whose rows
     split into blocks of 32 in Q4_0 (the embedding in Q8_0), norms and scales in F32.
     `source`: the config the folder was made from (as Google's config.json, it names
-    `global_head_dim`, which transformers saves as `per_layer_config`)."""
+    `global_head_dim`, which transformers saves as `per_layer_config`); `extra`: more
+    uint32 metadata."""
     config = {**json.loads((folder / "config.json").read_text()), **source}
     layers = config["num_hidden_layers"]
     writer = gguf.GGUFWriter(path, "gemma4")
     _metadata(writer, config)
+    for key, value in (extra or {}).items():
+        writer.add_uint32(key, value)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA4, layers)
     for name, w in load_file(folder / "model.safetensors").items():
         if name.endswith("layer_scalar"):  # Gemma4Model.filter_tensors
@@ -171,3 +176,12 @@ def test_a_file_without_its_sliding_pattern_is_one_line(tmp_path: Path) -> None:
     message = "GGUF metadata key 'gemma4.attention.sliding_window_pattern' is missing"
     with pytest.raises(ValueError, match=re.escape(message)):
         read_gguf(tmp_path / "cut.gguf")
+
+
+def test_a_file_with_experts_is_one_line(tmp_path: Path) -> None:
+    folder = tmp_path / "hf"
+    source = tiny_config("gemma4_text")
+    save_gemma4(folder, source)
+    write_like_llama_cpp(tmp_path / "m.gguf", folder, source, extra={"gemma4.expert_count": 4})
+    with pytest.raises(ValueError, match="Gemma 4 GGUF files with experts are not supported"):
+        read_gguf(tmp_path / "m.gguf")

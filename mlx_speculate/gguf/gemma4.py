@@ -68,11 +68,13 @@ def _extra(
     if not isinstance(pattern, list) or len(pattern) != layers:
         raise ValueError(f"{path}: sliding_window_pattern must hold one bool per layer")
     types = ["sliding_attention" if s else "full_attention" for s in pattern]
+    if types[-1] != "full_attention":  # transformers forces it; the file would disagree
+        raise ValueError(f"{path}: the last layer is a sliding one, Gemma 4's is global")
     shared = meta.get(f"{_ARCH}.attention.shared_kv_layers", 0)
     first_shared = layers - shared
     heads = _per_layer(config["num_key_value_heads"], types, "attention.head_count_kv", path)
-    sliding_heads = heads.get("sliding_attention", heads["full_attention"])
-    full_heads = heads.get("full_attention", sliding_heads)
+    full_heads = heads["full_attention"]
+    sliding_heads = heads.get("sliding_attention", full_heads)
     # Global layers that write keys but hold no value projection take values from the keys.
     writes = [i for i in range(first_shared) if types[i] == "full_attention"]
     has_v = blocks_with(shapes, "attn_v", layers)
@@ -96,7 +98,7 @@ def _extra(
         "hidden_act": "gelu_pytorch_tanh",
         "attention_bias": any(n.endswith(".attn_q.bias") for n in shapes),
         "enable_moe_block": False,
-        "rope_parameters": _rope(meta, config, path, shapes),
+        "rope_parameters": _rope(meta, config, path),
     }
     extra |= _mlp_widths(meta, types, first_shared, path)
     width = meta.get(f"{_ARCH}.embedding_length_per_layer_input", 0)
@@ -134,9 +136,7 @@ def _mlp_widths(
     )
 
 
-def _rope(
-    meta: dict[str, Any], config: dict[str, Any], path: Path, shapes: dict[str, tuple[int, ...]]
-) -> dict[str, Any]:
+def _rope(meta: dict[str, Any], config: dict[str, Any], path: Path) -> dict[str, Any]:
     sliding_dim = meta.get(f"{_ARCH}.rope.dimension_count_swa")
     head = required(meta, f"{_ARCH}.attention.key_length_swa", path)
     sliding: dict[str, Any] = {
