@@ -50,7 +50,7 @@ def batch_generate(
     sampling: SamplingParams | None = None,
     stop: Sequence[str] = (),
     drafter: DrafterSpec | None = None,
-    max_batch: int = 8,
+    max_batch: int = 32,
     **options: Any,
 ) -> BatchResponse:
     """Generates for every prompt, up to `max_batch` at once in one forward per step, each as

@@ -133,7 +133,7 @@ class _Running:
 class BatchEngine:
     """Runs many generations over one model: `add` sequences, call `step` until `idle`."""
 
-    def __init__(self, model: CausalLM, max_batch: int = 8):
+    def __init__(self, model: CausalLM, max_batch: int = 32):
         if max_batch < 1:
             raise ValueError(f"a batch holds at least 1 sequence, got {max_batch}")
         check_batchable(model)

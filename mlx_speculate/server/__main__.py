@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-batch",
         type=cli.positive_int,
-        default=8,
+        default=32,
         help="requests decoding together in one forward per step (1: one at a time, with the "
         "single-stream loop's compiled steps)",
     )

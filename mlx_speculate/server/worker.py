@@ -64,7 +64,7 @@ class Worker:
         metrics: Metrics,
         max_queue: int = 16,
         lockstep: Lockstep | Solo | None = None,
-        max_batch: int = 8,
+        max_batch: int = 32,
     ):
         if max_queue < 1:
             raise ValueError(f"the queue must hold at least 1 request, got {max_queue}")
