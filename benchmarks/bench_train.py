@@ -98,6 +98,9 @@ def main(argv=None) -> None:
     parser.add_argument("--intermediate-size", type=int, help="the draft layer's MLP width")
     parser.add_argument("--block-size", type=int, default=8, help="DFlash")
     parser.add_argument("--draft-layers", type=int, default=1, help="DFlash")
+    parser.add_argument("--anchors", type=int, default=512, help="DFlash: blocks a conversation")
+    parser.add_argument("--taps", type=int, nargs="+",
+                        help="EAGLE-3: tapped layers; DFlash: the layers it reads")  # fmt: skip
     parser.add_argument("--work", type=Path, default=CACHE / "train-bench")
     parser.add_argument("--eval-prompts", type=int, default=10)
     parser.add_argument("--eval-tokens", type=int, default=128)
@@ -132,6 +135,7 @@ def main(argv=None) -> None:
                     sample_prefix=args.sample_prefix, draft_vocab=args.draft_vocab,
                     data_batch=args.data_batch, intermediate_size=args.intermediate_size,
                     block_size=args.block_size, draft_layers=args.draft_layers,
+                    anchors=args.anchors, taps=None if args.taps is None else tuple(args.taps),
                     train=config)  # fmt: skip
     if not out.exists():
         result = train_head(args.kind, args.model, out, recipe=recipe,

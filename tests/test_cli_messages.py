@@ -147,6 +147,10 @@ def test_a_draft_vocabulary_larger_than_the_target_s_is_an_error(tmp_path, capsy
         train_main(["eagle3", "--model", str(src), "--out", str(out), "--block-size", "4"])
     assert stopped.value.code == 2
     assert "--block-size applies to dflash, not eagle3" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:
+        train_main(["medusa", "--model", str(src), "--out", str(out), "--anchors", "64"])
+    assert stopped.value.code == 2
+    assert "--anchors applies to dflash, not medusa" in capsys.readouterr().err
 
 
 def test_file_system_errors_are_sentences_naming_the_path(tmp_path):

@@ -22,6 +22,7 @@ from mlx_speculate.heads.dflash_format import load_dflash, save_dflash
 from mlx_speculate.loading import load
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
+from mlx_speculate.train.objectives import dflash_anchors
 from mlx_speculate.tree import Tree
 
 from .helpers import (
@@ -151,6 +152,50 @@ def test_block_is_zlabs_forward_at_every_step(family):
         next(steps)
         context = list(decoder.context)
         assert_rows_close(drafted_rows(drafter, context), reference_logits(head, target, context))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_training_blocks_are_zlabs_blocks(family):
+    """Training's forward (blocks side by side over one conversation's context rows, no
+    cache) gives each block the distributions z-lab's forward gives it after the context
+    before its anchor: the objective trains the blocks the drafter drafts."""
+    target, head = target_and_head(family)
+    tokens = [*PROMPT, 3, 11, 4, 8, 20, 17, 5, 40]
+    anchors = mx.array([1, 4, 7, 9, 13], dtype=mx.int32)  # the last block runs off the end
+    S, T = head.config.block_size, len(tokens)
+    out = target(mx.array([tokens]), taps=head.config.taps)
+    rows = head.context(mx.concatenate(list(out.taps), axis=-1))  # (1, T, h)
+    positions = (anchors[:, None] + mx.arange(S))[None]  # (1, A, S)
+    inputs = mx.full(positions.shape, head.config.mask_token_id, dtype=mx.int32)
+    inputs[..., 0] = mx.array(tokens)[anchors]
+    visible = (mx.arange(T)[None, :] < anchors[:, None])[None]  # (1, A, T)
+    A = anchors.shape[0]
+    embeds = target.model.embed_tokens(inputs.reshape(1, A * S))
+    hidden = head.blocks(embeds, rows, positions.reshape(1, A * S), visible)
+    logits = target.project(hidden).reshape(A, S, -1)[:, 1:]
+    for j, a in enumerate(anchors.tolist()):
+        expected = reference_logits(head, target, tokens[: a + 1])
+        ours = logits[j] - mx.logsumexp(logits[j], axis=-1, keepdims=True)
+        assert_rows_close(ours, expected)
+
+
+def test_training_anchors_are_distinct_answer_tokens():
+    """Anchors fall on answer tokens followed by another, each at most once a draw; a row
+    with fewer such tokens than blocks marks the rest as none; draws differ by key and the
+    held-out draw (no key) is fixed."""
+    answer = mx.zeros((3, 32), dtype=mx.uint8)
+    answer[0, 5:30] = 1  # 24 candidates
+    answer[1, 10:14] = 1  # 3 candidates: 10, 11, 12
+    answer[2, 0:32] = 1  # 31 candidates (the last token has none after it)
+    anchors, keep = dflash_anchors(answer, 8, mx.random.key(3))
+    for row, allowed in enumerate((range(5, 29), range(10, 13), range(0, 31))):
+        chosen = np.array(anchors[row])[np.array(keep[row])].tolist()
+        assert len(chosen) == min(8, len(allowed)) == len(set(chosen))
+        assert set(chosen) <= set(allowed)
+    other, _ = dflash_anchors(answer, 8, mx.random.key(4))
+    assert not mx.array_equal(anchors, other)
+    fixed = [dflash_anchors(answer, 8, None)[0] for _ in range(2)]
+    assert mx.array_equal(*fixed)
 
 
 def primed(drafter: DFlashDrafter, target) -> list[int]:

@@ -304,7 +304,7 @@ def test_default_taps_are_the_official_three_or_a_shallow_targets_last_three():
 
 def test_a_recipe_setting_below_one_is_a_one_line_error():
     for setting in ("max_tokens", "top_k", "draft_vocab", "ttt_steps", "data_batch",
-                    "intermediate_size", "draft_layers"):  # fmt: skip
+                    "intermediate_size", "draft_layers", "anchors"):  # fmt: skip
         with pytest.raises(ValueError, match="must be >= 1"):
             Recipe("eagle1", **{setting: 0})
     with pytest.raises(ValueError, match="block_size must be >= 2"):

@@ -31,14 +31,13 @@ import mlx.nn as nn
 
 from ..cache import KVCache
 from ..models import qwen3
-from ..models.attention import scaled_dot_product_attention
 from ..models.base import CausalLM, attend
-from ..models.context import ForwardContext
+from ..models.context import ForwardContext, additive_mask
 from ..models.llama import MLP
 from ..models.rope import RotaryEmbedding, native
 
 ARCHITECTURE = "DFlashDraftModel"
-Tables = tuple[tuple[mx.array, ...], tuple[mx.array, ...]]  # rotations: block rows, all keys
+Tables = tuple[tuple[mx.array, ...], tuple[mx.array, ...]]  # rotations: block rows, context
 
 
 def default_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -129,14 +128,29 @@ class DFlashAttention(nn.Module):
         return self.o_proj(attend(ctx, layer, self._rope, self.queries(x), k, v, self.scale))
 
     def over(self, x: mx.array, rows: mx.array, tables: Tables, mask: mx.array) -> mx.array:
-        """Training's form, with no cache: (B, L, h) block rows attend to the (B, T, h)
-        context rows and to themselves under the additive (B, 1, L, T + L) `mask`; `tables`:
-        the rotations of the block rows and of the context rows then the block rows."""
+        """Training's form, with no cache: the (B, A S, h) rows of A blocks of S tokens side
+        by side attend to the (B, T, h) context rows under the additive (B, A, T) `mask` and
+        to their own block's rows; `tables`: the rotations of the block rows and of the
+        context rows. Scores against other blocks are never formed: the cost is A S (T + S)
+        a head, not A S (T + A S)."""
         B, L, _ = x.shape
-        k, v = self.keys_values(mx.concatenate([rows, x], axis=1))  # (B, H_kv, T + L, D)
-        q = self._rope.rotate(self.queries(x), tables[0])
-        out = scaled_dot_product_attention(q, self._rope.rotate(k, tables[1]), v, self.scale, mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        A, T = mask.shape[1:]
+        S, Hkv, D = L // A, self.n_kv_heads, self.head_dim
+        G = self.n_heads // Hkv  # query heads sharing one key head (head h reads h // G)
+        kc, vc = self.keys_values(rows)  # (B, Hkv, T, D)
+        kb, vb = self.keys_values(x)  # (B, Hkv, L, D)
+        q = self._rope.rotate(self.queries(x), tables[0]) * self.scale  # (B, H, L, D)
+        kc, kb = self._rope.rotate(kc, tables[1]), self._rope.rotate(kb, tables[0])
+        q = q.reshape(B, Hkv, G, A, S, D)
+        context = q.reshape(B, Hkv, G * L, D) @ kc.swapaxes(-1, -2)  # (B, Hkv, G L, T)
+        context = context.reshape(B, Hkv, G, A, S, T) + mask[:, None, None, :, None, :]
+        kb, vb = kb.reshape(B, Hkv, 1, A, S, D), vb.reshape(B, Hkv, 1, A, S, D)
+        own = q @ kb.swapaxes(-1, -2)  # (B, Hkv, G, A, S, S)
+        p = mx.softmax(mx.concatenate([context, own.astype(context.dtype)], axis=-1), axis=-1)
+        out = p[..., :T].reshape(B, Hkv, G * L, T) @ vc  # (B, Hkv, G L, D)
+        out = out.reshape(B, Hkv, G, A, S, D) + p[..., T:] @ vb  # (B, Hkv, G, A, S, D)
+        out = out.reshape(B, self.n_heads, L, D).transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out)
 
 
 class DFlashLayer(nn.Module):
@@ -224,21 +238,20 @@ class DFlashHead(nn.Module):
         return self.norm(x)
 
     def blocks(
-        self, embeds: mx.array, rows: mx.array, positions: mx.array, mask: mx.array
+        self, embeds: mx.array, rows: mx.array, positions: mx.array, visible: mx.array
     ) -> mx.array:
-        """Training's forward, with no cache: (B, L, h) embeddings of many blocks side by
-        side at rotary `positions` (B, L), over the (B, T, h) context rows at positions 0..T-1,
-        under the additive (B, 1, L, T + L) `mask` (each block: the context before it and its
-        own rows) -> (B, L, h) normed outputs."""
-        rope, B, T = self._rope, rows.shape[0], rows.shape[1]
+        """Training's forward, with no cache: (B, A S, h) embeddings of A blocks of S tokens
+        side by side at rotary `positions` (B, A S), over the (B, T, h) context rows at
+        positions 0..T-1, block a seeing the context rows `visible[:, a]` ((B, A, T) bool:
+        those before its anchor) and its own rows -> (B, A S, h) normed outputs."""
+        rope, T = self._rope, rows.shape[1]
         freqs = rope.freqs(rope.max_position_embeddings)
-        context = mx.broadcast_to(mx.arange(T, dtype=mx.int32), (B, T))
-        both = mx.concatenate([context, positions], axis=1)
         dtype = embeds.dtype
         tables = (
             rope.tables(0, positions, positions.shape[1], freqs, dtype),
-            rope.tables(0, both, both.shape[1], freqs, dtype),
+            rope.tables(0, None, T, freqs, dtype),
         )
+        mask = additive_mask(visible, dtype)
         x = embeds
         for layer in self.layers:
             x = layer.over(x, rows, tables, mask)

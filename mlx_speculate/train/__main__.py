@@ -102,6 +102,9 @@ def parser() -> argparse.ArgumentParser:
                    f"(default: {Recipe.block_size})")
     p.add_argument("--draft-layers", type=positive_int,
                    help=f"DFlash: the drafter's decoder layers (default: {Recipe.draft_layers})")
+    p.add_argument("--anchors", type=positive_int,
+                   help=f"DFlash: blocks a conversation a step at most, anchored at random answer "
+                   f"tokens (default: {Recipe.anchors})")
     p.add_argument("--epochs", type=positive_int, default=TrainConfig.epochs,
                    help="passes over the data at most (default: %(default)s)")
     p.add_argument(
@@ -145,7 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--draft-vocab applies to eagle3, not {args.kind}")
     if args.kind not in ("eagle3", "dflash") and args.taps is not None:
         p.error(f"--taps applies to eagle3 and dflash, not {args.kind}")
-    for flag, value in (("--block-size", args.block_size), ("--draft-layers", args.draft_layers)):
+    dflash_only = (
+        ("--block-size", args.block_size),
+        ("--draft-layers", args.draft_layers),
+        ("--anchors", args.anchors),
+    )
+    for flag, value in dflash_only:
         if args.kind != "dflash" and value is not None:
             p.error(f"{flag} applies to dflash, not {args.kind}")
     try:
@@ -175,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             medusa_layers=args.medusa_layers,
             block_size=args.block_size or Recipe.block_size,
             draft_layers=args.draft_layers or Recipe.draft_layers,
+            anchors=args.anchors or Recipe.anchors,
             layout=args.layout,
             train=config,
         )

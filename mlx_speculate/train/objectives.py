@@ -17,9 +17,10 @@ renormalised (stored by the features stage), so no step re-runs its 49k-wide lm_
   position, predicts x_{t+2+i} with weight 0.8^i, against the target's distribution restricted
   to the draft vocabulary (positions whose target top-1 lies outside it do not count).
 - Medusa: head j predicts x_{t+2+j} from f_t by cross-entropy against the target's tokens.
-- DFlash (z-lab publishes no trainer; the DFlash paper's objective): blocks anchored at random
-  positions, each row of a block predicting the target's own token at its position, weighted
-  down exponentially along the block (`dflash_loss`).
+- DFlash (z-lab publishes no trainer; the DFlash paper's objective as SpecForge's
+  `specforge/core/dflash.py` implements it): blocks anchored at random answer tokens, each row
+  of a block predicting the target's own token at its position, weighted down exponentially
+  along the block (`dflash_loss`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import mlx.nn as nn
 from ..heads.dflash import DFlashHead
 from ..heads.eagle import Eagle1Head, Eagle3Head
 from ..heads.medusa import MedusaHeads
-from ..models.context import additive_mask
 from ..models.fast_exp import exp
 from .ttt import unroll
 
@@ -160,39 +160,56 @@ def medusa_loss(
     return total, (hits, count)
 
 
+# The DFlash paper's decay of the loss along a block, by block size (Eq. 4; SpecForge's
+# suggested --loss-decay-gamma); other sizes: half the block.
+DFLASH_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}
+
+
+def dflash_anchors(
+    answer: mx.array, count: int, key: mx.array | None
+) -> tuple[mx.array, mx.array]:
+    """(B, count) int32 block anchors a row, drawn without replacement from its answer tokens
+    followed by another (`key` None: a fixed draw), and (B, count) whether each is one (False
+    where a row has fewer)."""
+    B, T = answer.shape
+    ok = (answer[:, :-1] > 0) & (answer[:, 1:] > 0)  # (B, T - 1)
+    ok = mx.concatenate([ok, mx.zeros((B, 1), dtype=mx.bool_)], axis=1)
+    draw = mx.random.uniform(shape=(B, T), key=mx.random.key(0) if key is None else key)
+    anchors = mx.argsort(mx.where(ok, draw, 2.0), axis=1)[:, :count].astype(mx.int32)
+    return anchors, mx.take_along_axis(ok, anchors, axis=1)
+
+
 def dflash_loss(
     head: DFlashHead,
     batch: Batch,
     embed: mx.array,
     lm_head: mx.array,
     key: mx.array | None,
-    gamma: float = 4.0,
+    anchors: int = 512,
 ) -> tuple[mx.array, tuple[mx.array, mx.array]]:
-    """DFlash: T // 4 blocks a row, anchored at random positions (`key` None: evenly
-    spread), all in one forward: block j holds the anchor's token then mask tokens at the
-    anchor's next positions, sees the context rows before its anchor and its own rows, and
-    its row i predicts the conversation's token i places after the anchor (the target's own
-    continuation) by cross-entropy weighted exp(-(i - 1) / gamma), answer tokens only.
-    Accuracy: the first draft's top-1."""
+    """DFlash, as SpecForge's `OnlineDFlashModel` trains it: up to `anchors` blocks a
+    conversation (at most T // 2 of its T padded tokens), anchored without replacement at
+    answer tokens followed by one (`key` None: a fixed draw, for held-out accuracy), all in
+    one forward: block j holds the anchor's token then mask tokens at the anchor's next
+    positions, sees the context rows before its anchor and its own rows, and its row i
+    predicts the conversation's token i places after the anchor (the target's own
+    continuation) by cross-entropy weighted exp(-(i - 1) / gamma) (`DFLASH_GAMMA`), answer
+    tokens only. Accuracy: the first draft's top-1."""
     tokens, answer, feats, _, _, _ = batch
     B, T = tokens.shape
-    S, A = head.config.block_size, max(1, T // 4)
-    if key is None:
-        anchors = mx.broadcast_to(mx.arange(A, dtype=mx.int32) * (T // A), (B, A))
-    else:
-        anchors = mx.random.randint(0, T - 1, (B, A), dtype=mx.int32, key=key)
+    S, A = head.config.block_size, max(1, min(anchors, T // 2))
+    gamma = DFLASH_GAMMA.get(S, S / 2)
+    starts, keep = dflash_anchors(answer, A, key)  # (B, A) each
     offsets = mx.arange(S, dtype=mx.int32)
-    positions = anchors[..., None] + offsets  # (B, A, S)
+    positions = starts[..., None] + offsets  # (B, A, S)
     flat = mx.minimum(positions, T - 1).reshape(B, A * S)
     labels = mx.take_along_axis(tokens, flat, axis=1).reshape(B, A, S)
     valid = (mx.take_along_axis(answer, flat, axis=1).reshape(B, A, S) > 0) & (positions < T)
+    valid = valid & keep[..., None]
     inputs = mx.where(offsets == 0, labels[..., :1], head.config.mask_token_id)  # (B, A, S)
-    block = mx.arange(A * S) // S  # (A S,) each row's block
-    before = mx.arange(T)[None, None, :] < mx.repeat(anchors, S, axis=1)[..., None]
-    own = mx.broadcast_to(block[:, None] == block[None, :], (B, A * S, A * S))
-    mask = additive_mask(mx.concatenate([before, own], axis=-1), embed.dtype)[:, None]
+    visible = mx.arange(T)[None, None, :] < starts[..., None]  # (B, A, T)
     rows = head.context(feats.astype(embed.dtype))  # (B, T, h)
-    out = head.blocks(embed[inputs.reshape(B, A * S)], rows, positions.reshape(B, A * S), mask)
+    out = head.blocks(embed[inputs.reshape(B, A * S)], rows, positions.reshape(B, A * S), visible)
     out = out.reshape(B, A, S, -1)[:, :, 1:].reshape(B * A * (S - 1), -1)
     logits = out @ lm_head.T  # (B A (S - 1), V)
     labels, valid = labels[:, :, 1:].reshape(-1), valid[:, :, 1:]

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,7 @@ class Recipe:
     medusa_layers: int = 1
     block_size: int = 8  # DFlash: the verified token and block_size - 1 drafts
     draft_layers: int = 1  # DFlash: its Qwen3 layers
+    anchors: int = 512  # DFlash: blocks a conversation a step at most (SpecForge's num_anchors)
     layout: str = "official"  # EAGLE: SafeAILab's keys, or "speculators" (EAGLE-3, vLLM)
     train: TrainConfig = field(default_factory=TrainConfig)
 
@@ -70,10 +72,10 @@ class Recipe:
         width = 1 if self.intermediate_size is None else self.intermediate_size
         draft = 1 if self.draft_vocab is None else self.draft_vocab
         sizes = (self.max_tokens, self.top_k, draft, self.ttt_steps, self.data_batch, width)
-        if min(*sizes, self.draft_layers) < 1:
+        if min(*sizes, self.draft_layers, self.anchors) < 1:
             raise ValueError(
-                "max_tokens, top_k, draft_vocab, ttt_steps, data_batch, intermediate_size "
-                "and draft_layers must be >= 1"
+                "max_tokens, top_k, draft_vocab, ttt_steps, data_batch, intermediate_size, "
+                "draft_layers and anchors must be >= 1"
             )
         if self.block_size < 2:
             raise ValueError(f"DFlash block_size must be >= 2, got {self.block_size}")
@@ -283,7 +285,8 @@ def build(kind: str, target: CausalLM, features: Features, recipe: Recipe, taps:
             head[-1].weight = lm_head
         return heads, medusa_loss, ()
     if kind == "dflash":
-        return _dflash(target, features, recipe, taps), dflash_loss, (embed, lm_head)
+        loss = partial(dflash_loss, anchors=recipe.anchors)
+        return _dflash(target, features, recipe, taps), loss, (embed, lm_head)
     if kind == "eagle1":
         layer = _layer(target, None, recipe.intermediate_size)
         head = Eagle1Head(EagleConfig(version=1, layer=layer))
