@@ -25,8 +25,6 @@ benchmarks/report.py renders as the Serving section of docs/results.md.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import shlex
 import statistics
@@ -39,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     add_blas_argument,
-    describe_machine,
     describe_versions,
     setup_blas,
     smollm2_f32,
@@ -54,9 +51,9 @@ from servers import (  # noqa: E402
     started,
     stories,
     theirs,
+    write_result,
 )
 
-RESULTS = Path(__file__).resolve().parent / "results"
 CLIENTS = (1, 2, 4, 8, 16)
 QUICK = {"clients": (1, 4, 16), "rounds": 1, "max_tokens": 24}
 DEFAULTS = {"clients": CLIENTS, "rounds": 3, "max_tokens": 32}
@@ -158,7 +155,6 @@ def main(argv=None) -> None:
     command = shlex.join(["python", "benchmarks/bench_serving.py", *sys.argv[1:]])
     load_start = os.getloadavg()
     env, blas = blas_env(args.openblas, setup_blas(args.openblas))
-    import mlx.core as mx
 
     folder = args.model or smollm2_f32()
     if not (folder / "config.json").exists():
@@ -173,27 +169,23 @@ def main(argv=None) -> None:
     versions = describe_versions()  # the code that runs, before the checkout can change
     with started(env, **commands) as servers:
         rows = run(servers, args, extras)
-    device = "gpu" if mx.default_device().type == mx.gpu else "cpu"
-    date = datetime.date.today().isoformat()
-    result = {
-        "benchmark": "serving",
-        "date": date,
-        "command": command,
-        "device": device,
-        "machine": describe_machine(blas),
-        "cores": os.cpu_count() or 1,
-        "load": [load_start[0], os.getloadavg()[0]],
-        "versions": versions,
-        "model": folder.name,
+    fields = {
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
         "method": args.method,
         "servers": {name: shlex.join(c[0]) for name, c in commands.items()},
         "rows": rows,
     }
-    out = args.out or RESULTS / f"serving-{date}-{device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out = write_result(
+        "serving",
+        fields,
+        command=command,
+        blas=blas,
+        load_start=load_start[0],
+        versions=versions,
+        model=folder,
+        out=args.out,
+    )
     print(table(rows))
     print(f"wrote {out}")
 

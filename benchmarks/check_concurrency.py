@@ -26,8 +26,6 @@ speed goals).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import shlex
 import statistics
@@ -38,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     add_blas_argument,
-    describe_machine,
     describe_versions,
     setup_blas,
     smollm2_f32,
@@ -51,9 +48,9 @@ from servers import (  # noqa: E402
     send,
     started,
     stories,
+    write_result,
 )
 
-RESULTS = Path(__file__).resolve().parent / "results"
 GOALS = {"concurrent_speedup": 3.0, "equal_answers": 7, "lookup_speedup": 1.2}
 PARAGRAPHS = (
     "The comittee met on tuesday to discus the new librery budget. After a long debate, they "
@@ -163,7 +160,6 @@ def main(argv=None) -> None:
     command = shlex.join(["python", "benchmarks/check_concurrency.py", *sys.argv[1:]])
     load_start = os.getloadavg()
     env, blas = blas_env(args.openblas, setup_blas(args.openblas))
-    import mlx.core as mx
 
     folder = args.model or smollm2_f32()
     if not (folder / "config.json").exists():
@@ -177,26 +173,17 @@ def main(argv=None) -> None:
         "equal_answers": concurrent["equal_answers"] >= GOALS["equal_answers"],
         "lookup_speedup": lookup["lookup_speedup"] >= GOALS["lookup_speedup"],
     }
-    device = "gpu" if mx.default_device().type == mx.gpu else "cpu"
-    date = datetime.date.today().isoformat()
-    result = {
-        "benchmark": "concurrency",
-        "date": date,
-        "command": command,
-        "device": device,
-        "machine": describe_machine(blas),
-        "cores": os.cpu_count() or 1,
-        "load": [load_start[0], os.getloadavg()[0]],
-        "versions": versions,
-        "model": folder.name,
-        "goals": GOALS,
-        "met": met,
-        "concurrent": concurrent,
-        "lookup": lookup,
-    }
-    out = args.out or RESULTS / f"concurrency-{date}-{device}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    fields = {"goals": GOALS, "met": met, "concurrent": concurrent, "lookup": lookup}
+    out = write_result(
+        "concurrency",
+        fields,
+        command=command,
+        blas=blas,
+        load_start=load_start[0],
+        versions=versions,
+        model=folder,
+        out=args.out,
+    )
 
     def verdict(key: str) -> str:
         return "met" if met[key] else "MISSED"

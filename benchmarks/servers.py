@@ -269,3 +269,45 @@ def check_lengths(server: Server, replies: Sequence[Reply], max_tokens: int, wha
                 f"tokens, not {max_tokens} (finish_reason {reply.finish_reason!r}); choose "
                 "prompts that run longer, or a smaller --max-tokens"
             )
+
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def write_result(
+    benchmark: str,
+    fields: dict,
+    *,
+    command: str,
+    blas: str,
+    load_start: float,
+    versions: dict[str, str],
+    model: Path,
+    out: Path | None,
+) -> Path:
+    """Writes a run's JSON (what every HTTP benchmark records about its run, then `fields`)
+    to `out`, by default benchmarks/results/<benchmark>-<date>-<device>.json; returns where."""
+    import datetime
+    import json
+
+    import mlx.core as mx
+    from common import describe_machine
+
+    device = "gpu" if mx.default_device().type == mx.gpu else "cpu"
+    date = datetime.date.today().isoformat()
+    result = {
+        "benchmark": benchmark,
+        "date": date,
+        "command": command,
+        "device": device,
+        "machine": describe_machine(blas),
+        "cores": os.cpu_count() or 1,
+        "load": [load_start, os.getloadavg()[0]],
+        "versions": versions,
+        "model": model.name,
+        **fields,
+    }
+    out = out or RESULTS / f"{benchmark}-{date}-{device}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    return out
