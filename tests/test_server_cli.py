@@ -108,7 +108,9 @@ def test_serves_with_a_draft_model_and_stops_cleanly(shared_models):
 def test_requests_waiting_at_sigterm_get_a_503_that_says_why(shared_models):
     """Once a 503 with `code: null`."""
     target = require(shared_models / "stories260K-llama", BESIDE)
-    process = start("--model", str(target), "--shutdown-timeout", "0")
+    # One at a time, so that requests wait in the queue (a batch takes them all in; its
+    # shutdown: test_server_serving.py's test_generations_ended_by_shutdown_say_so).
+    process = start("--model", str(target), "--shutdown-timeout", "0", "--max-batch", "1")
     try:
         url = wait_for_url(process)
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=60)

@@ -224,15 +224,16 @@ def test_full_queue_answers_429(endless, max_batch):
         args = dict(model="stories", prompt="Once upon a time", max_tokens=LONG, temperature=0)
         streams = [client.completions.create(**args, stream=True)]
         next(iter(streams[0]))  # generating now
-        deadline = time.monotonic() + 30
-        if max_batch > 1:
-            opened = []
-            for _ in range(max_batch):  # the batch's other rows, and one waiting for a row
-                thread = threading.Thread(
-                    target=lambda: opened.append(client.completions.create(**args, stream=True))
-                )
-                thread.start()
-            while running.worker._queue.qsize() or len(running.worker._running) < max_batch + 1:
+        deadline = time.monotonic() + 60
+        opened: list = []
+        for n in range(2, max_batch + 2 if max_batch > 1 else 0):
+            # The batch's other rows, and one waiting for a row: one at a time, each taken
+            # from the queue (of one) before the next is sent.
+            thread = threading.Thread(
+                target=lambda: opened.append(client.completions.create(**args, stream=True))
+            )
+            thread.start()
+            while running.worker._queue.qsize() or len(running.worker._running) < n:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
         waiting: list = []
