@@ -47,6 +47,7 @@ from servers import (  # noqa: E402
     blas_env,
     check_lengths,
     ours,
+    positive,
     send,
     started,
     stories,
@@ -123,13 +124,6 @@ def client_counts(text: str) -> tuple[int, ...]:
     if not counts or not all(1 <= c <= len(TOPICS) for c in counts):
         raise argparse.ArgumentTypeError(f"{text!r}: each count in [1, {len(TOPICS)}]")
     return counts
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
-    return value
 
 
 def main(argv=None) -> None:

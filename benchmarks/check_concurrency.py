@@ -45,6 +45,7 @@ from servers import (  # noqa: E402
     blas_env,
     check_lengths,
     ours,
+    positive,
     send,
     started,
     stories,
@@ -136,13 +137,6 @@ def check_lookup(server: Server, max_tokens: int, rounds: int) -> dict:
         "completion_tokens": lengths["none"],
         "lookup_tokens_per_target_forward": per_forward,
     }
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
-    return value
 
 
 def main(argv=None) -> None:

@@ -9,6 +9,7 @@ this checkout's package (its root leads PYTHONPATH), so a run measures the code 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import socket
@@ -311,3 +312,11 @@ def write_result(
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     return out
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1")
+    return value
