@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -114,12 +114,7 @@ def stream_generate(
     arguments.check_prompt(prompt)
     arguments.check_max_tokens(max_tokens)
     stop = arguments.check_stop(stop)
-    arguments.check_keywords(options, _SAMPLING_KEYS | set(speculative_keywords()) | _NAMED)
-    sampling_options = {k: v for k, v in options.items() if k in _SAMPLING_KEYS}
-    if sampling is not None and sampling_options:
-        raise ValueError(f"give sampling or {', '.join(sampling_options)}, not both")
-    sampling = sampling or SamplingParams(**sampling_options)
-    keywords = {k: v for k, v in options.items() if k not in _SAMPLING_KEYS}
+    sampling, keywords = split_options(options, sampling, _NAMED)
     num_draft_tokens = keywords.get("num_draft_tokens")
     typical = bool(keywords.get("typical_acceptance", False))
     if isinstance(drafter, DrafterSpec) or drafter is None:
@@ -145,6 +140,21 @@ def stream_generate(
         or (None if drafter is None or num_draft_tokens is None else FixedPolicy(num_draft_tokens)),
         grammar=grammar,
     )
+
+
+def split_options(
+    options: dict[str, Any], sampling: SamplingParams | None, named: Iterable[str] = ()
+) -> tuple[SamplingParams, dict[str, Any]]:
+    """The sampling settings and the method keywords among a generation call's `options`
+    (sampling settings when `sampling` is not given, method shortcuts); a TypeError naming an
+    unknown keyword (a caller's own keyword-only `named` ones count as known, for the
+    suggestion), a ValueError when both `sampling` and its settings are given."""
+    arguments.check_keywords(options, _SAMPLING_KEYS | set(speculative_keywords()) | set(named))
+    sampling_options = {k: v for k, v in options.items() if k in _SAMPLING_KEYS}
+    if sampling is not None and sampling_options:
+        raise ValueError(f"give sampling or {', '.join(sampling_options)}, not both")
+    keywords = {k: v for k, v in options.items() if k not in _SAMPLING_KEYS}
+    return sampling or SamplingParams(**sampling_options), keywords
 
 
 class Session:

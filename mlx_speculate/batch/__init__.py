@@ -20,16 +20,13 @@ from typing import Any
 
 from .. import arguments
 from ..chat import plain_tokens
-from ..drafters import DrafterSpec, make_drafter, spec_from_keywords, speculative_keywords
-from ..generation import Session, SpeculativeStats
+from ..drafters import DrafterSpec, make_drafter, spec_from_keywords
+from ..generation import Session, SpeculativeStats, split_options
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
 from .engine import BatchEngine, Handle, batch_stream, check_batchable
 
 __all__ = ["BatchEngine", "BatchResponse", "Handle", "batch_generate", "check_batchable"]
-
-_SAMPLING_KEYS = {"temperature", "top_p", "top_k", "min_p", "seed"}
-
 
 @dataclass(frozen=True)
 class BatchResponse:
@@ -61,12 +58,7 @@ def batch_generate(
     stop = arguments.check_stop(stop)
     for prompt in prompts:
         arguments.check_prompt(prompt)
-    arguments.check_keywords(options, _SAMPLING_KEYS | set(speculative_keywords()))
-    sampling_options = {k: v for k, v in options.items() if k in _SAMPLING_KEYS}
-    if sampling is not None and sampling_options:
-        raise ValueError(f"give sampling or {', '.join(sampling_options)}, not both")
-    sampling = sampling or SamplingParams(**sampling_options)
-    keywords = {k: v for k, v in options.items() if k not in _SAMPLING_KEYS}
+    sampling, keywords = split_options(options, sampling)
     if keywords:
         if drafter is not None:
             raise ValueError(f"give drafter or {', '.join(keywords)}, not both")
