@@ -14,9 +14,12 @@ from mlx.utils import tree_flatten
 
 from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters import DFlashSpec, TargetFeatures, make_drafter, spec_from_keywords
+from mlx_speculate.drafters import dflash as dflash_module
+from mlx_speculate.drafters.base import FusedDrafter
 from mlx_speculate.drafters.dflash import DFlashDrafter
 from mlx_speculate.generate import main
 from mlx_speculate.generation import Session
+from mlx_speculate.graphs import compiled
 from mlx_speculate.heads.dflash import DFlashConfig, DFlashHead, default_layer_ids
 from mlx_speculate.heads.dflash_format import load_dflash, save_dflash
 from mlx_speculate.loading import load
@@ -103,9 +106,7 @@ def reference_logits(head: DFlashHead, target, context: list[int]) -> mx.array:
     committed, block = len(context) - 1, config.block_size
     out = target(mx.array([context[:-1]]), taps=tuple(i + 1 for i in config.target_layer_ids))
     rows = head.hidden_norm(head.fc(mx.concatenate(list(out.taps), axis=-1)))  # (1, c, h)
-    x = target.model.embed_tokens(
-        mx.array([[context[-1]] + [config.mask_token_id] * (block - 1)])
-    )
+    x = target.model.embed_tokens(mx.array([[context[-1]] + [config.mask_token_id] * (block - 1)]))
     positions = mx.arange(committed + block)
     theta = args.rope_theta
     for layer in head.layers:
@@ -284,6 +285,43 @@ def test_greedy_accepts_drafts_on_a_small_vocabulary():
         assert sum(s.accepted for s in steps) >= accepted
 
 
+class CyclingPolicy(FixedPolicy):
+    """Draft lengths `ks` in turn, each for `every` steps."""
+
+    def __init__(self, ks: tuple[int, ...], every: int):
+        super().__init__(ks[0])
+        self.ks, self.every, self.steps = ks, every, 0
+
+    def observe(self, drafted: int, accepted: int, seconds: float) -> None:
+        self.steps += 1
+        self.k = self.ks[self.steps // self.every % len(self.ks)]
+
+
+@pytest.mark.parametrize(("top_k", "ks", "accepted"), [(1, (3, 2), 1), (3, (9, 6), 5)])
+def test_steps_after_the_first_are_fused(monkeypatch, top_k, ks, accepted):
+    """On a compiled target each verify step's graph drafts the next block: the drafter runs
+    a graph of its own only for the first step and when a tree's size changes (a chain is
+    cut to any length), and the output stays plain greedy's."""
+    config = tiny_config("llama", vocab_size=13, **DEEP)
+    target = tiny_model("llama", seed=0, vocab_size=13, **DEEP)
+    head = random_head(dflash_config(config, block=4), 1)
+    prompt = [1, 5, 9]
+    reference = greedy_reference(target, prompt, 60)
+    assert_clear_argmax(target, prompt, reference)
+    drafter = make_drafter(DFlashSpec(drafter=head, top_k=top_k), target)
+    assert isinstance(drafter, FusedDrafter)
+    own_graphs = []
+    counted = lambda *args, **kw: own_graphs.append(args[1]) or compiled(*args, **kw)  # noqa: E731
+    monkeypatch.setattr(dflash_module, "compiled", counted)
+    tokens, steps, _ = decode(target, prompt, 60, drafter, CyclingPolicy(ks, every=5))
+    assert tokens == reference
+    assert len(steps) > 12 and sum(s.accepted for s in steps) >= accepted
+    # the first token, then a step drafted by `propose`, then fused ones; a tree of a new
+    # size (every fifth step) is drafted by `propose` once more
+    changes = 0 if top_k == 1 else -(-len(steps) // 5)
+    assert 1 <= len(own_graphs) <= 1 + changes
+
+
 def test_adaptive_policy_and_stream_generate_with_dflash():
     from .markov import StubTokenizer
 
@@ -309,7 +347,9 @@ def test_prefix_reuse_keeps_the_draft_state_right():
     fresh = Decoder(target, make_drafter(spec, target))
     fresh.prefill(second)
     for a, b, _ in zip(
-        reused.steps(GREEDY, FixedPolicy(6)), fresh.steps(GREEDY, FixedPolicy(6)), range(6),
+        reused.steps(GREEDY, FixedPolicy(6)),
+        fresh.steps(GREEDY, FixedPolicy(6)),
+        range(6),
         strict=False,
     ):
         assert a.tokens == b.tokens and a.drafted == b.drafted
@@ -346,11 +386,12 @@ def test_sampling_follows_a_markov_target(top_k, k, sampling):
     assert_markov([0, *tokens], TABLE, sampling)
 
 
-def test_sampled_chains_follow_the_targets_marginal():
+@pytest.mark.parametrize(("top_k", "k"), [(1, 3), (2, 6)], ids=["chain", "tree"])
+def test_sampled_drafts_follow_the_targets_marginal(top_k, k):
     """The third token of many seeded generations on a compiled tiny target matches its
     exact marginal: it comes from the first verify step's accepted drafts (drawn from the
-    block's rows) or the second's."""
-    top_k, k = 1, 3
+    block's rows, or the tree's picks) or the second's, whose draft the first step's graph
+    made (fused)."""
     vocab, prompt, temperature = 13, [1, 5, 9], 0.5
     config = tiny_config("llama", vocab_size=vocab, **DEEP)
     target = tiny_model("llama", seed=0, vocab_size=vocab, **DEEP)
@@ -371,9 +412,17 @@ ZLAB_KEYS = {"fc.weight", "hidden_norm.weight", "norm.weight"} | {
     f"layers.{i}.{name}.weight"
     for i in range(2)
     for name in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-        "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj",
-        "mlp.down_proj", "input_layernorm", "post_attention_layernorm",
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "self_attn.q_norm",
+        "self_attn.k_norm",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
     )  # fmt: skip
 }
 # What z-lab's MLX loader (`load_draft`) reads from config.json, key by key.

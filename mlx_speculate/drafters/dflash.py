@@ -20,6 +20,11 @@ every draft of a proposal comes from that one forward.
 Fixed shapes: one compiled graph per (context rows' bucket, block, span, choice); the
 context rows, the slot they start at and the pending token are inputs, so a proposal needs
 no host sync. The tree is chosen on the device (`eagle_grow.select`).
+
+A step can be fused (`then`, as EAGLE's): the verify step's graph writes the accepted path's
+context rows and drafts the next block below the token the rule chose, so a step is one
+compiled call and one host sync, and the next step can be queued on the lazy accepted count
+(`follow`) before this one is read.
 """
 
 from __future__ import annotations
@@ -42,9 +47,9 @@ from ..memo import from_folder
 from ..models.base import CausalLM
 from ..models.context import build_context
 from ..sampling import SamplingParams, log_probs, sample
-from ..step import bucket
+from ..step import Then, bucket, cache_view
 from ..tree import DeviceTree, Tree
-from .base import Draft, Drafter, DrafterSpec, TargetFeatures
+from .base import Draft, DrafterSpec, FusedDrafter, TargetFeatures
 from .eagle_grow import select
 from .features import FeatureQueue
 
@@ -114,9 +119,15 @@ class DFlashSpec(DrafterSpec):
         return drafter
 
 
-class DFlashDrafter(Drafter):
+class DFlashDrafter(FusedDrafter):
     """Drafts blocks below the pending token from the context rows of every committed
-    position; its cache holds their keys and values, slot = position."""
+    position; its cache holds their keys and values, slot = position.
+
+    A fused step (`then`) writes the verified path's rows and drafts the next block in the
+    verify step's graph; `settle` then takes the accepted count, and the next `propose` (a
+    chain of any length, or a tree of the last one's size) returns that block's draft.
+    Otherwise (the first step, a plain step between, another tree size) `propose` writes the
+    waiting rows and drafts in a compiled graph of its own."""
 
     follows_context = False
 
@@ -132,6 +143,14 @@ class DFlashDrafter(Drafter):
         self.max_draft = depth if top_k == 1 else top_k + (depth - 1) * top_k * top_k
         self.cache = head.make_cache(head.norm.weight.dtype)  # it computes in its own dtype
         self._features = FeatureQueue(self.cache)  # rows: the context rows of `features`
+        self._choice: tuple | None = None  # the last proposal's (`_choice`)
+        # Fused steps not yet settled, oldest first: their lazy drafts and choices. After
+        # `settle`, those of the last one, for the next proposal after the known committed
+        # positions.
+        self._queued: list[tuple[tuple, Draft]] = []
+        self._ready: tuple[tuple, Draft] | None = None
+        # After `follow`: the slot the next `then`'s path starts at (lazy), and a host bound.
+        self._start: tuple[mx.array, int] | None = None
         mx.eval(head.parameters())
 
     def weights(self) -> tuple[nn.Module, ...]:
@@ -141,13 +160,21 @@ class DFlashDrafter(Drafter):
         self._features.add(features(features_.taps))
 
     def rewind(self, length: int) -> None:
+        self._queued, self._start = [], None  # unsettled fused steps wrote past the fed slots
+        if length < self._features.known:
+            self._ready = None
         self._features.rewind(length)
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft | None:
         committed = len(context) - 1
         k = min(k, self.max_draft)
+        ready, self._ready = self._ready, None
         if k <= 0 or self._features.known != committed:
             return None
+        choice = self._choice_of(k, sampling)
+        if ready is not None and ready[0] == choice and not self._features.waiting:
+            self._choice = choice
+            return self._cut(ready[1], k)
         rows = self._features.rows()
         m = self._features.waiting
         padded = bucket(max(m, 1))
@@ -161,7 +188,6 @@ class DFlashDrafter(Drafter):
         end = max(self._features.fed + padded, committed + self.block)
         self.cache.reserve(end)
         span = self.cache.span(committed + self.block)
-        choice = self._choice(k, sampling)
         key = ("dflash", id(self.head), padded, span, choice)
         build = lambda: _block_fn(self.head, self.target, span, choice)  # noqa: E731
         fn = compiled(self.head, key, build, traced=self.head.traceable)
@@ -169,12 +195,86 @@ class DFlashDrafter(Drafter):
         pending = mx.array(context[-1:], mx.int32)
         out = fn(rows, fed, mx.array(committed, mx.int32), pending, *self.cache.state)
         layers = len(self.cache.state)
+        draft = self._cut(self._draft(choice, out[: len(out) - layers]), k)
+        if self._queued:  # a queued fused step wrote past `fed`: leave its slots alone
+            return draft
         self.cache.set_arrays(out[len(out) - layers :])
         self.cache.advance(committed - self.cache.offset)
         self._features.mark_fed(committed)
-        return self._draft(k, choice, out[: len(out) - layers])
+        self._choice = choice
+        return draft
 
-    def _choice(self, k: int, sampling: SamplingParams) -> tuple:
+    def then(self) -> Then | None:
+        """The next block, of the last proposal's choice, traced into the verify step of the
+        last one (or, after `follow`, of the step queued on its count); None when the head
+        cannot be traced. Fixed shapes: the verified tree's path rows (at most B: a draft
+        has at most B - 1 tokens) from the path's first slot (an input), then the block."""
+        start, self._start = self._start, None
+        if not self.head.traceable or self._features.waiting or self._choice is None:
+            return None
+        if start is None:
+            if self._queued:
+                return None
+            start = (mx.array(self._features.fed, mx.int32), self._features.fed)
+        head, target, choice, block = self.head, self.target, self._choice, self.block
+        end = start[1] + 2 * block  # the path's rows, then the block after them
+        self.cache.reserve(end)
+        span = self.cache.span(end)
+
+        def trace(acceptance, hidden, taps, fed, *arrays):
+            view = cache_view(head, arrays, fed, span)
+            path, n = acceptance.path[:block], acceptance.num_accepted
+            rows = features(tuple(t[path] for t in taps))  # (D + 1, F), D <= B - 1
+            dtype = arrays[0].dtype
+            head.write_context(head.context(rows[None].astype(dtype)), view, fed)
+            pending = mx.take(mx.maximum(acceptance.tokens, 0), n.reshape(1))
+            out = _block(head, target, view, fed + n + 1, pending, span, choice)
+            return (*out, *view.state)
+
+        key = ("dflash", id(head), span, choice)
+        return Then(key, (start[0], *self.cache.state), trace)
+
+    def received(self, outputs: Sequence[mx.array]) -> None:
+        """The fused step's lazy outputs (`Verified.then`)."""
+        layers = len(self.cache.state)
+        self.cache.set_arrays(outputs[len(outputs) - layers :])
+        draft = self._draft(self._choice, outputs[: len(outputs) - layers])
+        self._queued.append((self._choice, draft))
+
+    def follow(
+        self,
+        drafted: mx.array,
+        accepted: mx.array,
+        pending: mx.array,
+        k: int,
+        sampling: SamplingParams,
+    ) -> Draft | None:
+        """The block the fused step being verified drafted, for the step queued on the count
+        of drafts it `accepted` (an int32 scalar) before that count is read: the next `then`
+        writes the path from the slot after them. None unless exactly that step is
+        unsettled and the next is of the same choice."""
+        choice = self._choice_of(min(k, self.max_draft), sampling)
+        if len(self._queued) != 1 or self._queued[0][0] != choice:
+            return None
+        if not self.head.traceable or self._features.waiting:
+            return None
+        fed = self._features.fed
+        self._start = (fed + 1 + accepted, fed + self.block)  # accepted <= B - 1
+        self._choice = choice
+        return self._cut(self._queued[0][1], k)
+
+    def settle(self, accepted: int) -> None:
+        """The oldest fused step accepted `accepted` drafts: its path's rows are in the
+        cache, and its block follows them (unless a step queued on this one's count took
+        it already)."""
+        queued = self._queued.pop(0)
+        fed = self._features.fed + accepted + 1
+        self._features.mark_fed(fed)
+        self._ready = None if self._queued else queued
+        self.cache.truncate(min(self.cache.offset, fed))
+        self.cache.advance(fed - self.cache.offset)
+
+    def _choice_of(self, k: int, sampling: SamplingParams) -> tuple:
         """What shapes the block's graph besides its sizes: ("greedy",), ("sampled",
         settings) or ("tree", top_k, k)."""
         if self.top_k > 1:
@@ -183,16 +283,24 @@ class DFlashDrafter(Drafter):
             return ("greedy",)
         return ("sampled", replace(sampling, seed=None))
 
-    def _draft(self, k: int, choice: tuple, out: Sequence[mx.array]) -> Draft:
+    def _draft(self, choice: tuple, out: Sequence[mx.array]) -> Draft:
+        """The whole block's draft: a chain of B - 1 tokens, or the tree of `choice`."""
         if choice[0] == "tree":
             tokens, parent_index, depth_index, ancestors = out
+            _, top_k, k = choice
             depth = min(self.block - 1, k)
-            tree = DeviceTree(k + 1, depth, self.top_k, parent_index, depth_index, ancestors)
+            tree = DeviceTree(k + 1, depth, top_k, parent_index, depth_index, ancestors)
             return Draft(tokens, tree)
+        logprobs = out[1] if choice[0] == "sampled" else None
+        return Draft(out[0], Tree.chain(self.block - 1), logprobs)
+
+    def _cut(self, draft: Draft, k: int) -> Draft:
+        """A chain's first k tokens (a tree is of its own size)."""
+        if not draft.tree.is_chain:
+            return draft
         k = min(k, self.block - 1)
-        tokens = out[0][:k]
-        logprobs = out[1][:k] if choice[0] == "sampled" else None
-        return Draft(tokens, Tree.chain(k), logprobs)
+        logprobs = None if draft.logprobs is None else draft.logprobs[:k]
+        return Draft(draft.tokens[:k], Tree.chain(k), logprobs)
 
 
 def features_width(head: DFlashHead) -> int:
@@ -203,29 +311,45 @@ def features_width(head: DFlashHead) -> int:
 def _block_fn(head: DFlashHead, target: CausalLM, span: int, choice: tuple) -> Callable:
     """The block's graph: (rows (P, F), fed, committed, pending (1,), *cache) -> the draft's
     arrays, then the cache's."""
-    config = head.config
-    block = config.block_size
-    mask = mx.ones((block, block), dtype=mx.bool_)  # every block row sees the whole block
 
     def fn(rows, fed, committed, pending, *arrays):
         cache = KVCache(len(head.layers))
         cache.adopt(arrays)
         seq_len = None
         if head.rope.depends_on_length:  # untraced: the host may read the position
-            seq_len = int(committed.item()) + block
+            seq_len = int(committed.item()) + head.config.block_size
         dtype = arrays[0].dtype
         head.write_context(head.context(rows[None].astype(dtype)), cache, fed, seq_len)
-        cache.start, cache.attended = committed, span
-        tokens = mx.concatenate([pending, mx.full((block - 1,), config.mask_token_id, mx.int32)])
-        embeds = target.model.embed_tokens(tokens)[None]  # (1, B, h)
-        ctx = build_context(
-            head.rope, cache, block, None, mask, head.window, head.sliding, embeds.dtype
-        )
-        out = head(embeds, ctx)[0, 1:]  # (B - 1, h): the drafts' rows
-        logits = target.project(out).astype(mx.float32)  # (B - 1, V)
-        return (*_pick(logits, choice), *cache.state)
+        out = _block(head, target, cache, committed, pending, span, choice)
+        return (*out, *cache.state)
 
     return fn
+
+
+def _block(
+    head: DFlashHead,
+    target: CausalLM,
+    cache: KVCache,
+    committed: mx.array,
+    pending: mx.array,
+    span: int,
+    choice: tuple,
+) -> tuple[mx.array, ...]:
+    """The draft's arrays of the block [pending (1,), mask, ..., mask] at positions
+    `committed` (int32) on, over the context rows the cache holds below it."""
+    block = head.config.block_size
+    mask = mx.ones((block, block), dtype=mx.bool_)  # every block row sees the whole block
+    cache.start, cache.attended = committed, span
+    tokens = mx.concatenate(
+        [pending.astype(mx.int32), mx.full((block - 1,), head.config.mask_token_id, mx.int32)]
+    )
+    embeds = target.model.embed_tokens(tokens)[None]  # (1, B, h)
+    ctx = build_context(
+        head.rope, cache, block, None, mask, head.window, head.sliding, embeds.dtype
+    )
+    out = head(embeds, ctx)[0, 1:]  # (B - 1, h): the drafts' rows
+    logits = target.project(out).astype(mx.float32)  # (B - 1, V)
+    return _pick(logits, choice)
 
 
 def _pick(logits: mx.array, choice: tuple) -> tuple[mx.array, ...]:
