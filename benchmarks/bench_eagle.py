@@ -2,12 +2,15 @@
 plain decoding, in one run, on the held-out prompts of ../shared/eagle/official-dev.json.
 
     python benchmarks/bench_eagle.py [--openblas] [--prompts 10] [--runs 2] [--heads eagle1,eagle3]
+        [--dflash DRAFTER [--dflash-trees chain7 top4,24]]
 
 Per method: tokens/s over all prompts, tau (tokens per verify forward, as the EAGLE papers count
 it), and the ratio to our plain decoding; medians over interleaved runs. EAGLE runs the official
 60/7/10 tree, a 6-draft chain (7/5/1), and the adaptive policy choosing the tree size from
 calibrated costs, whose step cost per tree size (drafting and verifying) is printed at the
-end. Outputs are checked against the official ones.
+end. Outputs are checked against the official ones. `--dflash` adds a DFlash drafter for
+SmolLM2 (`train dflash`'s folder) beside the heads: chains (`chainK`) and DDTree trees
+(`topK,N`: N nodes from each position's K likeliest tokens).
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--heads", default="eagle1,eagle3")
+    parser.add_argument("--dflash", type=Path, help="a DFlash drafter folder for SmolLM2")
+    parser.add_argument("--dflash-trees", nargs="+", default=["chain7", "top4,24"],
+                        help="chainK or topK,N")  # fmt: skip
     add_blas_argument(parser)
     args = parser.parse_args(argv)
     blas = setup_blas(args.openblas)
@@ -70,7 +76,7 @@ def main(argv=None) -> None:
     import mlx_lm
 
     from mlx_speculate import load, stream_generate
-    from mlx_speculate.drafters import EagleGrowth, EagleSpec, make_drafter
+    from mlx_speculate.drafters import DFlashSpec, EagleGrowth, EagleSpec, make_drafter
     from mlx_speculate.policy.adaptive import FixedPolicy, default_policy
 
     official = json.loads((EAGLE / "official-dev.json").read_text())["runs"]
@@ -110,6 +116,12 @@ def main(argv=None) -> None:
                 )
 
             rows[f"{name} {label}"] = run
+
+    for text in args.dflash_trees if args.dflash else ():
+        top_k, k = (1, int(text.removeprefix("chain"))) if text.startswith("chain") else (
+            map(int, text.removeprefix("top").split(",")))  # fmt: skip
+        drafter = make_drafter(DFlashSpec(drafter=str(args.dflash), top_k=top_k), model)
+        rows[f"dflash {text}"] = ours(drafter=drafter, policy=FixedPolicy(k))
 
     results = {name: [] for name in rows}
     for round_ in range(args.runs + 1):  # round 0 warms up and is dropped

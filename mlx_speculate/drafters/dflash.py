@@ -224,7 +224,9 @@ class DFlashDrafter(FusedDrafter):
         def trace(acceptance, hidden, taps, fed, *arrays):
             view = cache_view(head, arrays, fed, span)
             path, n = acceptance.path[:block], acceptance.num_accepted
-            rows = features(tuple(t[path] for t in taps))  # (D + 1, F), D <= B - 1
+            # (D + 1, F), D <= B - 1; a chain's path is its first rows (a slice, no gather)
+            index = path if choice[0] == "tree" else slice(0, path.shape[0])
+            rows = features(tuple(t[index] for t in taps))
             dtype = arrays[0].dtype
             head.write_context(head.context(rows[None].astype(dtype)), view, fed)
             pending = mx.take(mx.maximum(acceptance.tokens, 0), n.reshape(1))

@@ -293,4 +293,4 @@ class DFlashHead(nn.Module):
 def features(taps: Sequence[mx.array]) -> mx.array:
     """(n, k * h): the target's tapped states of some positions, concatenated as `fc` reads
     them."""
-    return mx.concatenate(list(taps), axis=-1)
+    return taps[0] if len(taps) == 1 else mx.concatenate(list(taps), axis=-1)
