@@ -77,7 +77,8 @@ def main(argv=None) -> None:
 
     from mlx_speculate import load, stream_generate
     from mlx_speculate.drafters import DFlashSpec, EagleGrowth, EagleSpec, make_drafter
-    from mlx_speculate.policy.adaptive import FixedPolicy, default_policy
+    from mlx_speculate.policy.adaptive import FixedPolicy
+    from mlx_speculate.policy.measure import default_policy
 
     official = json.loads((EAGLE / "official-dev.json").read_text())["runs"]
     entries = official["eagle1-dynamic-tree"]["prompts"][: args.prompts]
