@@ -269,15 +269,22 @@ def test_greedy_equals_plain(family, top_k, k):
     assert sum(s.drafted for s in steps) >= 10 * min(k, drafter.max_draft)
 
 
-def test_greedy_accepts_drafts_on_a_small_vocabulary():
-    """A 13-token target, where random drafts are often right: accepted chains and tree
-    paths commit as plain decoding would."""
+def small_vocabulary():
+    """A 13-token target, where random drafts are often right, a random block-4 drafter for
+    it, a prompt and the target's next 60 greedy tokens (a clear argmax each)."""
     config = tiny_config("llama", vocab_size=13, **DEEP)
     target = tiny_model("llama", seed=0, vocab_size=13, **DEEP)
     head = random_head(dflash_config(config, block=4), 1)
     prompt = [1, 5, 9]
     reference = greedy_reference(target, prompt, 60)
     assert_clear_argmax(target, prompt, reference)
+    return target, head, prompt, reference
+
+
+def test_greedy_accepts_drafts_on_a_small_vocabulary():
+    """A 13-token target, where random drafts are often right: accepted chains and tree
+    paths commit as plain decoding would."""
+    target, head, prompt, reference = small_vocabulary()
     for top_k, k, accepted in ((1, 3, 1), (3, 9, 10)):
         drafter = make_drafter(DFlashSpec(drafter=head, top_k=top_k), target)
         tokens, steps, _ = decode(target, prompt, 60, drafter, FixedPolicy(k))
@@ -302,12 +309,7 @@ def test_steps_after_the_first_are_fused(monkeypatch, top_k, ks, accepted):
     """On a compiled target each verify step's graph drafts the next block: the drafter runs
     a graph of its own only for the first step and when a tree's size changes (a chain is
     cut to any length), and the output stays plain greedy's."""
-    config = tiny_config("llama", vocab_size=13, **DEEP)
-    target = tiny_model("llama", seed=0, vocab_size=13, **DEEP)
-    head = random_head(dflash_config(config, block=4), 1)
-    prompt = [1, 5, 9]
-    reference = greedy_reference(target, prompt, 60)
-    assert_clear_argmax(target, prompt, reference)
+    target, head, prompt, reference = small_vocabulary()
     drafter = make_drafter(DFlashSpec(drafter=head, top_k=top_k), target)
     assert isinstance(drafter, FusedDrafter)
     own_graphs = []
