@@ -32,11 +32,10 @@ def main() -> None:
     import mlx.core as mx
     import mlx.nn as nn
 
-    from mlx_speculate.decode import Decoder
     from mlx_speculate.default_model import default_model_path
     from mlx_speculate.loading import load
     from mlx_speculate.models.quantized_prefill import PrefillQuantizedLinear
-    from mlx_speculate.prefill import PREFILL_STEP
+    from mlx_speculate.sequence import PREFILL_STEP, Sequence
 
     header("Prefill of the default model on the CPU", blas)
     model, tokenizer = load(default_model_path())
@@ -47,10 +46,10 @@ def main() -> None:
     def run(method: str, n: int) -> float:
         for layer in layers:  # before: the kernel the model used until now
             layer.__class__ = nn.QuantizedLinear if method == "before" else PrefillQuantizedLinear
-        decoder = Decoder(model)
+        sequence = Sequence(model)
         start = time.perf_counter()
-        decoder.prefill(ids[:n])
-        mx.eval(decoder._prompt_logits)
+        sequence.prefill(ids[:n])
+        mx.eval(sequence._prompt_logits)
         return n / (time.perf_counter() - start)
 
     lengths = {"before": args.before_tokens or args.tokens, "after": args.tokens}

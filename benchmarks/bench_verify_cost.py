@@ -112,6 +112,7 @@ def step_costs(model, prompt: int, runs: int) -> dict[str, float]:
     from mlx_speculate.heads.eagle import Eagle1Head, EagleConfig
     from mlx_speculate.policy.adaptive import FixedPolicy
     from mlx_speculate.sampling import SamplingParams
+    from mlx_speculate.sequence import Sequence
 
     args = model.args
     layer = {
@@ -134,8 +135,8 @@ def step_costs(model, prompt: int, runs: int) -> dict[str, float]:
     seconds = {}
     for name, tree in settings.items():
         drafter = None if tree is None else make_drafter(EagleSpec(heads=head, tree=tree), model)
-        decoder = Decoder(model, drafter)
-        decoder.prefill(list(range(1, prompt + 1)))
+        decoder = Decoder(Sequence(model, drafter))
+        decoder.sequence.prefill(list(range(1, prompt + 1)))
         policy = FixedPolicy(0 if tree is None else tree.total - 1)
         steps = islice(decoder.steps(SamplingParams(), policy), runs + 3)
         times = [step.seconds for step in steps]

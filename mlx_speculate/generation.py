@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections import abc
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -12,7 +13,7 @@ import mlx.core as mx
 
 from . import arguments
 from .chat import plain_tokens
-from .decode import Decoder, Step
+from .decode import Decoder
 from .device import wired_limit
 from .drafters import (
     Drafter,
@@ -26,8 +27,8 @@ from .grammar.constraint import Constraint
 from .models.base import CausalLM
 from .policy.adaptive import FixedPolicy, Policy
 from .policy.measure import default_policy
-from .prefill import PrefillCancelled
 from .sampling import SamplingParams
+from .sequence import PrefillCancelled, Sequence, Step
 
 
 @dataclass(frozen=True)
@@ -84,11 +85,11 @@ _SAMPLING_KEYS = {f.name for f in fields(SamplingParams)}
 def stream_generate(
     model: CausalLM,
     tokenizer,
-    prompt: str | Sequence[int],
+    prompt: str | abc.Sequence[int],
     *,
     max_tokens: int = 256,
     sampling: SamplingParams | None = None,
-    stop: Sequence[str] = (),
+    stop: abc.Sequence[str] = (),
     drafter: DrafterSpec | Drafter | None = None,
     policy: Policy | None = None,
     grammar: Grammar | None = None,
@@ -174,16 +175,17 @@ class Session:
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.typical_acceptance = typical_acceptance
-        self.decoder = Decoder(model, drafter)
+        self.sequence = Sequence(model, drafter)  # its context and cache carry over
+        self.decoder = Decoder(self.sequence)
         self._policy: Policy | None = None  # the default one, built while the drafter is fresh
 
     def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | abc.Sequence[int],
         *,
         sampling: SamplingParams,
         max_tokens: int,
-        stop: Sequence[str] = (),
+        stop: abc.Sequence[str] = (),
         policy: Policy | None = None,
         cancelled: Callable[[], bool] | None = None,
         grammar: Grammar | None = None,
@@ -201,15 +203,15 @@ class Session:
 
     def _stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | abc.Sequence[int],
         sampling: SamplingParams,
         max_tokens: int,
-        stop: Sequence[str],
+        stop: abc.Sequence[str],
         policy: Policy | None,
         cancelled: Callable[[], bool] | None,
         grammar: Grammar | None,
     ) -> Iterator[GenerationResponse]:
-        tokenizer, decoder = self.tokenizer, self.decoder
+        tokenizer, sequence = self.tokenizer, self.sequence
         constraint = None
         if grammar is not None:
             constraint = Constraint(grammar, tokenizer, self.model.args.vocab_size)
@@ -221,11 +223,11 @@ class Session:
         mx.reset_peak_memory()
         start = time.perf_counter()
         try:
-            cached = decoder.prefill(tokens, cancelled)
+            cached = sequence.prefill(tokens, cancelled)
         except PrefillCancelled:
             return
         responder = Responder(tokenizer, len(tokens), cached, max_tokens, stop, start)
-        steps = decoder.steps(
+        steps = self.decoder.steps(
             sampling,
             policy,
             max_tokens=max_tokens,
@@ -233,7 +235,7 @@ class Session:
             constraint=constraint,
         )
         for step in steps:
-            yield from responder.feed(step, decoder.room() < 0, decoder.context_full)
+            yield from responder.feed(step, sequence.room() < 0, sequence.context_full)
             if responder.finished:
                 steps.close()
                 return
@@ -250,7 +252,7 @@ class Responder:
         prompt_tokens: int,
         cached: int,
         max_tokens: int,
-        stop: Sequence[str],
+        stop: abc.Sequence[str],
         started: float,
     ):
         """`cached`: prompt tokens whose cache carried over; `started`: when the prefill began."""
@@ -345,12 +347,12 @@ _NAMED = {
 }
 
 
-def generate(model: CausalLM, tokenizer, prompt: str | Sequence[int], **kwargs) -> str:
+def generate(model: CausalLM, tokenizer, prompt: str | abc.Sequence[int], **kwargs) -> str:
     """The whole generated text."""
     return "".join(r.text for r in stream_generate(model, tokenizer, prompt, **kwargs))
 
 
-def _stop_hold(text: str, stops: Sequence[str]) -> int:
+def _stop_hold(text: str, stops: abc.Sequence[str]) -> int:
     """Length of the tail of `text` that could still grow into a stop string."""
     hold = 0
     for stop in stops:
@@ -361,7 +363,7 @@ def _stop_hold(text: str, stops: Sequence[str]) -> int:
     return hold
 
 
-def _find_stop(text: str, stops: Sequence[str], sent: int) -> int:
+def _find_stop(text: str, stops: abc.Sequence[str], sent: int) -> int:
     """Where the first stop string starts in `text`, or -1; only new text is searched."""
     hits = [i for s in stops if (i := text.find(s, max(0, sent - len(s) + 1))) >= 0]
     return min(hits, default=-1)

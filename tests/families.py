@@ -13,7 +13,6 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_speculate.convert import convert
-from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters import EagleGrowth, EagleSpec, make_drafter
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
 from mlx_speculate.drafters.lookup import LookupDrafter
@@ -22,6 +21,7 @@ from mlx_speculate.generation import stream_generate
 from mlx_speculate.loading import build_model, load, load_model
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
+from mlx_speculate.sequence import Sequence
 from mlx_speculate.tree import Tree
 
 from .helpers import (
@@ -177,11 +177,11 @@ def check_sampled_marginal(target, draft, temperature: float = 1.0, draws: int =
     the target's exact marginal for it (Pearson's test; tests/markov.py)."""
     mx.random.seed(0)
     vocab = target.args.vocab_size
-    decoder = Decoder(target, DraftModelDrafter(draft, vocab))
+    sequence = Sequence(target, DraftModelDrafter(draft, vocab))
     sampling = SamplingParams(temperature=temperature)
     start = [t % vocab for t in PROMPT]
     seconds = [
-        leading_tokens(decoder, start, sampling, FixedPolicy(3), 2, 4)[1] for _ in range(draws)
+        leading_tokens(sequence, start, sampling, FixedPolicy(3), 2, 4)[1] for _ in range(draws)
     ]
     assert_follows_marginal(target, start, temperature, 1, seconds)
 

@@ -16,6 +16,7 @@ from mlx_speculate.decode import Decoder
 from mlx_speculate.default_model import gguf_path
 from mlx_speculate.loading import build_model, model_class
 from mlx_speculate.sampling import SamplingParams
+from mlx_speculate.sequence import Sequence
 from tests import gemma3_gguf
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
@@ -75,26 +76,42 @@ FAMILY_TINY = {
     "qwen3": {"head_dim": 32},
     # Qwen3-MoE: 4 experts, 2 a token, each half the dense MLP's width.
     "qwen3_moe": {
-        "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+        "head_dim": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 48,
     },
     # gpt-oss: layer 0 slides over 6 tokens, layer 1 is global; 4 experts, 2 a token.
     "gpt_oss": {
-        "head_dim": 16, "sliding_window": 6, "num_local_experts": 4, "num_experts_per_tok": 2,
-        "intermediate_size": 48, "max_position_embeddings": 131072,  # YaRN from 4096, x32
+        "head_dim": 16,
+        "sliding_window": 6,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 48,
+        "max_position_embeddings": 131072,  # YaRN from 4096, x32
     },
     # Gemma 4: sliding layer 0 (window 6, head size 16) beside global layer 1 (head size 32,
     # proportional RoPE), per-layer inputs of width 8.
     "gemma4_text": {
-        "head_dim": 16, "global_head_dim": 32, "sliding_window": 6,
-        "vocab_size_per_layer_input": 97, "hidden_size_per_layer_input": 8,
+        "head_dim": 16,
+        "global_head_dim": 32,
+        "sliding_window": 6,
+        "vocab_size_per_layer_input": 97,
+        "hidden_size_per_layer_input": 8,
     },
     # The hybrids: 4 layers, Gated DeltaNet in layers 0-2 and attention in layer 3 (split over
     # two ranks, rank 0 holds no attention layer); Qwen3-Next's layer 1 dense, the rest experts.
     **{
         model_type: {
-            "num_hidden_layers": 4, "head_dim": 16, "partial_rotary_factor": 0.5,
-            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 12,
-            "linear_num_key_heads": 2, "linear_num_value_heads": 4, **experts,
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "partial_rotary_factor": 0.5,
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 12,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            **experts,
         }
         for model_type, experts in {
             "qwen3_next": {**HYBRID_MOE, "mlp_only_layers": [1]},
@@ -130,8 +147,8 @@ def random_weights(config: dict[str, Any], seed: int = 0, qk_std: float = 0.3) -
         elif any(p in name for p in ("q_proj", "k_proj", "qkv_proj")):
             weights[name] = qk_std * mx.random.normal(value.shape, key=k)
         else:
-            weights[name] = 0.05 * mx.random.normal(value.shape, key=k) * (
-                2.0 if "embed" in name else 1.0
+            weights[name] = (
+                0.05 * mx.random.normal(value.shape, key=k) * (2.0 if "embed" in name else 1.0)
             )
     return weights
 
@@ -183,8 +200,8 @@ def tree_path(parents: list[int], node: int) -> list[int]:
 
 def decode(model, prompt, n, drafter=None, policy=None, sampling=None, **kwargs):
     """The first n tokens the decoding loop emits, its steps, and the decoder."""
-    decoder = Decoder(model, drafter)
-    decoder.prefill(prompt)
+    decoder = Decoder(Sequence(model, drafter))
+    decoder.sequence.prefill(prompt)
     tokens, steps = [], []
     for step in decoder.steps(sampling or SamplingParams(), policy, **kwargs):
         tokens.extend(step.tokens)
@@ -244,12 +261,10 @@ def random_eagle_head(target: dict[str, Any], version: int, seed: int = 0, **kwa
     return build_eagle(config, random_eagle_weights(config, seed))
 
 
-def leading_tokens(
-    decoder, prompt, sampling, policy, count: int, max_tokens: int = 8
-) -> list[int]:
+def leading_tokens(decoder, prompt, sampling, policy, count: int, max_tokens: int = 8) -> list[int]:
     """The first `count` tokens of one generation of up to `max_tokens` after `prompt` (the
     decoder reused)."""
-    decoder.prefill(prompt)
+    decoder.sequence.prefill(prompt)
     tokens = []
     for step in decoder.steps(sampling, policy, max_tokens=max_tokens):
         tokens.extend(step.tokens)

@@ -21,6 +21,7 @@ from mlx_speculate.heads.gemma4_assistant import AssistantArgs, Gemma4Assistant
 from mlx_speculate.loading import build_model, load_model
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
+from mlx_speculate.sequence import Sequence
 
 from .families import randomize
 from .helpers import assert_clear_argmax, decode, greedy_reference, tiny_config, tiny_model
@@ -259,13 +260,13 @@ def test_sampled_tokens_follow_the_targets_marginal(tmp_path):
     config, weights = markov_target(4, vocab_size=16, vocab_size_per_layer_input=16)
     target = build_model(config, weights)
     folder = save_folder(tmp_path / "a", copying_config(config), copying_assistant(config, weights))
-    decoder = Decoder(target, make_drafter(AssistantSpec(assistant=folder), target))
+    decoder = Decoder(Sequence(target, make_drafter(AssistantSpec(assistant=folder), target)))
     sampling = SamplingParams(temperature=0.7)
     prompt = [t % 16 for t in PROMPT]
     mx.random.seed(0)
     seconds, accepted = [], 0
     for _ in range(400):
-        decoder.prefill(prompt)
+        decoder.sequence.prefill(prompt)
         tokens = []
         for step in decoder.steps(sampling, FixedPolicy(3), max_tokens=4):
             tokens.extend(step.tokens)

@@ -12,6 +12,7 @@ from mlx_speculate.batch import BatchEngine, Handle, batch_generate, check_batch
 from mlx_speculate.batch.cache import BatchKVCache
 from mlx_speculate.batch.engine import batch_stream
 from mlx_speculate.batch.plan import BatchPlanner, expected_tokens
+from mlx_speculate.batch.prefill import PREFILL_ROWS, PrefillGroup
 from mlx_speculate.drafters import DFlashSpec, EagleGrowth, EagleSpec, make_drafter
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
 from mlx_speculate.drafters.lookup import LookupDrafter
@@ -119,6 +120,43 @@ def test_every_method_in_a_batch_equals_greedy_alone(family):
             assert sum(h.last.stats.drafted for h in handles) > 0, name
 
 
+def test_joining_prompts_prefill_together_in_chunks(monkeypatch):
+    """Prompts of different lengths, several chunks long, join at once: each prefill forward
+    holds several of them (at most PREFILL_ROWS), each one's continuation is plain greedy
+    decoding's alone, and a session whose cache holds the start of its prompt runs only the
+    rest (EAGLE-1's features of every prompt position reach its drafter as alone)."""
+    target = tiny_model("llama", 0, **DEEP)
+    n = 8
+    lengths = [90, 47, 130, 12, 64, 101, 35, 77, 58, 20]
+    candidates = [[1 + (i * 7 + j * j) % 41 for j in range(m)] for i, m in enumerate(lengths)]
+    prompts = [p for p in candidates if clear(target, p, n)]
+    assert len(prompts) >= 6
+    members = []
+    step = PrefillGroup.step
+
+    def counted(group):
+        members.append(len(group.members))
+        return step(group)
+
+    monkeypatch.setattr(PrefillGroup, "step", counted)
+    config = {k: v for k, v in vars(target.args).items() if not k.startswith("_")}
+    head = random_eagle_head(config, 1, 5, draft_vocab=None, taps=None)
+    for make in (lambda: None, lambda: make_drafter(EagleSpec(heads=head), target)):
+        members.clear()
+        sessions = [Session(target, StubTokenizer(), make()) for _ in prompts]
+        # The first session has served the start of its prompt: only the rest is run.
+        list(sessions[0].stream(prompts[0][:30], sampling=GREEDY, max_tokens=2))
+        engine = BatchEngine(target, 4)
+        handles = [Handle(s, p, GREEDY, n) for s, p in zip(sessions, prompts, strict=True)]
+        tokens = [[] for _ in prompts]
+        for i, response in batch_stream(engine, handles):
+            tokens[i].append(response.token)
+        assert tokens == [greedy_reference(target, p, n) for p in prompts]
+        assert handles[0].last.cached_tokens == 30
+        assert 1 < max(members) <= PREFILL_ROWS
+        assert len(members) < sum(-(-len(p) // 16) for p in prompts) // 2
+
+
 def test_sampling_in_a_batch_follows_the_target():
     """At temperature 1, with a draft model that is often rejected, the first and second
     tokens of sequences sampled eight at a time follow the target's exact marginals."""
@@ -131,7 +169,12 @@ def test_sampling_in_a_batch_follows_the_target():
     engine = BatchEngine(target, 8)
     for _ in range(50):
         tokens, _ = run(
-            target, [prompt] * 8, lambda: DraftModelDrafter(draft, 16), 3, sampling, fixed=3,
+            target,
+            [prompt] * 8,
+            lambda: DraftModelDrafter(draft, 16),
+            3,
+            sampling,
+            fixed=3,
             engine=engine,
         )
         draws += tokens
@@ -172,9 +215,9 @@ def test_sequences_join_and_leave_mid_generation():
             assert seen[i] == greedy_reference(target, prompt, n), i
     # Each session's cache holds its whole context, as after a generation alone: a next turn
     # reuses it.
-    decoder = handles[1].session.decoder
-    assert decoder.cache.offset == len(decoder.context) - 1
-    assert decoder.reusable(decoder.context + [5]) == len(decoder.context) - 1
+    sequence = handles[1].session.sequence
+    assert sequence.cache.offset == len(sequence.context) - 1
+    assert sequence.reusable(sequence.context + [5]) == len(sequence.context) - 1
 
 
 def test_a_seeded_sequence_samples_the_same_beside_any_others():

@@ -25,6 +25,7 @@ from mlx_speculate.heads.dflash_format import load_dflash, save_dflash
 from mlx_speculate.loading import load
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
+from mlx_speculate.sequence import Sequence
 from mlx_speculate.train.objectives import dflash_anchors
 from mlx_speculate.tree import Tree
 
@@ -146,12 +147,12 @@ def test_block_is_zlabs_forward_at_every_step(family):
     a block's distributions are the plain forward's over the whole context."""
     target, head = target_and_head(family)
     drafter = DFlashDrafter(head, target, 1)
-    decoder = Decoder(target, drafter)
-    decoder.prefill(PROMPT)
+    decoder = Decoder(Sequence(target, drafter))
+    decoder.sequence.prefill(PROMPT)
     steps = decoder.steps(GREEDY, FixedPolicy(3))
     for _ in range(6):
         next(steps)
-        context = list(decoder.context)
+        context = list(decoder.sequence.context)
         assert_rows_close(drafted_rows(drafter, context), reference_logits(head, target, context))
 
 
@@ -341,13 +342,13 @@ def test_prefix_reuse_keeps_the_draft_state_right():
     target, head = target_and_head()
     spec = DFlashSpec(drafter=head, top_k=2)
     first, second = [*PROMPT, 11, 12, 13], [*PROMPT, 40, 41]
-    reused = Decoder(target, make_drafter(spec, target))
-    reused.prefill(first)
+    reused = Decoder(Sequence(target, make_drafter(spec, target)))
+    reused.sequence.prefill(first)
     for _, _ in zip(range(5), reused.steps(GREEDY, FixedPolicy(6)), strict=False):
         pass
-    assert reused.prefill(second) == len(PROMPT)
-    fresh = Decoder(target, make_drafter(spec, target))
-    fresh.prefill(second)
+    assert reused.sequence.prefill(second) == len(PROMPT)
+    fresh = Decoder(Sequence(target, make_drafter(spec, target)))
+    fresh.sequence.prefill(second)
     for a, b, _ in zip(
         reused.steps(GREEDY, FixedPolicy(6)),
         fresh.steps(GREEDY, FixedPolicy(6)),
@@ -398,7 +399,7 @@ def test_sampled_drafts_follow_the_targets_marginal(top_k, k):
     config = tiny_config("llama", vocab_size=vocab, **DEEP)
     target = tiny_model("llama", seed=0, vocab_size=vocab, **DEEP)
     head = random_head(dflash_config(config, block=4), 3)
-    decoder = Decoder(target, DFlashDrafter(head, target, top_k))
+    decoder = Decoder(Sequence(target, DFlashDrafter(head, target, top_k)))
     sampling = SamplingParams(temperature=temperature)
     mx.random.seed(0)
     thirds = [

@@ -16,6 +16,7 @@ from mlx_speculate.drafters.eagle import EagleDrafter
 from mlx_speculate.generation import Session
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
+from mlx_speculate.sequence import Sequence
 from mlx_speculate.tree import Tree
 
 from .helpers import (
@@ -159,13 +160,13 @@ def test_prefix_reuse_keeps_the_draft_state_right():
     spec = EagleSpec(heads=head, tree=EagleGrowth(16, 4, 4))
     first = [*PROMPT, 11, 12, 13]
     second = [*PROMPT, 40, 41]
-    reused = Decoder(target, make_drafter(spec, target))
-    reused.prefill(first)
+    reused = Decoder(Sequence(target, make_drafter(spec, target)))
+    reused.sequence.prefill(first)
     for _, _ in zip(range(5), reused.steps(GREEDY, FixedPolicy(15)), strict=False):
         pass
-    assert reused.prefill(second) == len(PROMPT)
-    fresh = Decoder(target, make_drafter(spec, target))
-    fresh.prefill(second)
+    assert reused.sequence.prefill(second) == len(PROMPT)
+    fresh = Decoder(Sequence(target, make_drafter(spec, target)))
+    fresh.sequence.prefill(second)
     for a, b, _ in zip(
         reused.steps(GREEDY, FixedPolicy(15)),
         fresh.steps(GREEDY, FixedPolicy(15)),
@@ -239,8 +240,8 @@ def test_a_step_is_one_compiled_graph_and_one_sync(monkeypatch, settings):
     grows = []
     original = drafter._grow
     monkeypatch.setattr(drafter, "_grow", lambda k: grows.append(k) or original(k))
-    decoder = Decoder(target, drafter)
-    decoder.prefill(PROMPT)
+    decoder = Decoder(Sequence(target, drafter))
+    decoder.sequence.prefill(PROMPT)
     syncs = []
     evaluate = mx.eval
     # Reads of step results (a graph's first trace also evaluates the weights it captures).
@@ -311,7 +312,7 @@ def test_fused_sampling_follows_the_target():
             followed.append(draft is not None)
             return draft
 
-    decoder = Decoder(target, Counting(head, target, (), EagleGrowth(4, 1, 2)))
+    decoder = Decoder(Sequence(target, Counting(head, target, (), EagleGrowth(4, 1, 2))))
     sampling = SamplingParams(temperature=temperature)
     mx.random.seed(0)
     n, thirds = 1500, []

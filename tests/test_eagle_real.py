@@ -19,6 +19,7 @@ from mlx_speculate.heads.eagle_format import convert_eagle_heads, load_eagle_hea
 from mlx_speculate.loading import load
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
+from mlx_speculate.sequence import Sequence
 
 from .helpers import SHARED, SMOLLM2_GGUF, require
 
@@ -49,8 +50,8 @@ def heads_folder(name: str):
 def greedy(model, drafter, prompt: list[int], settings: EagleGrowth, n: int):
     """At least n tokens of greedy EAGLE decoding with every step verifying the whole tree
     (as the official code does), and the verify forwards that took."""
-    decoder = Decoder(model, drafter)
-    decoder.prefill(prompt)
+    decoder = Decoder(Sequence(model, drafter))
+    decoder.sequence.prefill(prompt)
     tokens, forwards = [], 0
     for step in decoder.steps(SamplingParams(), FixedPolicy(settings.total - 1)):
         tokens += step.tokens

@@ -10,7 +10,6 @@ import mlx.core as mx
 import pytest
 
 from mlx_speculate.chat import apply_chat_template
-from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
 from mlx_speculate.generate import main
 from mlx_speculate.generation import (
@@ -21,6 +20,7 @@ from mlx_speculate.generation import (
 )
 from mlx_speculate.loading import load
 from mlx_speculate.policy.adaptive import FixedPolicy
+from mlx_speculate.sequence import Sequence
 
 from .helpers import decode, greedy_reference, random_weights, tiny_config, tiny_model
 from .markov import StubTokenizer
@@ -247,10 +247,10 @@ TINY_PROMPT = [1, 5, 9, 33, 7, 2, 60]
 @pytest.mark.parametrize("ids", [[1, 97], [1, -1], [2**20], [1, 2.0], ["5"]])
 def test_token_ids_outside_the_vocabulary_are_refused_before_any_forward(ids):
     model = tiny_model("llama")  # vocabulary 97
-    decoder = Decoder(model)
+    sequence = Sequence(model)
     with pytest.raises(ValueError, match="outside the model's vocabulary|must be integers"):
-        decoder.prefill(ids)
-    assert decoder.cache.offset == 0 and decoder.context == []
+        sequence.prefill(ids)
+    assert sequence.cache.offset == 0 and sequence.context == []
     with pytest.raises(ValueError, match="outside the model's vocabulary|must be integers"):
         next(stream_generate(model, StubTokenizer(), ids))
 

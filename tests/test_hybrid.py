@@ -4,7 +4,7 @@ the recurrent state under speculation, lossless greedy speculation, loading and 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections import abc
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,6 +20,7 @@ from mlx_speculate.drafters.lookup import LookupDrafter, LookupSpec
 from mlx_speculate.loading import build_model, load
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
+from mlx_speculate.sequence import Sequence
 from mlx_speculate.state_cache import ROWS
 from mlx_speculate.step import verify
 from mlx_speculate.tree import Tree
@@ -206,12 +207,12 @@ def test_prompt_prefix_reuse_keeps_the_recurrent_state_right():
     decoder gives it, whether the shared prefix was restorable or re-prefilled."""
     model = tiny_hybrid()
     first = tokens(20, seed=2)[0].tolist()
-    decoder = Decoder(model)
+    decoder = Decoder(Sequence(model))
     for prompt in (first + [3, 4], first[:15] + [9, 9, 9], first[:15] + [9, 9, 9, 1]):
-        decoder.prefill(prompt)
+        decoder.sequence.prefill(prompt)
         step = next(decoder.steps(GREEDY))
-        fresh = Decoder(model)
-        fresh.prefill(prompt)
+        fresh = Decoder(Sequence(model))
+        fresh.sequence.prefill(prompt)
         assert step.tokens == next(fresh.steps(GREEDY)).tokens
 
 
@@ -226,7 +227,7 @@ class OracleDrafter(Drafter):
     def weights(self) -> tuple:
         return ()
 
-    def __init__(self, prompt: Sequence[int], reference: Sequence[int], seed: int = 0):
+    def __init__(self, prompt: abc.Sequence[int], reference: abc.Sequence[int], seed: int = 0):
         self.prompt, self.reference = list(prompt), list(reference)
         self.rng = np.random.default_rng(seed)
 

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from mlx_speculate.chat import apply_chat_template
-from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters import DraftModelSpec, EagleGrowth, EagleSpec, make_drafter
 from mlx_speculate.drafters.base import Draft, Drafter
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
@@ -19,6 +18,7 @@ from mlx_speculate.generation import Session, stream_generate
 from mlx_speculate.loading import build_model, load
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
+from mlx_speculate.sequence import Sequence
 from mlx_speculate.tree import Tree
 
 from .helpers import (
@@ -48,9 +48,9 @@ def test_sampling_with_a_draft_model_follows_the_target(model_type):
     that is often rejected, follow the hybrid target's exact marginals (Pearson's test)."""
     mx.random.seed(0)
     target, draft = tiny_hybrid(model_type), llama_draft()
-    decoder = Decoder(target, DraftModelDrafter(draft, VOCAB))
+    sequence = Sequence(target, DraftModelDrafter(draft, VOCAB))
     sampling = SamplingParams(temperature=1.0)
-    draws = [leading_tokens(decoder, PROMPT, sampling, FixedPolicy(3), 2, 4) for _ in range(400)]
+    draws = [leading_tokens(sequence, PROMPT, sampling, FixedPolicy(3), 2, 4) for _ in range(400)]
     assert_follows_marginal(target, PROMPT, 1.0, 0, [d[0] for d in draws])
     assert_follows_marginal(target, PROMPT, 1.0, 1, [d[1] for d in draws])
     with pytest.raises(AssertionError):  # the test tells the draft's distribution apart
@@ -69,7 +69,7 @@ def eagle_heads(target):
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_eagle_chains_equal_greedy_and_trees_are_refused(model_type):
     """Random EAGLE-1 and EAGLE-3 heads drafting chains: greedy output equals plain greedy
-    decoding token for token (through the decoder and `stream_generate`); an EAGLE tree is
+    decoding token for token (through the sequence and `stream_generate`); an EAGLE tree is
     refused in one line that names the chain setting."""
     target = tiny_hybrid(model_type)
     reference = greedy_reference(target, PROMPT, 32)

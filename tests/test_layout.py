@@ -102,15 +102,54 @@ def test_the_cycle_finder_finds_a_circle():
 
 
 def test_the_loop_finds_no_capability_by_hasattr():
-    for name in ("decode.py", "step.py"):
+    loops = ["decode.py", "step.py", "sequence.py"]
+    loops += [str(p.relative_to(PACKAGE)) for p in sorted((PACKAGE / "batch").glob("*.py"))]
+    for name in loops:
         tree = ast.parse((PACKAGE / name).read_text())
         calls = [
             node.lineno
             for node in ast.walk(tree)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            if isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
             and node.func.id in ("hasattr", "getattr")
         ]
         assert calls == [], f"{name} probes attributes at lines {calls}"
+
+
+def test_the_batch_engine_reads_no_decoder():
+    """The batch engine schedules `Sequence`s through their operations: it never reaches into
+    the single-stream scheduler (`Decoder`, `StepBuilder`) or a sequence's private state."""
+    for path in sorted((PACKAGE / "batch").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        attributes = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        imported = {
+            (node.module or "").rpartition(".")[2]
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom)
+        }
+        assert "decode" not in imported, path.name
+        assert not {"Decoder", "StepBuilder"} & names, path.name
+        assert "decoder" not in attributes, path.name
+        private = {a for a in attributes if a.startswith("_") and not a.startswith("__")}
+        own = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))} | {
+            t.attr
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Attribute)
+        }
+        assert private <= own, f"{path.name} reads {sorted(private - own)}"
+
+
+def test_one_commit_for_both_schedulers():
+    """A verified step's tokens reach the context, drafter and grammar through one function
+    (`Sequence.commit`), whichever scheduler ran the step."""
+    for name in ("decode.py", "batch/engine.py"):
+        text = (PACKAGE / name).read_text()
+        assert ".commit(" in text, name
+        for internal in ("context.extend", "context.append", ".extend(features", ".settle("):
+            assert internal not in text, f"{name} commits by hand: {internal}"
 
 
 def test_kv_compaction_is_defined_in_the_cache_only():

@@ -10,6 +10,7 @@ from mlx_speculate.drafters.lookup import KEEP, MAX_MATCH, LookupDrafter
 from mlx_speculate.loading import load
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
+from mlx_speculate.sequence import Sequence
 from mlx_speculate.tree import Tree
 
 from .helpers import greedy_reference, tiny_model
@@ -99,8 +100,8 @@ def test_greedy_equals_plain(family, k, branches):
     prompt = PROMPT
     reference = greedy_reference(model, prompt, 48)
     assert_clear_argmax(model, prompt, reference)
-    decoder = Decoder(model, LookupDrafter(branches=branches))
-    decoder.prefill(prompt)
+    decoder = Decoder(Sequence(model, LookupDrafter(branches=branches)))
+    decoder.sequence.prefill(prompt)
     tokens, accepted = [], 0
     for step in decoder.steps(GREEDY, FixedPolicy(k)):
         tokens.extend(step.tokens)
@@ -117,8 +118,8 @@ def test_repetitive_prompt_speeds_up_real_model(shared_models):
     prompt = tokenizer.encode(text)
     reference = greedy_reference(model, prompt, 64)
     assert_clear_argmax(model, prompt, reference)
-    decoder = Decoder(model, LookupDrafter())
-    decoder.prefill(prompt)
+    decoder = Decoder(Sequence(model, LookupDrafter()))
+    decoder.sequence.prefill(prompt)
     tokens, forwards, accepted, drafted = [], 0, 0, 0
     for step in decoder.steps(GREEDY, FixedPolicy(4)):
         tokens.extend(step.tokens)

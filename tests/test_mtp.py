@@ -22,6 +22,7 @@ from mlx_speculate.heads.mtp import MtpHead
 from mlx_speculate.loading import build_model, load
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
+from mlx_speculate.sequence import Sequence
 
 from .helpers import decode, greedy_reference, random_weights, tiny_model
 from .markov import StubTokenizer, assert_follows_marginal
@@ -211,12 +212,12 @@ def test_sampled_tokens_follow_the_targets_marginal(folders):
     or resampled) follows the target's exact marginal for it; the decoder is reused, so each
     prompt rewinds the head past its last chain."""
     target, _ = load(folders["qwen3_5_text"])
-    decoder = Decoder(target, make_drafter(MtpSpec(), target))
+    decoder = Decoder(Sequence(target, make_drafter(MtpSpec(), target)))
     sampling = SamplingParams(temperature=0.5)
     mx.random.seed(0)
     seconds, accepted = [], 0
     for _ in range(300):
-        decoder.prefill(PROMPT)
+        decoder.sequence.prefill(PROMPT)
         tokens = []
         for step in decoder.steps(sampling, FixedPolicy(3), max_tokens=4):
             tokens.extend(step.tokens)

@@ -17,12 +17,11 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_speculate.decode import Decoder
 from mlx_speculate.generation import stream_generate
 from mlx_speculate.loading import build_model, load
 from mlx_speculate.models import quantized_prefill
 from mlx_speculate.models.quantized_prefill import PrefillQuantizedLinear, prefilling
-from mlx_speculate.prefill import CANCELLABLE_STEPS, PREFILL_STEP, PrefillCancelled
+from mlx_speculate.sequence import CANCELLABLE_STEPS, PREFILL_STEP, PrefillCancelled, Sequence
 
 from .helpers import random_weights, tiny_config
 from .serving import serve
@@ -38,8 +37,9 @@ def quantized_folder(tmp_path: Path, context: int = 4096) -> Path:
     model = build_model(config, random_weights(config))
     nn.quantize(model, 32, 4)
     weights = dict(tree_flatten(model.parameters()))
-    return write_folder(tmp_path / "q", config | {"quantization": {"group_size": 32, "bits": 4}},
-                        weights)
+    return write_folder(
+        tmp_path / "q", config | {"quantization": {"group_size": 32, "bits": 4}}, weights
+    )
 
 
 @pytest.fixture(scope="module")
@@ -124,18 +124,18 @@ class Gated:
 def test_a_cancelled_prefill_stops_between_chunks_and_keeps_its_prefix(quantized):
     model, _ = quantized
     gated = Gated(model)
-    decoder = Decoder(gated)
+    sequence = Sequence(gated)
     with pytest.raises(PrefillCancelled):
-        decoder.prefill(LONG_PROMPT, cancelled=lambda: gated.chunks == 2)
+        sequence.prefill(LONG_PROMPT, cancelled=lambda: gated.chunks == 2)
     assert gated.chunks == 2
     done = sum(gated.sizes)  # a cancellable prefill's chunks are sized by their time
-    assert decoder.cache.offset == done and 2 * CANCELLABLE_STEPS[0] <= done <= 2 * PREFILL_STEP
-    assert decoder.context == LONG_PROMPT[:done]
+    assert sequence.cache.offset == done and 2 * CANCELLABLE_STEPS[0] <= done <= 2 * PREFILL_STEP
+    assert sequence.context == LONG_PROMPT[:done]
     # The same prompt again continues from the chunks done, to the same first token.
-    assert decoder.prefill(LONG_PROMPT) == done
-    fresh = Decoder(model)
+    assert sequence.prefill(LONG_PROMPT) == done
+    fresh = Sequence(model)
     fresh.prefill(LONG_PROMPT)
-    assert mx.allclose(decoder._prompt_logits, fresh._prompt_logits, atol=1e-4)
+    assert mx.allclose(sequence._prompt_logits, fresh._prompt_logits, atol=1e-4)
 
 
 def test_a_cancelled_prefill_ends_the_stream_without_a_response(quantized):
@@ -148,7 +148,7 @@ def test_a_cancelled_prefill_ends_the_stream_without_a_response(quantized):
         LONG_PROMPT, sampling=SamplingParams(), max_tokens=4, cancelled=lambda: True
     )
     assert list(stream) == []
-    assert session.decoder.cache.offset == 0
+    assert session.sequence.cache.offset == 0
 
 
 def test_ctrl_c_during_prefill_exits_130_within_a_chunk(quantized, monkeypatch, capsys):
@@ -218,13 +218,13 @@ def test_a_cancellable_prefill_sizes_its_chunks_by_their_time(quantized):
     more where the model is fast. Without one they are PREFILL_STEP tokens."""
     model, _ = quantized
     slow = Gated(model, on_chunk=lambda _: time.sleep(0.02 * slow.sizes[-1]))
-    Decoder(slow).prefill(LONG_PROMPT[:100], cancelled=lambda: False)
+    Sequence(slow).prefill(LONG_PROMPT[:100], cancelled=lambda: False)
     assert slow.sizes == [32, 16, 16, 16, 16, 4]  # 100 tokens, the last chunk what is left
     fast = Gated(model)
-    Decoder(fast).prefill(LONG_PROMPT, cancelled=lambda: False)
+    Sequence(fast).prefill(LONG_PROMPT, cancelled=lambda: False)
     assert fast.sizes[0] == 32 and max(fast.sizes) > 32 and sum(fast.sizes) == len(LONG_PROMPT)
     plain = Gated(model)
-    Decoder(plain).prefill(LONG_PROMPT)
+    Sequence(plain).prefill(LONG_PROMPT)
     assert plain.sizes[:-1] == [PREFILL_STEP] * (len(plain.sizes) - 1)
 
 
@@ -233,17 +233,17 @@ def test_a_prefill_runs_a_chunk_at_a_time(quantized):
     the next PREFILL_STEP tokens (sized: CANCELLABLE_STEPS[1] first), so a batch can step
     between them, and the last one leaves the first token's logits."""
     model, _ = quantized
-    decoder = Decoder(model)
-    prefill = decoder.begin_prefill(LONG_PROMPT[:600])
+    sequence = Sequence(model)
+    prefill = sequence.begin_prefill(LONG_PROMPT[:600])
     starts = []
     while not prefill.done:
         starts.append(prefill.start)
         prefill.chunk()
-    assert starts == [0, PREFILL_STEP, 2 * PREFILL_STEP] and decoder.cache.offset == 600
-    assert decoder.take_prompt_logits().shape == (1, model.args.vocab_size)
-    again = decoder.begin_prefill(LONG_PROMPT[:640], sized=True)
+    assert starts == [0, PREFILL_STEP, 2 * PREFILL_STEP] and sequence.cache.offset == 600
+    assert sequence._prompt_logits.shape == (1, model.args.vocab_size)
+    again = sequence.begin_prefill(LONG_PROMPT[:640], sized=True)
     assert again.kept == 600 and not again.done
     again.chunk()
     assert again.start == 600 + min(40, CANCELLABLE_STEPS[1])
     with pytest.raises(ValueError, match="the prompt is empty"):
-        decoder.begin_prefill([])
+        sequence.begin_prefill([])

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from mlx_speculate.decode import Decoder
+from mlx_speculate.sequence import Sequence
 
 from .helpers import SHARED, require
 from .serving import load_cached, serve
@@ -221,7 +221,7 @@ def test_failed_load_is_reported(stories):
 def test_a_failing_generation_leaves_the_server_up(stories, monkeypatch, max_batch):
     """A generation that raises (one at a time, or in the batch engine) fails alone."""
     calls = []
-    original = Decoder.begin_prefill
+    original = Sequence.begin_prefill
 
     def flaky(self, *args, **kwargs):
         calls.append(1)
@@ -229,7 +229,7 @@ def test_a_failing_generation_leaves_the_server_up(stories, monkeypatch, max_bat
             raise RuntimeError("boom")
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Decoder, "begin_prefill", flaky)
+    monkeypatch.setattr(Sequence, "begin_prefill", flaky)
     with serve(*stories, max_batch=max_batch) as running:
         error = assert_error(post(running, "/v1/completions", TEXT, key=None), 500)
         assert "boom" in error["message"] and error["type"] == "server_error"

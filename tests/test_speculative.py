@@ -13,6 +13,7 @@ from mlx_speculate.drafters.lookup import LookupDrafter
 from mlx_speculate.loading import load
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams, log_probs
+from mlx_speculate.sequence import Sequence
 
 from .helpers import assert_clear_argmax, decode, greedy_reference, tiny_model
 from .markov import MarkovLM, assert_markov
@@ -29,7 +30,6 @@ TARGET_SEED = {"llama": 0, "qwen2": 1, "phi3": 1, "qwen3": 0, "gemma3_text": 13}
 
 
 load_cached = functools.lru_cache(load)
-
 
 
 def draft_for(kind, family, target):
@@ -109,7 +109,7 @@ def test_draft_never_reruns_cached_tokens():
     assert sum(fed) == drafter.cache.offset + sum(
         s.drafted - min(s.accepted + 1, s.drafted) for s in steps
     )
-    assert drafter.cache.offset <= len(decoder.context) - 1
+    assert drafter.cache.offset <= len(decoder.sequence.context) - 1
 
 
 class ScriptedPolicy:
@@ -142,16 +142,14 @@ def test_draft_restarts_after_plain_stretches(draft_context):
     # Long plain stretches leave the draft far behind, and a short draft context overflows:
     # the draft restarts on a window; the output stays the target's.
     target = tiny_model("llama", seed=0)
-    draft = tiny_model(
-        "llama", seed=7, num_hidden_layers=1, max_position_embeddings=draft_context
-    )
+    draft = tiny_model("llama", seed=7, num_hidden_layers=1, max_position_embeddings=draft_context)
     reference = greedy_reference(target, PROMPT, 150)
     assert_clear_argmax(target, PROMPT, reference)
     drafter = DraftModelDrafter(draft, 97, max_catch_up=16)
     policy = ScriptedPolicy([2] * 10 + [0] * 40)
     windowed = 0
-    decoder = Decoder(target, drafter)
-    decoder.prefill(PROMPT)
+    decoder = Decoder(Sequence(target, drafter))
+    decoder.sequence.prefill(PROMPT)
     tokens = []
     for step in decoder.steps(GREEDY, policy):
         tokens.extend(step.tokens)
@@ -162,7 +160,7 @@ def test_draft_restarts_after_plain_stretches(draft_context):
             break
     assert tokens[:150] == reference
     assert windowed > 0
-    assert_draft_cache_matches(draft, drafter, decoder.context)
+    assert_draft_cache_matches(draft, drafter, decoder.sequence.context)
 
 
 def test_cache_consistent_after_many_rejections():
@@ -173,9 +171,9 @@ def test_cache_consistent_after_many_rejections():
     sampling = SamplingParams(temperature=1.0)
     _, steps, decoder = decode(target, PROMPT, 150, drafter, FixedPolicy(4), sampling)
     assert sum(s.accepted < s.drafted for s in steps) >= 20
-    context = list(decoder.context)
+    context = list(decoder.sequence.context)
     # Plain decoding continues from the caches left behind: same logits as a fresh forward.
-    for model, cache in ((target, decoder.cache), (draft, drafter.cache)):
+    for model, cache in ((target, decoder.sequence.cache), (draft, drafter.cache)):
         sequence = list(context)
         assert cache.offset <= len(sequence) - 1
         logits = model(mx.array([sequence[cache.offset :]]), cache).logits[0, -1]

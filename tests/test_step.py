@@ -10,6 +10,7 @@ from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams, log_probs
+from mlx_speculate.sequence import Sequence
 from mlx_speculate.tree import Tree
 from mlx_speculate.verify import AcceptanceRule, greedy_accept, rejection_accept
 
@@ -139,7 +140,7 @@ def test_steps_across_attention_spans_equal_plain_decoding():
     assert tokens == greedy_reference(model, [1, 5, 9], 270)
     spans = {key[-1] for key in graphs._COMPILED[id(model)]}
     assert spans == {64, 96, 128, 192, 256, 384}
-    assert decoder.cache.capacity == 512
+    assert decoder.sequence.cache.capacity == 512
 
 
 def test_seeded_sampling_repeats():
@@ -220,7 +221,7 @@ def test_followed_chains_sample_the_target():
             settled.append(accepted)  # a followed chain's step was read
             super().settle(accepted)
 
-    decoder = Decoder(target, Counting(draft, vocab))
+    decoder = Decoder(Sequence(target, Counting(draft, vocab)))
     mx.random.seed(0)
     n, fourths = 2000, []
     for _ in range(n):
@@ -256,8 +257,8 @@ def test_a_step_that_traced_a_graph_prices_nothing():
             observed.append(seconds)
 
     observed = []
-    decoder = Decoder(model, DraftModelDrafter(draft, model.args.vocab_size))
-    decoder.prefill(list(range(1, 9)))
+    decoder = Decoder(Sequence(model, DraftModelDrafter(draft, model.args.vocab_size)))
+    decoder.sequence.prefill(list(range(1, 9)))
     steps = []
     for s in decoder.steps(SamplingParams(), Recorder(3), max_tokens=90):
         before = graphs.built()

@@ -1,19 +1,22 @@
 """Continuous batching with speculation per sequence: sequences join and leave between steps,
 and each step verifies every running sequence's own draft in one target forward.
 
-A sequence comes with its `Session` (its model, drafter and one-sequence cache: the server's
-prompt-prefix cache). Its prompt is prefilled into that cache a chunk per engine step
-(`Decoder.begin_prefill`), so running streams keep flowing while it joins; then its keys
-move into a row of the batch cache (batch/cache.py) and it decodes there: each step, its
-drafter proposes (or not) as it would alone (`StepBuilder.plan`: grammar and room included),
+A sequence comes with its `Session`, whose `Sequence` (sequence.py: its context, drafter and
+one-sequence cache, the server's prompt-prefix cache) is what the engine schedules, through the
+operations the single-stream loop uses too. Its prompt is prefilled a chunk per engine step,
+together with up to PREFILL_ROWS - 1 other joining prompts in one forward (batch/prefill.py), so
+running streams keep flowing while it joins; then its keys move into a row of the batch cache
+(batch/cache.py) and it decodes there: each step, its
+drafter proposes (or not) as it would alone (`Sequence.plan`: grammar and room included),
 its tree is padded to the step's width, and one forward of (rows, width) tokens at each row's
 own slots and positions verifies them all. Each row's acceptance follows its own rule
 (greedy, or lossless rejection sampling at its own settings) on its own rows alone, so a
-sequence's output is what it would be alone. When it ends (its stop, length, context,
-cancellation or error), its keys go back to its session's cache.
+sequence's output is what it would be alone, and it commits through `Sequence.commit` as it
+would alone. When it ends (its stop, length, context, cancellation or error), its keys go back
+to its session's cache.
 
 Host syncs per step: one `mx.eval` of every row's acceptance; drafters and grammars add
-their own as they do alone. A prefill chunk is evaluated as it is alone.
+their own as they do alone. A prefill step is evaluated before the decoding step is built.
 The planner (plan.py) sets the step's width from measured step costs and each sequence's
 acceptance. Targets with recurrent layers (hybrids) and length-dependent rope types are
 refused (`check_batchable`): their state per row cannot follow a padded verify here.
@@ -23,25 +26,27 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections import abc
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
-from ..decode import Prefill, Step, StepBuilder
 from ..device import GENERATION_STREAM
 from ..drafters.base import Draft, TargetFeatures
 from ..generation import GenerationResponse, Responder, Session
 from ..grammar import Grammar
-from ..grammar.constraint import Constraint, Guide, masked, points
+from ..grammar.constraint import Constraint, Guide, masked
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
+from ..sequence import Prefill, Sequence, Step
 from ..tree import ROOT, Tree
-from ..verify import Acceptance, AcceptanceRule
+from ..verify import Acceptance
 from .cache import BatchKVCache
 from .plan import Acceptance as Rate
 from .plan import BatchPlanner
+from .prefill import PrefillGroup
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch rows: a batch grows and shrinks by these
 
@@ -92,7 +97,6 @@ class _Running:
     """A sequence's state inside the engine."""
 
     handle: Handle
-    builder: StepBuilder
     constraint: Constraint | None
     responder: Responder | None = None
     prefill: Prefill | None = None
@@ -117,16 +121,12 @@ class _Running:
         return 0 if asked is None else self.cap
 
     @property
-    def decoder(self):
-        return self.handle.session.decoder
+    def sequence(self) -> Sequence:
+        return self.handle.session.sequence
 
     @property
     def cap(self) -> int:
-        drafter = self.decoder.drafter
-        if drafter is None:
-            return 0
-        cap = drafter.max_draft
-        asked = self.handle.num_draft_tokens
+        cap, asked = self.sequence.cap, self.handle.num_draft_tokens
         return cap if asked is None else min(cap, asked)
 
 
@@ -142,6 +142,7 @@ class BatchEngine:
         self.planner = BatchPlanner()
         self.cache = BatchKVCache(model.kv_shapes(), model.compute_dtype, 1)
         self._waiting: list[_Running] = []  # to prefill, first come first served
+        self._prefills = PrefillGroup(model)  # the waiting ones' prefills under way
         self._running: list[_Running] = []  # decoding; running[i] holds cache row i
         self.last_rows = 0  # the last decoding step's rows, padding included (metrics)
         self._shrink = False  # sequences left: fit the cache's rows after the step
@@ -168,10 +169,8 @@ class BatchEngine:
         constraint = None
         if handle.grammar is not None:
             constraint = Constraint(handle.grammar, session.tokenizer, self.model.args.vocab_size)
-        rule = AcceptanceRule(replace(handle.sampling, seed=None), session.typical_acceptance)
-        builder = StepBuilder(session.decoder, handle.sampling, rule, constraint)
-        running = _Running(handle, builder, constraint)
-        running.prefill = session.decoder.begin_prefill(handle.prompt, sized=True)
+        running = _Running(handle, constraint)
+        running.prefill = session.sequence.begin_prefill(handle.prompt, sized=True)
         started = time.perf_counter()
         running.responder = Responder(
             session.tokenizer,
@@ -184,9 +183,10 @@ class BatchEngine:
         self._waiting.append(running)
 
     def step(self) -> list[Handle]:
-        """One round: a prefill chunk of the first waiting sequence (it joins once done and a
-        row is free), then one decoding step of the batch. Returns the handles that got
-        responses or ended in it; a sequence's failure ends it alone."""
+        """One round: a prefill chunk of up to PREFILL_ROWS waiting sequences in one forward
+        (each joins once done and a row is free, first come first served), then one decoding
+        step of the batch. Returns the handles that got responses or ended in it; a sequence's
+        failure ends it alone (a failing prefill forward, the sequences in it)."""
         touched: dict[int, Handle] = {}
         self.last_rows = 0
         with mx.stream(GENERATION_STREAM):
@@ -196,16 +196,8 @@ class BatchEngine:
                     self._end(running)
                     touched[id(running.handle)] = running.handle
             if self._waiting:
-                running = self._waiting[0]
-                try:
-                    if not running.prefill.done:
-                        running.prefill.chunk()
-                    if running.prefill.done and len(self._running) < self.max_batch:
-                        self._waiting.pop(0)
-                        self._join(running)
-                except Exception as e:  # this request's, not the batch's
-                    self._fail(running, e)
-                touched[id(running.handle)] = running.handle
+                for handle in self._prefill():
+                    touched[id(handle)] = handle
             if self._running:
                 for handle in self._decode():
                     touched[id(handle)] = handle
@@ -214,32 +206,59 @@ class BatchEngine:
                 self._fit_rows()
         return list(touched.values())
 
+    def _prefill(self) -> Iterator[Handle]:
+        """The waiting sequences' next chunks in one forward, then the prefilled ones join."""
+        group = self._prefills
+        for running in self._waiting:
+            if group.full:
+                break
+            if not running.prefill.done and running.prefill not in group.members:
+                group.add(running.prefill)
+        try:
+            group.step()
+        except Exception as e:  # the forward's requests', not the batch's
+            failed = group.clear()
+            for running in [r for r in self._waiting if r.prefill in failed]:
+                self._fail(running, e)
+                yield running.handle
+        for running in list(self._waiting):
+            if len(self._running) >= self.max_batch:
+                break
+            if not running.prefill.done:
+                continue
+            self._waiting.remove(running)
+            try:
+                self._join(running)
+            except Exception as e:  # this request's, not the batch's
+                self._fail(running, e)
+            yield running.handle
+
     def _join(self, running: _Running) -> None:
         """The first token, from the prompt's forward; then a row, unless that token ended it."""
-        decoder, handle = running.decoder, running.handle
-        decoder.limit(handle.max_tokens)
-        guide = None if running.constraint is None else running.constraint.first()
-        logits = masked(decoder.take_prompt_logits(), guide)
+        sequence, handle = running.sequence, running.handle
+        sequence.start(
+            handle.sampling,
+            max_tokens=handle.max_tokens,
+            typical_acceptance=handle.session.typical_acceptance,
+            constraint=running.constraint,
+        )
         seeded = running.reseed()
-        acceptance = running.builder.rule(ROOT, mx.zeros((0,), dtype=mx.int32), logits)
+        acceptance, logits, guide = sequence.first()
         token = acceptance.tokens.tolist()[0]
         if seeded:
             _unseed()
-        decoder.context.append(token)
-        forced = () if guide is None else guide.forced[:1]
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if self._emit(running, Step((token,), 0, logprobs, 0.0, False, forced)):
+        if self._emit(running, sequence.commit([token], [0], logits, ROOT, guide, None)):
             return
         running.row = len(self._running)
         self._running.append(running)
         self._fit_rows()
-        self.cache.insert(running.row, decoder.cache, decoder.cache.offset)
+        self.cache.insert(running.row, sequence.cache, sequence.cache.offset)
 
     def _decode(self) -> Iterator[Handle]:
         """One verify forward of every running sequence's draft."""
         began = time.perf_counter()
         running = list(self._running)
-        caps = [r.cap if r.decoder.room() > 0 else 0 for r in running]
+        caps = [r.cap if r.sequence.room() > 0 else 0 for r in running]
         least = 1 + max((r.fixed for r in running), default=0)
         rates = [r.rate.rate for r in running]
         width = self.planner.width(self.cache.rows, caps, rates, least)
@@ -248,7 +267,7 @@ class BatchEngine:
         for r in running:
             try:
                 seeded |= r.reseed()
-                planned.append(r.builder.plan(min(width - 1, r.cap)))
+                planned.append(r.sequence.plan(min(width - 1, r.cap)))
             except Exception as e:
                 planned.append(None)
                 self._fail(r, e)
@@ -257,11 +276,12 @@ class BatchEngine:
         if not live:
             return
         trees = [ROOT if draft is None else draft.tree for _, (draft, _) in live]
+        chains = all(t.is_chain for t in trees)
         n = max(t.num_nodes for t in trees)
         rows = self.cache.rows
         tokens = np.zeros((rows, n), dtype=np.int32)
         for r, _ in live:
-            tokens[r.row, 0] = r.decoder.context[-1]
+            tokens[r.row, 0] = r.sequence.context[-1]
         # Each row's nodes at their depths after its offset, seeing their ancestors (a tree's
         # padding nodes hang off its root; rows no sequence holds see themselves alone). On
         # the device: an EAGLE tree is chosen there.
@@ -277,25 +297,19 @@ class BatchEngine:
             at = mx.array([r.row, 1], dtype=mx.int32)
             row = draft.tokens.astype(mx.int32).reshape(1, -1)
             batch_tokens = mx.slice_update(batch_tokens, row, at, (0, 1))
-        chains = all(t.is_chain for t in trees)
         offsets = mx.array(self.cache.offsets, dtype=mx.int32)[:, None]
         positions = offsets + mx.stack(depths)
-        taps = tuple(sorted({t for r, _ in live for t in r.decoder.taps}))
+        mask = None if chains else mx.stack(seen)
+        taps = tuple(sorted({t for r, _ in live for t in r.sequence.taps}))
         self.cache.prepare(n)
-        out = self.model(
-            batch_tokens,
-            self.cache,
-            positions=positions,
-            mask=None if chains else mx.stack(seen),
-            taps=taps,
-        )
+        out = self.model(batch_tokens, self.cache, positions=positions, mask=mask, taps=taps)
         verdicts: list[tuple[Acceptance, mx.array]] = []
         for (r, (draft, guide)), tree in zip(live, trees, strict=True):
             logits = masked(out.logits[r.row, : tree.num_nodes], guide)
             tokens_in = mx.zeros((0,), mx.int32) if draft is None else draft.tokens
             q = None if draft is None else draft.logprobs
             seeded |= r.reseed()
-            verdicts.append((r.builder.rule(tree, tokens_in, logits, q), logits))
+            verdicts.append((r.sequence.rule(tree, tokens_in, logits, q), logits))
         if seeded:
             _unseed()
         mx.eval([a for v, _ in verdicts for a in (v.tokens, v.num_accepted, v.path)])
@@ -318,8 +332,8 @@ class BatchEngine:
         for r, b, guide, tree, accepted, path, emitted, logits in commits:
             try:
                 features = None
-                if r.decoder.drafter is not None:
-                    index = [taps.index(t) for t in r.decoder.taps]
+                if r.sequence.drafter is not None:
+                    index = [taps.index(t) for t in r.sequence.taps]
                     features = TargetFeatures(out.hidden[b], tuple(out.taps[i][b] for i in index))
                 self._commit(r, features, guide, tree, accepted, path, emitted, logits, seconds)
             except Exception as e:  # this request's (its grammar, its drafter), not the batch's
@@ -338,46 +352,37 @@ class BatchEngine:
         logits: mx.array,
         seconds: float,
     ) -> None:
-        """Commits a row's accepted path, as `Decoder._finish` does alone (`features`: the
-        row's, for its drafter), and ends the sequence when that finished it."""
-        decoder = running.decoder
+        """Commits a row's accepted path (its keys are in place in the row: the offset moves
+        over them) through `Sequence.commit`, as alone (`features`: the row's, for its
+        drafter), and ends the sequence when that finished it."""
         self.cache.offsets[running.row] += accepted + 1
-        decoder.context.extend(emitted)
-        rows = mx.array(path, dtype=mx.int32)
-        if features is not None:
-            decoder.drafter.rewind(len(decoder.context) - 1)
-            decoder.drafter.extend(features.rows(rows))
-        drafted = tree.num_nodes - 1 if guide is None else guide.drafted
-        forced = () if guide is None else tuple(guide.forced[i] for i in path)
+        step = running.sequence.commit(
+            emitted, path, logits, tree, guide, features, seconds=seconds
+        )
         if guide is None:
-            running.rate.observe(drafted, accepted)
-        chosen = logits[rows]
-        logprobs = chosen - mx.logsumexp(chosen, axis=-1, keepdims=True)
-        self._emit(running, Step(tuple(emitted), drafted, logprobs, seconds, True, forced))
+            running.rate.observe(step.drafted, accepted)
+        self._emit(running, step)
 
     def _emit(self, running: _Running, step: Step) -> bool:
-        """Hands the grammar and the responses a step's tokens, then a forced ending the grammar
-        has after them (emitted without a forward, as alone); True (and ended) when done."""
-        decoder, constraint = running.decoder, running.constraint
-        if constraint is not None:
-            constraint.commit(step.tokens)
+        """Hands the responses a committed step's tokens, then a forced ending the grammar has
+        after them (emitted without a forward, as alone); True (and ended) when done."""
         if self._respond(running, step):
             return True
-        if constraint is not None and (ending := constraint.ending(decoder.room())):
-            decoder.context.extend(ending)  # no forward: the cache stays behind the context
-            rows = points(mx.array(ending), self.model.args.vocab_size)
-            self._respond(running, Step(ending, 0, rows, 0.0, False, (True,) * len(ending)))
+        ending = running.sequence.ending()
+        if ending is not None:
+            self._respond(running, ending)
+            self._end(running)
             return True
         return False
 
     def _respond(self, running: _Running, step: Step) -> bool:
         """Feeds a step's tokens to the sequence's responses; True (and ended) when done."""
-        decoder, handle = running.decoder, running.handle
+        sequence, handle = running.sequence, running.handle
         responder = running.responder
-        for response in responder.feed(step, decoder.room() < 0, decoder.context_full):
+        for response in responder.feed(step, sequence.room() < 0, sequence.context_full):
             handle.last = response
             handle.responses.append(response)
-        if responder.finished or decoder.room() < 0:
+        if responder.finished or sequence.room() < 0:
             self._end(running)
             return True
         return False
@@ -392,11 +397,12 @@ class BatchEngine:
         handle.done = True
         if running in self._waiting:
             self._waiting.remove(running)
+            self._prefills.remove(running.prefill)
             return
         if running not in self._running:
             return
         row = running.row
-        self.cache.extract(row, running.decoder.cache, self.cache.offsets[row])
+        self.cache.extract(row, running.sequence.cache, self.cache.offsets[row])
         last = self._running.pop()
         if last is not running:
             self._running[row] = last
@@ -419,7 +425,7 @@ def _unseed() -> None:
 
 
 def batch_stream(
-    engine: BatchEngine, handles: Sequence[Handle]
+    engine: BatchEngine, handles: abc.Sequence[Handle]
 ) -> Iterator[tuple[int, GenerationResponse]]:
     """Runs `handles` to their ends: yields (index, response) as the steps produce them."""
     index = {id(h): i for i, h in enumerate(handles)}

@@ -23,15 +23,16 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections import abc
+from collections.abc import Callable
 
 import mlx.core as mx
 
-from ..decode import Decoder
 from ..drafters.base import Drafter
 from ..memo import Table, per_model
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
+from ..sequence import Sequence
 from ..step import verify as verify_step
 from ..tree import Tree
 from ..verify import AcceptanceRule
@@ -66,7 +67,7 @@ log = logging.getLogger(__name__)
 def load_costs(
     model: CausalLM,
     drafter: Drafter | None = None,
-    sizes: Sequence[int] = (),
+    sizes: abc.Sequence[int] = (),
     *,
     force: bool = False,
     now: Callable[[], float] = time.time,
@@ -116,7 +117,7 @@ def load_costs(
 def measure(
     model: CausalLM,
     drafter: Drafter | None = None,
-    sizes: Sequence[int] = (),
+    sizes: abc.Sequence[int] = (),
     *,
     progress: bool | None = None,
     decide: Callable[[bool], bool] = bool,
@@ -142,9 +143,9 @@ def measure(
         disable=None if progress is None else not progress,
         leave=False,
     )
-    decoder = Decoder(model, drafter)
-    decoder.prefill(prompt)
-    offset = decoder.cache.offset
+    sequence = Sequence(model, drafter)
+    sequence.prefill(prompt)
+    offset = sequence.cache.offset
     pending = mx.ones((1,), dtype=mx.int32)
 
     def forward(r: int) -> Callable[[], None]:
@@ -153,9 +154,9 @@ def measure(
         tree, drafted = Tree.chain(r - 1), mx.ones((r - 1,), dtype=mx.int32)
 
         def run():
-            out = verify_step(model, decoder.cache, pending, tree, drafted, None, GREEDY)
+            out = verify_step(model, sequence.cache, pending, tree, drafted, None, GREEDY)
             mx.eval(out.acceptance.tokens, out.logits)
-            decoder.cache.truncate(offset)
+            sequence.cache.truncate(offset)
 
         return run
 
@@ -173,7 +174,7 @@ def measure(
     if drafter is not None:
         # The prompt and the pending token (the verify's): a head drafter proposes from the
         # features of every committed position, so it drafts nothing on the prompt alone.
-        context, greedy = [*decoder.context, 1], SamplingParams()
+        context, greedy = [*sequence.context, 1], SamplingParams()
         start = time.perf_counter()
         # The longest draft is measured whatever the budget: the curve between it and the
         # last point within budget is then interpolated, never carried on in proportion,
@@ -238,7 +239,7 @@ def _quick_rows(forward, rows, needed: int, decide, done, beside: _Beside) -> di
     return verify
 
 
-def _quick_sizes(sizes: Sequence[int]) -> list[int]:
+def _quick_sizes(sizes: abc.Sequence[int]) -> list[int]:
     """The draft lengths the quick plan times: the shortest and the longest, interpolated
     between. Where that underprices the lengths between (an EAGLE tree's levels), decoding
     corrects it as it pays them (adaptive.Prices); a price too high it would never pay."""

@@ -11,7 +11,7 @@ dropped. A session serves one generation at a time: while the batch engine runs 
 has its own (`acquire` skips busy ones), so the memory held is at most max(`max_sessions`,
 generations running) full contexts (plus a draft model's).
 
-A session only ever reuses the tokens it verified against the new prompt (`Decoder.prefill`
+A session only ever reuses the tokens it verified against the new prompt (`Sequence.prefill`
 truncates everything past the shared prefix), so no request sees another's tokens.
 """
 
@@ -90,7 +90,7 @@ class SessionPool:
         best, shared = None, 0
         for entry in self._entries:
             if entry.method == method and not entry.busy:
-                n = entry.session.decoder.reusable(tokens)
+                n = entry.session.sequence.reusable(tokens)
                 if best is None or n > shared:
                     best, shared = entry, n
         idle = [e for e in self._entries if not e.busy]
