@@ -18,8 +18,10 @@ to its session's cache.
 Host syncs per step: one `mx.eval` of every row's acceptance; drafters and grammars add
 their own as they do alone. A prefill step is evaluated before the decoding step is built.
 The planner (plan.py) sets the step's width from measured step costs and each sequence's
-acceptance. Targets with recurrent layers (hybrids) and length-dependent rope types are
-refused (`check_batchable`): their state per row cannot follow a padded verify here.
+acceptance. A hybrid target's rows keep their own recurrent state (`BatchHybridCache`),
+rolled back per row on the device; they verify chains only, and their prompts prefill one at a
+time. Length-dependent rope types are refused (`check_batchable`): their rotation depends on
+the longest position, which differs per row.
 """
 
 from __future__ import annotations
@@ -41,23 +43,27 @@ from ..grammar.constraint import Constraint, Guide, masked
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
 from ..sequence import Prefill, Sequence, Step
+from ..step import bucket
 from ..tree import ROOT, Tree
 from ..verify import Acceptance
-from .cache import BatchKVCache
+from .cache import BatchHybridCache, BatchKVCache
 from .plan import Acceptance as Rate
 from .plan import BatchPlanner
 from .prefill import PrefillGroup
+from .step import forward
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch rows: a batch grows and shrinks by these
 
 
+def batch_cache(model: CausalLM, rows: int) -> BatchKVCache:
+    """The batch's cache for `model`: key/value rows, and a hybrid's recurrent state per row."""
+    if model.recurrent:
+        return BatchHybridCache(model.make_cache(), rows)
+    return BatchKVCache(model.kv_shapes(), model.compute_dtype, rows)
+
+
 def check_batchable(model: CausalLM) -> None:
     """ValueError (one line) when sequences of `model` cannot share a batch forward."""
-    if model.recurrent:
-        raise ValueError(
-            f"{model.args.model_type} has recurrent layers, whose state a batch cannot roll "
-            "back per sequence: serve it one request at a time (--max-batch 1)"
-        )
     if not model.traceable:  # a forward that reads the host offset (models/base.py)
         raise ValueError(
             "the model's rope frequencies depend on the longest position, which differs per "
@@ -140,7 +146,7 @@ class BatchEngine:
         self.model = model
         self.max_batch = max_batch
         self.planner = BatchPlanner()
-        self.cache = BatchKVCache(model.kv_shapes(), model.compute_dtype, 1)
+        self.cache = batch_cache(model, 1)
         self._waiting: list[_Running] = []  # to prefill, first come first served
         self._prefills = PrefillGroup(model)  # the waiting ones' prefills under way
         self._running: list[_Running] = []  # decoding; running[i] holds cache row i
@@ -209,18 +215,27 @@ class BatchEngine:
     def _prefill(self) -> Iterator[Handle]:
         """The waiting sequences' next chunks in one forward, then the prefilled ones join."""
         group = self._prefills
-        for running in self._waiting:
-            if group.full:
-                break
-            if not running.prefill.done and running.prefill not in group.members:
-                group.add(running.prefill)
-        try:
-            group.step()
-        except Exception as e:  # the forward's requests', not the batch's
-            failed = group.clear()
-            for running in [r for r in self._waiting if r.prefill in failed]:
+        if self.model.recurrent:  # a padded row would run its padding through its state
+            running = next((r for r in self._waiting if not r.prefill.done), None)
+            try:
+                if running is not None:
+                    running.prefill.chunk()
+            except Exception as e:  # this request's, not the batch's
                 self._fail(running, e)
                 yield running.handle
+        else:
+            for running in self._waiting:
+                if group.full:
+                    break
+                if not running.prefill.done and running.prefill not in group.members:
+                    group.add(running.prefill)
+            try:
+                group.step()
+            except Exception as e:  # the forward's requests', not the batch's
+                failed = group.clear()
+                for running in [r for r in self._waiting if r.prefill in failed]:
+                    self._fail(running, e)
+                    yield running.handle
         for running in list(self._waiting):
             if len(self._running) >= self.max_batch:
                 break
@@ -267,7 +282,10 @@ class BatchEngine:
         for r in running:
             try:
                 seeded |= r.reseed()
-                planned.append(r.sequence.plan(min(width - 1, r.cap)))
+                draft, guide = r.sequence.plan(min(width - 1, r.cap))
+                if draft is not None:  # a hybrid's recurrent rows follow chains only
+                    self.cache.check_verify(draft.tree.num_nodes, draft.tree.is_chain)
+                planned.append((draft, guide))
             except Exception as e:
                 planned.append(None)
                 self._fail(r, e)
@@ -278,6 +296,7 @@ class BatchEngine:
         trees = [ROOT if draft is None else draft.tree for _, (draft, _) in live]
         chains = all(t.is_chain for t in trees)
         n = max(t.num_nodes for t in trees)
+        n = n if chains else bucket(n)  # trees of nearby sizes share a compiled forward
         rows = self.cache.rows
         tokens = np.zeros((rows, n), dtype=np.int32)
         for r, _ in live:
@@ -302,7 +321,7 @@ class BatchEngine:
         mask = None if chains else mx.stack(seen)
         taps = tuple(sorted({t for r, _ in live for t in r.sequence.taps}))
         self.cache.prepare(n)
-        out = self.model(batch_tokens, self.cache, positions=positions, mask=mask, taps=taps)
+        out = forward(self.model, self.cache, batch_tokens, positions, mask, taps)
         verdicts: list[tuple[Acceptance, mx.array]] = []
         for (r, (draft, guide)), tree in zip(live, trees, strict=True):
             logits = masked(out.logits[r.row, : tree.num_nodes], guide)
