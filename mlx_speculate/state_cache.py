@@ -111,6 +111,17 @@ class HybridCache(KVCache):
             self.ring[r] = states[-1][None]
             self._next_base = start + length
 
+    def restore(
+        self, length: int, windows: dict[int, mx.array], states: dict[int, mx.array]
+    ) -> None:
+        """The recurrent layers' state at `length` tokens, which the attention layers hold:
+        by model layer, the conv window (1, kernel - 1, channels) and delta-rule state (1, H,
+        Dk, Dv) of a sequence that decoded in a batch row, handed back (batch/cache.py)."""
+        for layer, r in self._rec.items():
+            self.conv[r], self.ring[r] = windows[layer], states[layer][None]
+        self.base = mx.array(length, dtype=mx.int32)
+        self._next_base, self._every, self._kept = None, None, (length, length)
+
     # The loop's interface.
     def check_verify(self, rows: int, is_chain: bool) -> None:
         if not is_chain:

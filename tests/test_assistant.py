@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from mlx_speculate.batch import BatchEngine, Handle
+from mlx_speculate.batch.engine import batch_stream
 from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters import AssistantSpec, make_drafter, spec_from_keywords
 from mlx_speculate.drafters.base import TargetFeatures
 from mlx_speculate.generate import main
-from mlx_speculate.generation import generate
+from mlx_speculate.generation import Session, generate
 from mlx_speculate.heads.gemma4_assistant import AssistantArgs, Gemma4Assistant
 from mlx_speculate.loading import build_model, load_model
 from mlx_speculate.policy.adaptive import FixedPolicy
@@ -24,10 +26,11 @@ from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.sequence import Sequence
 
 from .families import randomize
+from .gemma4_models import gemma4_weights
 from .helpers import assert_clear_argmax, decode, greedy_reference, tiny_config, tiny_model
 from .markov import StubTokenizer, assert_follows_marginal
 from .test_convert import save_tokenizer
-from .test_gemma4 import gemma4_weights, save_gemma4
+from .test_gemma4 import save_gemma4
 from .test_models import assert_close
 
 pytest.importorskip("torch")
@@ -251,6 +254,33 @@ def test_greedy_speculation_equals_plain_decoding(folders, assistant):
     options = {"assistant": spec.assistant, "num_draft_tokens": 2}
     text = generate(target, StubTokenizer(), PROMPT, max_tokens=20, **options)
     assert text.split() == [str(t) for t in greedy_reference(target, PROMPT, 20)]
+
+
+def test_the_batch_equals_greedy_alone(folders):
+    """Assistant drafters in the batch engine, one per sequence at its own offset: every
+    sequence emits plain greedy decoding's tokens alone, and drafts were accepted."""
+    target = load_model(folders["target"])[0]
+    spec = AssistantSpec(assistant=folders["copying"])
+    prompts = [PROMPT, [(7 * i) % 97 for i in range(30)], PROMPT[:9]]
+    references = [greedy_reference(target, p, 24) for p in prompts]
+    for prompt, reference in zip(prompts, references, strict=True):
+        assert_clear_argmax(target, prompt, reference)
+    engine = BatchEngine(target, 4)
+    handles = [
+        Handle(
+            Session(target, StubTokenizer(), make_drafter(spec, target)),
+            p,
+            GREEDY,
+            24,
+            num_draft_tokens=3,
+        )
+        for p in prompts
+    ]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    for i, response in batch_stream(engine, handles):
+        tokens[i].append(response.token)
+    assert tokens == references
+    assert sum(h.last.stats.accepted for h in handles) > 0
 
 
 def test_sampled_tokens_follow_the_targets_marginal(tmp_path):

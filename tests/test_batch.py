@@ -13,21 +13,26 @@ from mlx_speculate.batch.cache import BatchKVCache
 from mlx_speculate.batch.engine import batch_stream
 from mlx_speculate.batch.plan import BatchPlanner, expected_tokens
 from mlx_speculate.batch.prefill import PREFILL_ROWS, PrefillGroup
-from mlx_speculate.drafters import DFlashSpec, EagleGrowth, EagleSpec, make_drafter
+from mlx_speculate.drafters import DFlashSpec, EagleGrowth, EagleSpec, MtpSpec, make_drafter
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
 from mlx_speculate.drafters.lookup import LookupDrafter
 from mlx_speculate.drafters.medusa import MedusaDrafter
 from mlx_speculate.generation import Session
+from mlx_speculate.loading import load
 from mlx_speculate.sampling import SamplingParams
 
 from .families import PROMPT, REPEATING, related_draft
+from .gemma4_models import DEEP as GEMMA4_DEEP
+from .gemma4_models import related_gemma4, tiny_gemma4
 from .helpers import MIN_MARGIN, greedy_reference, random_eagle_head, tiny_model
 from .markov import StubTokenizer, assert_follows_marginal
 from .test_dflash import dflash_config, random_head
-from .test_gemma4 import DEEP as GEMMA4_DEEP
-from .test_gemma4 import related_gemma4, tiny_gemma4
+from .test_hybrid import FAMILIES as HYBRIDS
+from .test_hybrid import VOCAB as HYBRID_VOCAB
 from .test_hybrid import tiny_hybrid
+from .test_hybrid_methods import eagle_heads, llama_draft
 from .test_medusa import random_heads
+from .test_mtp import save_mlx
 
 GREEDY = SamplingParams()
 DEEP = {"num_hidden_layers": 3}
@@ -157,6 +162,54 @@ def test_joining_prompts_prefill_together_in_chunks(monkeypatch):
         assert len(members) < sum(-(-len(p) // 16) for p in prompts) // 2
 
 
+@pytest.mark.parametrize("model_type", list(HYBRIDS))
+def test_hybrids_in_a_batch_equal_greedy_alone(model_type, tmp_path):
+    """Hybrid targets decode in the batch, each row with its own recurrent state rolled back
+    to its own accepted count: with no draft, a draft model that is often rejected, prompt
+    lookup chains and native MTP, every sequence emits plain greedy decoding's tokens alone;
+    a session continues its conversation after the batch from the state it handed back; a
+    tree draft fails its own request in one line."""
+    if model_type == "qwen3_next":
+        target = tiny_hybrid(model_type)
+    else:  # an MLX folder whose target carries a native MTP head
+        target, _ = load(save_mlx(tmp_path / model_type, model_type))
+    vocab = target.args.vocab_size
+    n = 14
+    candidates = [[5, 6, 7, 8, 9] * 3, [3, 1, 4, 1, 5, 9, 2, 6], [8, 2, 8, 2, 8, 2, 8], [11, 12]]
+    candidates += [[(7 * i * i + 3) % vocab for i in range(m)] for m in (9, 17, 23)]
+    prompts = [p for p in candidates if clear(target, p, n)][:4]
+    assert len(prompts) >= 3 and len({len(p) for p in prompts}) >= 3
+    references = [greedy_reference(target, p, n) for p in prompts]
+    draft = llama_draft()
+    methods = {
+        "none": lambda: None,
+        "draft model": lambda: DraftModelDrafter(draft, HYBRID_VOCAB),
+        "lookup chain": lambda: LookupDrafter(max_ngram=3, branches=1),
+    }
+    head = eagle_heads(target)[1]
+    methods["eagle-1 chain"] = lambda: make_drafter(
+        EagleSpec(heads=head, tree=EagleGrowth.chain(3)), target
+    )
+    if model_type != "qwen3_next":
+        methods["mtp"] = lambda: make_drafter(MtpSpec(), target)
+    for name, make in methods.items():
+        tokens, handles = run(target, prompts, make, n, fixed=None if name == "none" else 3)
+        assert tokens == references, name
+        if name != "none":  # drafts were verified, some rejected (each row rolled back)
+            stats = [h.last.stats for h in handles]
+            accepted = sum(s.accepted for s in stats)
+            assert sum(s.drafted for s in stats) > accepted, name
+            assert accepted > 0 or name != "mtp", name  # MTP drafts are partly right
+    session = handles[0].session
+    turn = prompts[0] + references[0][:6] + [5, 6]
+    again = [r.token for r in session.stream(turn, sampling=GREEDY, max_tokens=8)]
+    assert again == greedy_reference(target, turn, 8)
+    tree = lambda: make_drafter(EagleSpec(heads=head, tree=EagleGrowth(16, 4, 4)), target)  # noqa: E731
+    with pytest.raises(ValueError, match="chains only") as refused:
+        run(target, prompts[:1], tree, n, fixed=15)
+    assert "\n" not in str(refused.value)
+
+
 def test_sampling_in_a_batch_follows_the_target():
     """At temperature 1, with a draft model that is often rejected, the first and second
     tokens of sequences sampled eight at a time follow the target's exact marginals."""
@@ -182,6 +235,34 @@ def test_sampling_in_a_batch_follows_the_target():
     assert_follows_marginal(target, prompt, 1.0, 1, [t[1] for t in draws])
     with pytest.raises(AssertionError):  # the test tells the draft's distribution apart
         assert_follows_marginal(draft, prompt, 1.0, 0, [t[0] for t in draws])
+
+
+@pytest.mark.parametrize("method", ["lookup tree", "eagle-1 tree"])
+def test_sampled_trees_in_a_batch_follow_the_target(method):
+    """At temperature 1, sequences sampled eight at a time with draft trees (prompt lookup's
+    deterministic branches, an EAGLE-1 head's sampled ones: tree rejection sampling per row)
+    draw their first two tokens from the target's exact marginals."""
+    target = tiny_model("llama", 0, vocab_size=16)
+    prompt = [t % 16 for t in REPEATING]  # n-grams recur with several continuations
+    config = {k: v for k, v in vars(target.args).items() if not k.startswith("_")}
+    head = random_eagle_head(config, 1, 5, draft_vocab=None, taps=None)
+    make = {
+        "lookup tree": lambda: LookupDrafter(max_ngram=2, branches=3),
+        "eagle-1 tree": lambda: make_drafter(
+            EagleSpec(heads=head, tree=EagleGrowth(8, 2, 3)), target
+        ),
+    }[method]
+    mx.random.seed(1)
+    sampling = SamplingParams(temperature=1.0)
+    engine = BatchEngine(target, 8)
+    draws, drafted = [], 0
+    for _ in range(50):
+        tokens, handles = run(target, [prompt] * 8, make, 3, sampling, fixed=4, engine=engine)
+        draws += tokens
+        drafted += sum(h.last.stats.drafted for h in handles)
+    assert drafted > 200  # drafts were verified at most steps
+    assert_follows_marginal(target, prompt, 1.0, 0, [t[0] for t in draws])
+    assert_follows_marginal(target, prompt, 1.0, 1, [t[1] for t in draws])
 
 
 def test_sequences_join_and_leave_mid_generation():
@@ -253,8 +334,10 @@ def test_batch_generate(tmp_path):
 
 
 def test_targets_a_batch_cannot_run_are_refused_in_one_line():
-    with pytest.raises(ValueError, match="recurrent layers.*--max-batch 1") as error:
-        check_batchable(tiny_hybrid("qwen3_5_text"))
+    check_batchable(tiny_hybrid("qwen3_5_text"))  # hybrids are batched
+    dynamic = tiny_model("llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="longest position.*--max-batch 1") as error:
+        check_batchable(dynamic)
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match="at least 1"):
         BatchEngine(tiny_model("llama"), 0)

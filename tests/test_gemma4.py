@@ -22,17 +22,22 @@ from .families import (
     randomize,
     save_hf,
 )
+from .gemma4_models import (
+    DEEP,
+    MOE,
+    SCALES,
+    SHARED,
+    TARGET_SEED,
+    F,
+    S,
+    related_gemma4,
+    tiny_gemma4,
+)
 from .helpers import random_weights, tiny_config
 from .test_models import assert_close
 
 pytest.importorskip("torch")
 
-S, F = "sliding_attention", "full_attention"
-# Routers far from uniform, experts of a size that shows.
-SCALES = {"router.scale": 1.0, "per_expert_scale": 1.0}
-MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 16}
-# Layers 3 and 4 write no keys: 3 reads sliding layer 2's, 4 global layer 1's.
-SHARED = {"num_hidden_layers": 5, "layer_types": [S, F, S, S, F], "num_kv_shared_layers": 2}
 VARIANTS = {
     # transformers' default rope: proportional (a quarter rotated, theta 1e6) on global layers.
     "default": {},
@@ -51,15 +56,6 @@ VARIANTS = {
         "hidden_size_per_layer_input": 0, "attention_bias": True, "tie_word_embeddings": True,
     },
 }  # fmt: skip
-# Everything at once, for the decoding tests: per-layer inputs, KV sharing, values from keys,
-# experts, a window of 6 shorter than the prompts.
-DEEP = {
-    **SHARED, **MOE, "attention_k_eq_v": True, "num_global_key_value_heads": 1,
-    "use_double_wide_mlp": True, "final_logit_softcapping": 10.0,
-}  # fmt: skip
-TARGET_SEED = 4  # its greedy continuations keep a clear top-2 margin (asserted)
-
-
 def save_gemma4(folder, config, seed: int = 0):
     """save_hf, with each layer's output scale (a buffer transformers leaves at 1) random
     too, so that the parity covers it."""
@@ -72,29 +68,6 @@ def save_gemma4(folder, config, seed: int = 0):
             layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=generator, dtype=torch.float64))
     ref.float().save_pretrained(folder)
     return ref.double()
-
-
-def gemma4_weights(config, seed: int) -> dict[str, mx.array]:
-    """random_weights with layer scales, router input scales and per-expert scales near 1
-    (its generic small values would shrink the residual stream at every layer)."""
-    weights = random_weights(config, seed)
-    for name, value in weights.items():
-        if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
-            weights[name] = 1.0 + 4.0 * value  # value: 0.05 times a standard normal
-    return weights
-
-
-def tiny_gemma4(seed: int, **overrides):
-    config = tiny_config("gemma4_text", **overrides)
-    return build_model(config, gemma4_weights(config, seed))
-
-
-def related_gemma4(seed: int, other: int, mix: float = 0.1, **overrides):
-    """A draft that often agrees with tiny_gemma4(seed) and often not (families.related_draft
-    with these weights)."""
-    config = tiny_config("gemma4_text", **overrides)
-    near, far = gemma4_weights(config, seed), gemma4_weights(config, other)
-    return build_model(config, {k: v + mix * (far[k] - v) for k, v in near.items()})
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

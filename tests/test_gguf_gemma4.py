@@ -22,9 +22,10 @@ from mlx_speculate.gguf import tokenizer as gguf_tokenizer
 from mlx_speculate.gguf.reader import read_gguf
 from mlx_speculate.loading import build_model, load, load_model
 
+from .gemma4_models import SHARED, F, S
 from .helpers import assert_float32_close, tiny_config
 from .test_convert import relative_rms, save_tokenizer
-from .test_gemma4 import SHARED, F, S, save_gemma4
+from .test_gemma4 import save_gemma4
 from .test_gguf_families import TOKENS, parameters
 
 pytest.importorskip("torch")

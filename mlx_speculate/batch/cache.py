@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from ..cache import KVCache
+from ..state_cache import HybridCache
 
 
 class BatchKVCache(KVCache):
@@ -26,8 +27,14 @@ class BatchKVCache(KVCache):
         """`shapes`: (key/value heads, head size) of each layer (`CausalLM.kv_shapes`)."""
         likes = [mx.zeros((rows, heads, 0, size), dtype) for heads, size in shapes]
         super().__init__(len(likes), like=likes)
+        self.shapes, self.dtype = list(shapes), dtype
         self.rows = rows
         self.offsets = [0] * rows
+
+    def fresh(self) -> BatchKVCache:
+        """An empty cache of the same layers and rows: a compiled forward's view adopts the
+        cache's arrays into one (batch/step.py)."""
+        return BatchKVCache(self.shapes, self.dtype, self.rows)
 
     def write(
         self, layer: int, keys: mx.array, values: mx.array, start: mx.array, end: int | None
@@ -63,9 +70,7 @@ class BatchKVCache(KVCache):
             if k is None or length == 0:
                 continue
             self.keys[layer] = mx.slice_update(self.keys[layer], k[..., :length, :], at, (0, 2))
-            self.values[layer] = mx.slice_update(
-                self.values[layer], v[..., :length, :], at, (0, 2)
-            )
+            self.values[layer] = mx.slice_update(self.values[layer], v[..., :length, :], at, (0, 2))
         self.offsets[row] = length
 
     def extract(self, row: int, target: KVCache, length: int) -> None:
@@ -104,3 +109,132 @@ class BatchKVCache(KVCache):
                 )
         self.offsets = (self.offsets + [0] * rows)[:rows]
         self.rows = rows
+
+
+class BatchHybridCache(BatchKVCache):
+    """The batch's cache of a hybrid target: `BatchKVCache` rows for its attention layers and,
+    for its recurrent layers, each row's conv window and delta-rule state kept per verify row
+    as a one-sequence `HybridCache` keeps them (state_cache.py), with a start slot `base` per
+    row: row b's next forward, from its own start, gathers its ring row start[b] - base[b], so
+    each sequence rolls back to its own accepted count on the device, no host sync.
+
+    Chains only (`check_verify`), at most ROWS rows a forward; prompts are prefilled in their
+    own caches (a padded batch prefill would run padding through a row's recurrent state)."""
+
+    def __init__(self, template: HybridCache, rows: int):
+        """`template`: a one-sequence cache of the model (`make_cache`), whose layers it takes."""
+        shapes = [(like.shape[1], like.shape[3]) for like in template.likes]
+        dtype = template.like.dtype
+        super().__init__(shapes, dtype, rows)
+        self.template = template
+        self.linear, self.shape = template.linear, template.shape
+        self._kv = {i: n for n, i in enumerate(i for i, r in enumerate(self.linear) if not r)}
+        self._rec = {i: n for n, i in enumerate(i for i, r in enumerate(self.linear) if r)}
+        s, count = self.shape, len(self._rec)
+        # (B, kernel - 1 + L, channels): the last forward's entering windows and inputs
+        self.conv = [mx.zeros((rows, s.kernel - 1, s.channels), dtype) for _ in range(count)]
+        # (L + 1, B, H, Dk, Dv): the state entering the last forward, then after each row
+        shape = (1, rows, s.heads, s.key_dim, s.value_dim)
+        self.ring = [mx.zeros(shape, mx.float32) for _ in range(count)]
+        self.base = mx.zeros((rows,), mx.int32)  # (B,) slot of each row's ring row 0
+        self._next_base: mx.array | None = None
+
+    def fresh(self) -> BatchHybridCache:
+        return BatchHybridCache(self.template, self.rows)
+
+    def write(self, layer, keys, values, start, end):
+        return super().write(self._kv[layer], keys, values, start, end)
+
+    def recurrent(self, layer: int, start: mx.array, batch: int, dtype: mx.Dtype):
+        """Row b's conv window (B, kernel - 1, channels) and state (B, H, Dk, Dv) at its slot
+        start[b]: the ring's row start[b] - base[b]."""
+        r, kernel = self._rec[layer], self.shape.kernel
+        ring, conv = self.ring[r], self.conv[r]
+        row = mx.clip(start - self.base, 0, ring.shape[0] - 1)  # (B,)
+        at = (row[:, None] + mx.arange(kernel - 1, dtype=mx.int32))[:, :, None]
+        window = mx.take_along_axis(conv, mx.broadcast_to(at, (batch, kernel - 1, 1)), axis=1)
+        states = ring.swapaxes(0, 1)  # (B, L + 1, H, Dk, Dv)
+        state = mx.take_along_axis(states, row.reshape(-1, 1, 1, 1, 1), axis=1)[:, 0]
+        return window.astype(dtype), state
+
+    def keep(self, layer: int, start: mx.array, conv: mx.array, states: list[mx.array]) -> None:
+        """A verify forward from slots `start` read `conv` and produced the entering state and
+        one per row; the rows' base moves to `start` once the forward is done (`advance`)."""
+        r = self._rec[layer]
+        length = conv.shape[1] - (self.shape.kernel - 1)
+        if len(states) != length + 1:
+            raise ValueError(f"a batch verify keeps every row's state, {len(states)} kept")
+        self.conv[r], self.ring[r] = conv, mx.stack(states)
+        self._next_base = start
+
+    def advance(self, length: int) -> None:
+        if self._next_base is not None:
+            self.base, self._next_base = self._next_base, None
+
+    def check_verify(self, rows: int, is_chain: bool) -> None:
+        self.template.check_verify(rows, is_chain)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return super().state + self.conv + self.ring + [self.base]
+
+    def set_arrays(self, arrays: Sequence[mx.array]) -> None:
+        arrays, kv, rec = list(arrays), len(super().state), len(self.conv)
+        super().set_arrays(arrays[:kv])
+        self.conv = arrays[kv : kv + rec]
+        self.ring = arrays[kv + rec : kv + 2 * rec]
+        self.base = arrays[-1]
+
+    def adopt(self, arrays: Sequence[mx.array]) -> None:
+        arrays, rec = list(arrays), len(self.conv)
+        kv = len(arrays) - 2 * rec - 1
+        super().adopt(arrays[:kv])
+        self.set_arrays(arrays)
+
+    def insert(self, row: int, source: KVCache, length: int) -> None:
+        super().insert(row, source, length)
+        for layer, r in self._rec.items():
+            window, state = source.recurrent(layer, mx.array(length, mx.int32), 1, self.dtype)
+            at = mx.array([row, 0], dtype=mx.int32)
+            self.conv[r] = mx.slice_update(self.conv[r], window.astype(self.dtype), at, (0, 1))
+            self.ring[r] = mx.slice_update(
+                self.ring[r], state[None], mx.array([0, row], mx.int32), (0, 1)
+            )
+        self.base = mx.slice_update(
+            self.base, mx.array([length], mx.int32), mx.array([row], mx.int32), (0,)
+        )
+
+    def extract(self, row: int, target: KVCache, length: int) -> None:
+        super().extract(row, target, length)
+        start = mx.array([length] * self.rows, dtype=mx.int32)
+        windows, states = {}, {}
+        for layer in self._rec:
+            window, state = self.recurrent(layer, start, self.rows, self.dtype)
+            windows[layer], states[layer] = window[row : row + 1], state[row : row + 1]
+        target.restore(length, windows, states)
+
+    def move(self, source: int, destination: int) -> None:
+        super().move(source, destination)
+        at = mx.array([destination], dtype=mx.int32)
+        for r, (conv, ring) in enumerate(zip(self.conv, self.ring, strict=True)):
+            self.conv[r] = mx.slice_update(conv, conv[source : source + 1], at, (0,))
+            self.ring[r] = mx.slice_update(ring, ring[:, source : source + 1], at, (1,))
+        self.base = mx.slice_update(self.base, self.base[source : source + 1], at, (0,))
+
+    def resize(self, rows: int) -> None:
+        old = self.rows
+        super().resize(rows)
+        if rows <= old:
+            self.conv = [c[:rows] for c in self.conv]
+            self.ring = [r[:, :rows] for r in self.ring]
+            self.base = self.base[:rows]
+            return
+        more = rows - old
+        self.conv = [
+            mx.concatenate([c, mx.zeros((more, *c.shape[1:]), c.dtype)]) for c in self.conv
+        ]
+        self.ring = [
+            mx.concatenate([r, mx.zeros((r.shape[0], more, *r.shape[2:]), r.dtype)], axis=1)
+            for r in self.ring
+        ]
+        self.base = mx.concatenate([self.base, mx.zeros((more,), mx.int32)])

@@ -3,7 +3,7 @@ generations, first come first served, and hands their tokens to the event loop. 
 `max_batch` > 1 (the default) they run together in the batch engine (batch/engine.py): a
 request joins the running ones between steps, its prompt prefilled a chunk per step so the
 others keep streaming, up to `max_batch` decoding at once; else (or for a target a batch
-cannot run: a hybrid's recurrent layers, a sharded target) one at a time.
+cannot run: length-dependent rope, a sharded target) one at a time.
 
 MLX streams belong to the thread that made them (on Metal, an array built on one thread cannot
 be evaluated on another), so loading and decoding share this one thread, and what crosses to
