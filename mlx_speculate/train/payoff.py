@@ -6,6 +6,11 @@ k were accepted with that probability, given the ones before, a step would yield
 1 + a + a^2 + ... + a^k tokens. Later drafts guess further ahead and are rarely better than
 the first, so this is an estimate from above: a drafter that falls short of the break-even
 even so will not pay.
+
+The break-even is 2 tokens a step (BREAK_EVEN): a drafted step runs the drafter and a target
+forward over the whole chain, which costs more than a plain step, about two to three of them
+on the small targets of docs/results.md (tau over speedup there). Fewer than 2 tokens a step
+cannot make up for that; more may, and only a benchmark says.
 """
 
 from __future__ import annotations
@@ -13,10 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# A drafted step runs the drafter and a target forward over the whole chain; on the small
-# targets measured in docs/results.md such a step cost about two to three plain decoding
-# steps, so a drafter yielding fewer than two tokens a step is slower than no drafter.
-BREAK_EVEN = 2.0
+BREAK_EVEN = 2.0  # tokens a step below which a drafter is slower than none (see above)
 
 
 @dataclass(frozen=True)
