@@ -5,6 +5,8 @@ drafter will not pay, and bad input is one line. Tiny models, a step or two: sec
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -15,13 +17,8 @@ from mlx_speculate.train.data import make_data, read_conversations, read_prompts
 from mlx_speculate.train.features import open_features
 from mlx_speculate.train.loop import TrainConfig
 from mlx_speculate.train.payoff import BREAK_EVEN, payoff, tokens_per_step
-from mlx_speculate.train.recipe import (
-    TRAINING,
-    Recipe,
-    default_training,
-    dflash_layers,
-    train_head,
-)
+from mlx_speculate.train.recipe import dflash_layers, train_head
+from mlx_speculate.train.settings import TRAINING, Recipe, default_training
 
 from .helpers import SHARED, require, tiny_model
 
@@ -158,9 +155,21 @@ def test_the_flags_are_the_recipe_s_fields(monkeypatch, capsys):
         assert f"(default: {default}; dflash: {value})" in help_text, flag
     with pytest.raises(SystemExit):
         train_cli.main(["medusa", "--model", "m", "--out", "o", "--intermediate-size", "8"])
-    assert "--intermediate-size applies to eagle1 and eagle3 and dflash, not medusa" in (
+    assert "--intermediate-size applies to eagle1, eagle3 and dflash, not medusa" in (
         capsys.readouterr().err
     )
+
+
+def test_the_settings_and_their_flags_import_no_mlx():
+    """The CLI's flags come from settings.py, which a `--help` or a flag error can read
+    without loading MLX; its layouts are the EAGLE writer's."""
+    from mlx_speculate.heads.eagle_format import LAYOUTS
+    from mlx_speculate.train import settings
+
+    assert settings.LAYOUTS == LAYOUTS
+    code = "import sys, mlx_speculate.train.settings; print('mlx.core' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.stdout.strip() == "False", done.stderr
 
 
 def test_a_bad_jsonl_line_is_named_by_its_number(tmp_path):

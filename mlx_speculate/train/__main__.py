@@ -8,9 +8,9 @@ from dataclasses import replace
 
 from .. import cli
 from ..cli import INTERRUPTED, fail, prog
-from .loop import TrainConfig
 from .options import add_options, given
-from .recipe import KINDS, TRAINING, Recipe, train_head
+from .recipe import train_head
+from .settings import KINDS, TRAINING, Recipe, TrainConfig
 
 
 def parser() -> argparse.ArgumentParser:

@@ -34,48 +34,15 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..atomic import move_into_place, staging_folder
 from ..checkpoint import read_weights, write_safetensors
-from ..cli import bounded, non_negative_int
 from .features import Features
 from .keys import differences, read_key, write_json
-from .options import option
+from .settings import TrainConfig
 
 CHECKPOINT, KEY_FILE = "checkpoint", "key.json"
 # Vocabulary rows a batch's answer count is rounded up to. On a CPU the vocabulary-wide
 # softmax is most of a step, so coarser rounding pays for rows of padding. The step is traced
 # once per (T, rows) shape either way.
 ROWS = 32
-share = bounded(float, lambda v: 0 <= v < 1, "in [0, 1)")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """How a head trains; each field is a flag of `python -m mlx_speculate.train` (options.py)."""
-
-    epochs: int = option(10, "passes over the data at most")
-    learning_rate: float = option(
-        1e-3, "AdamW's peak learning rate, after warmup, then cosine decay", flag="--lr"
-    )
-    warmup: int = option(50, "steps of linear warmup", type=non_negative_int)
-    weight_decay: float = option(0.0, "AdamW's weight decay")
-    clip: float = option(0.5, "the gradient norm steps are clipped to")
-    # About one conversation a step, as the official trainer's batch of 1.
-    batch_tokens: int = option(256, "padded tokens a training step")
-    holdout: float = option(
-        0.05, "share of conversations held out to measure top-1 accuracy", type=share
-    )
-    patience: int = option(2, "epochs without a better held-out accuracy before stopping")
-    save_every: int = option(100, "steps between checkpoints")
-    seed: int = option(
-        0, "the split, the shuffles, the initialisation and the noise", type=non_negative_int
-    )
-    max_steps: int | None = option(None, "stop after this many steps in all, with a checkpoint")
-
-    def __post_init__(self) -> None:
-        if self.epochs < 1 or self.batch_tokens < 1 or not 0 <= self.holdout < 1:
-            raise ValueError(
-                f"need epochs >= 1, batch_tokens >= 1 and holdout in [0, 1), got {self.epochs}, "
-                f"{self.batch_tokens}, {self.holdout}"
-            )
 
 
 @dataclass

@@ -73,7 +73,8 @@ def given(args: argparse.Namespace, cls: type, kind: str) -> dict[str, Any]:
             continue
         kinds = f.metadata["kinds"]
         if kinds is not None and kind not in kinds:
-            raise ValueError(f"{_flag(f)} applies to {' and '.join(kinds)}, not {kind}")
+            named = " and ".join([", ".join(kinds[:-1]), kinds[-1]] if kinds[1:] else kinds)
+            raise ValueError(f"{_flag(f)} applies to {named}, not {kind}")
         value = getattr(args, f.name)
         values[f.name] = tuple(value) if isinstance(value, list) else value
     return values
