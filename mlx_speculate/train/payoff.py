@@ -45,9 +45,9 @@ class Payoff:
         if self.pays:
             return f"{estimate} (measure it: a drafted step costs more than a plain one)"
         return (
-            f"warning: {estimate}, below the {BREAK_EVEN:g} a drafted step costs: this drafter "
-            "will likely be slower than plain decoding (train on more data or for longer; "
-            "see docs/training.md)"
+            f"warning: {estimate}, below the break-even of {BREAK_EVEN:g}: this drafter will "
+            "likely be slower than plain decoding (train on more data or for longer; see "
+            "docs/training.md)"
         )
 
 
