@@ -26,7 +26,7 @@ def no_tokenizer_needed(monkeypatch) -> None:
     monkeypatch.setattr(gguf_tokenizer, "read_gguf_tokenizer", lambda src: stand_in)
 
 
-def convert_fails(tmp_path: Path, src: Path, capsys, message: str) -> None:
+def convert_fails(tmp_path: Path, src: Path, capsys, message: str) -> str:
     dst = tmp_path / "out" / "model"
     assert main(["--hf-path", str(src), "--mlx-path", str(dst), "-q"]) == 2
     err = capsys.readouterr().err
@@ -34,6 +34,7 @@ def convert_fails(tmp_path: Path, src: Path, capsys, message: str) -> None:
     assert message in err, err
     assert not dst.exists()
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
+    return err
 
 
 def test_truncated_file(tmp_path, capsys, no_tokenizer_needed) -> None:
@@ -41,6 +42,27 @@ def test_truncated_file(tmp_path, capsys, no_tokenizer_needed) -> None:
     data = (tmp_path / "m.gguf").read_bytes()
     (tmp_path / "cut.gguf").write_bytes(data[: len(data) * 3 // 4])
     convert_fails(tmp_path, tmp_path / "cut.gguf", capsys, "past the end of the file")
+
+
+@pytest.mark.parametrize("where", ["after the header", "inside the header"])
+def test_a_file_cut_at_its_header_is_one_plain_sentence(tmp_path, capsys, where) -> None:
+    """A download stopped at the end of the header (or within it) says so, with no struct or
+    offset arithmetic in the message."""
+    from mlx_speculate.gguf.header import read_header
+
+    write_gguf(tmp_path / "m.gguf", hf_state_dict(tied=True))
+    data = (tmp_path / "m.gguf").read_bytes()
+    end = min(t.offset for t in read_header(tmp_path / "m.gguf").tensors)  # the data section
+    cut = end if where == "after the header" else 30
+    (tmp_path / "cut.gguf").write_bytes(data[:cut])
+    expected = {
+        "after the header": f"cut.gguf is truncated: it ends after its header, at byte {cut}, "
+        "with none of its",
+        "inside the header": f"cut.gguf is truncated: the file ends at byte {cut}, inside its "
+        "header",
+    }[where]
+    err = convert_fails(tmp_path, tmp_path / "cut.gguf", capsys, expected)
+    assert "unpack" not in err and "buffer" not in err
 
 
 def set_tensor_type(path: Path, name: str, kind: int) -> None:

@@ -125,9 +125,9 @@ def check_layout(kind: str, out) -> None:
         d2t, t2d = names["d2t"], names["t2d"]
         assert d2t.dtype == np.int64 and t2d.dtype == bool and t2d.sum() == 256
         assert np.array_equal(np.nonzero(t2d)[0], np.arange(256) + d2t)
-    if kind == "dflash":  # z-lab's: one layer reading layer 2 of 5 (its default spread)
+    if kind == "dflash":  # z-lab's layout: one layer reading layers 1 and 3 of 5 (the default)
         assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 8
-        assert config["dflash_config"]["target_layer_ids"] == [2]
+        assert config["dflash_config"]["target_layer_ids"] == [1, 3]
         assert config["num_target_layers"] == 5 and config["num_hidden_layers"] == 1
         assert {"fc.weight", "hidden_norm.weight", "layers.0.self_attn.k_norm.weight"} < set(names)
         assert not any(name.startswith(("embed_tokens", "lm_head")) for name in names)
@@ -293,10 +293,10 @@ def test_default_taps_are_the_official_three_or_a_shallow_targets_last_three():
         target = SimpleNamespace(args=SimpleNamespace(num_hidden_layers=layers))
         assert _taps("eagle3", target, None) == taps, layers
         assert _taps("eagle1", target, None) == ()
-    # DFlash: the states after z-lab's default layers (36 layers, 5 draft layers: its Qwen3-4B
-    # drafter's 1, 9, 17, 25, 33), or after the named ones; never the last layer's.
+    # DFlash: the states after max(2, draft layers) layers spread from 1 to L - 2 (36 layers, 5
+    # draft layers: 1, 9, 18, 26, 34), or after the named ones; never the last layer's.
     target = SimpleNamespace(args=SimpleNamespace(num_hidden_layers=36))
-    assert _taps("dflash", target, None, 5) == (2, 10, 18, 26, 34)
+    assert _taps("dflash", target, None, 5) == (2, 10, 19, 27, 35)
     assert _taps("dflash", target, (0, 34), 1) == (1, 35)
     with pytest.raises(ValueError, match="layers 0 to 34 of a 36-layer target, not \\[35\\]"):
         _taps("dflash", target, (35,), 1)

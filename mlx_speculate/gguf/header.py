@@ -59,14 +59,21 @@ def read_metadata(path: str | Path, arrays: Collection[str] = ()) -> dict[str, A
 
 
 def read_header(path: Path, arrays: Collection[str] = ()) -> Header:
-    """The header; a file that is not GGUF, or is cut short, is a ValueError naming it."""
+    """The header; a file that is not GGUF, or is cut short, is a ValueError naming it (one
+    sentence saying where a truncated file ends: inside its header, or before its data)."""
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {path}")
     try:
         with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
             return _HeaderParser(data, arrays).parse()
-    except (ValueError, struct.error, UnicodeDecodeError) as e:  # bad magic, truncation, ...
+    except _Truncated as e:
+        raise ValueError(f"{path} is truncated: {e}") from None
+    except (ValueError, struct.error, UnicodeDecodeError) as e:  # bad magic, a bad type, ...
         raise ValueError(f"{path} is not a valid GGUF file: {e}") from e
+
+
+class _Truncated(ValueError):
+    """The file ends before its header or its tensor data does."""
 
 
 class _HeaderParser:
@@ -99,6 +106,11 @@ class _HeaderParser:
             infos.append((name, tuple(reversed(dims)), _Q(kind), self.unpack("<Q")))
         alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
         start = -(-self.pos // alignment) * alignment
+        if infos and start >= len(self.data):
+            raise _Truncated(
+                f"it ends after its header, at byte {len(self.data)}, with none of its "
+                f"{len(infos)} tensors' data"
+            )
         tensors = []
         for name, shape, kind, offset in infos:
             block, size = gguf.GGML_QUANT_SIZES[kind]
@@ -109,23 +121,29 @@ class _HeaderParser:
                 )
             nbytes = math.prod(shape) // block * size
             if start + offset + nbytes > len(self.data):
-                raise ValueError(
+                raise _Truncated(
                     f"tensor {name!r} ends at byte {start + offset + nbytes}, past the end of "
-                    f"the file ({len(self.data)} bytes): truncated"
+                    f"the file ({len(self.data)} bytes)"
                 )
             tensors.append(TensorInfo(name, shape, kind, start + offset, nbytes))
         return Header(metadata, tensors)
 
-    def unpack(self, fmt: str) -> Any:
-        (value,) = struct.unpack_from(fmt, self.data, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return value
+    def unpack(self, fmt: str, many: bool = False) -> Any:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.data):
+            raise self.cut()
+        values = struct.unpack_from(fmt, self.data, self.pos)
+        self.pos += size
+        return values if many else values[0]
+
+    def cut(self) -> _Truncated:
+        return _Truncated(f"the file ends at byte {len(self.data)}, inside its header")
 
     def string(self) -> str:
         n = self.unpack("<Q")
         raw = self.data[self.pos : self.pos + n]
         if len(raw) != n:
-            raise ValueError("string runs past the end of the file")
+            raise self.cut()
         self.pos += n
         return raw.decode("utf-8")
 
@@ -138,16 +156,16 @@ class _HeaderParser:
         if keep and item == _STRING:
             return [self.string() for _ in range(count)]
         if keep and item in _SCALAR_FORMATS:
-            fmt = f"<{count}{_SCALAR_FORMATS[item][1:]}"
-            values = list(struct.unpack_from(fmt, self.data, self.pos))
-            self.pos += struct.calcsize(fmt)
-            return values
+            return list(self.unpack(f"<{count}{_SCALAR_FORMATS[item][1:]}", many=True))
         if item in _SCALAR_FORMATS:
             self.pos += count * struct.calcsize(_SCALAR_FORMATS[item])
         elif item == _STRING:
             data, pos = self.data, self.pos
-            for _ in range(count):  # the hot loop: ~100k vocabulary strings and merges
-                pos += 8 + struct.unpack_from("<Q", data, pos)[0]
+            try:
+                for _ in range(count):  # the hot loop: ~100k vocabulary strings and merges
+                    pos += 8 + struct.unpack_from("<Q", data, pos)[0]
+            except struct.error:
+                raise self.cut() from None
             self.pos = pos
         else:
             for _ in range(count):

@@ -11,7 +11,8 @@ the text greedy decoding will see).
 
 `data.jsonl` holds one conversation a line, `{"tokens": [...], "answer": i}` (tokens from i on
 are the target's own), appended and flushed one at a time; a killed run resumes after the last
-complete line.
+complete line. `data-key.json` is what they were made from (`data_key`): a run with another
+target, other prompts or settings makes them again instead of resuming.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from ..cli import os_error
 from ..models.base import CausalLM
 from ..models.context import additive_mask
 from ..sampling import SamplingParams, pick
+from .keys import differences, digest, model_identity, read_key, write_json
 
-DATA_FILE = "data.jsonl"
+DATA_FILE, KEY_FILE = "data.jsonl", "data-key.json"
 _ROLES = {
     "human": "user",
     "user": "user",
@@ -55,21 +57,38 @@ def read_prompts(path: str | Path) -> list[str | list[dict[str, str]]]:
         raise ValueError(f"cannot read the prompt file: {os_error(e)}") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"cannot read the prompt file {path}: {e}") from None
+    if path.suffix == ".jsonl":
+        return [_prompt(item, f"{path}:{n}") for n, item in _lines(text, path)]
     try:
-        if path.suffix == ".jsonl":
-            items = [json.loads(line) for line in text.splitlines() if line.strip()]
-        else:
-            items = json.loads(text) if text.strip() else []
+        items = json.loads(text) if text.strip() else []
     except json.JSONDecodeError as e:
         raise ValueError(f"the prompt file {path} is not valid JSON: {e}") from None
     if isinstance(items, dict):  # {"prompts": [...]} and the like
         items = next((v for v in items.values() if isinstance(v, list)), [])
     if not isinstance(items, list) or not items:
         raise ValueError(f"the prompt file {path} holds no prompts")
-    return [_prompt(item, i, path) for i, item in enumerate(items)]
+    return [_prompt(item, f"prompt {i} in {path}") for i, item in enumerate(items)]
 
 
-def _prompt(item: Any, index: int, path: Path) -> str | list[dict[str, str]]:
+def _lines(text: str, path: Path) -> list[tuple[int, Any]]:
+    """(line number from 1, value) of each non-blank JSONL line; a bad one is named as
+    file:line, the place an editor jumps to."""
+    items = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            items.append((n, json.loads(line)))
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{path}:{n}: line {n} is not valid JSON ({e.msg}, column {e.colno})"
+            ) from None
+    if not items:
+        raise ValueError(f"the prompt file {path} holds no prompts")
+    return items
+
+
+def _prompt(item: Any, where: str) -> str | list[dict[str, str]]:
     if isinstance(item, str) and item.strip():
         return item
     turns = None
@@ -91,9 +110,7 @@ def _prompt(item: Any, index: int, path: Path) -> str | list[dict[str, str]]:
             break
         messages.append({"role": role, "content": content})
     if not any(m["role"] == "user" for m in messages):
-        raise ValueError(
-            f"prompt {index} in {path} is neither text nor a conversation: {item!r}"[:200]
-        )
+        raise ValueError(f"{where}: neither text nor a conversation: {item!r}"[:200])
     return messages
 
 
@@ -173,6 +190,51 @@ def read_conversations(folder: Path) -> list[Conversation]:
     return out
 
 
+def data_key(
+    model: CausalLM,
+    tokenizer,
+    *,
+    prompts: Sequence[str | list[dict[str, str]]] = (),
+    self_samples: int = 0,
+    sample_prefix: int = 16,
+    max_tokens: int = 200,
+    temperature: float = 0.0,
+    seed: int = 0,
+    batch: int = 16,
+) -> dict[str, Any]:
+    """What `make_data` with these arguments builds its conversations from (keys.py): the
+    target, the prompts as token ids (chat template applied), and the settings that change
+    an answer. Seed and batch count only where something is drawn at random."""
+    return _key(
+        model,
+        tokenizer,
+        list(_inputs(tokenizer, prompts, self_samples)),
+        self_samples,
+        sample_prefix if self_samples else 0,
+        max_tokens,
+        temperature,
+        seed,
+        batch,
+    )
+
+
+def _key(
+    model, tokenizer, inputs, self_samples, sample_prefix, max_tokens, temperature, seed, batch
+) -> dict[str, Any]:
+    drawn = sample_prefix > 0 or temperature > 0
+    return {
+        "model": model_identity(model),
+        "inputs": None if self_samples else digest(inputs),
+        "self_samples": self_samples,
+        "sample_prefix": sample_prefix,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "eos": _eos(tokenizer),
+        "seed": seed if drawn else None,
+        "data_batch": batch if drawn else None,
+    }
+
+
 def make_data(
     model: CausalLM,
     tokenizer,
@@ -188,8 +250,9 @@ def make_data(
     progress: bool = True,
 ) -> list[Conversation]:
     """Conversations for every prompt (or `self_samples` samples from BOS: `sample_prefix`
-    tokens at T=1, then answered like a prompt), resuming after those already in `folder`;
-    `batch` prompts at a time are answered together."""
+    tokens at T=1, then answered like a prompt), resuming after those already in `folder`
+    when its key (`data_key`) matches, made afresh when it does not; `batch` prompts at a
+    time are answered together."""
     if not prompts and self_samples <= 0:
         raise ValueError("give prompts, or self_samples > 0 for a model without a chat template")
     sample_prefix = sample_prefix if self_samples else 0
@@ -204,13 +267,21 @@ def make_data(
     for i, ids in enumerate(inputs):
         if len(ids) + 1 >= context:
             raise ValueError(f"prompt {i} has {len(ids)} tokens, the model's context is {context}")
-    done = read_conversations(folder)
+    key = _key(
+        model, tokenizer, inputs, self_samples, sample_prefix, max_tokens, temperature, seed, batch
+    )
+    old = read_key(folder / KEY_FILE)
+    done = read_conversations(folder) if old == key else []
+    if old is not None and old != key and progress:
+        print(f"data: made from other settings ({differences(old, key)}): made again", flush=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(folder / KEY_FILE, key)
     file = folder / DATA_FILE
     with file.open("w") as f:  # rewrite the complete lines, dropping a torn one
         for c in done:
             f.write(json.dumps({"tokens": list(c.tokens), "answer": c.answer}) + "\n")
     sampling = SamplingParams(temperature=temperature)
-    eos = list(getattr(tokenizer, "eos_token_ids", None) or [])
+    eos = _eos(tokenizer)
     from tqdm import tqdm
 
     bar = tqdm(total=len(inputs), initial=len(done), desc="data", disable=not progress)
@@ -233,6 +304,10 @@ def make_data(
     return done
 
 
+def _eos(tokenizer) -> list[int]:
+    return list(getattr(tokenizer, "eos_token_ids", None) or [])
+
+
 def _windowed(model: CausalLM) -> bool:
     return model.args.sliding_window is not None and any(model.args.sliding_layers())
 
@@ -245,8 +320,10 @@ def _batches(
     i = start
     while i < len(inputs):
         n = 1
-        while n < size and i + n < len(inputs) and (
-            not same_length or len(inputs[i + n]) == len(inputs[i])
+        while (
+            n < size
+            and i + n < len(inputs)
+            and (not same_length or len(inputs[i + n]) == len(inputs[i]))
         ):
             n += 1
         yield i, n

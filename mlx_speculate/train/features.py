@@ -11,14 +11,16 @@ kept logits):
   from the token before the answer on (0 before: no loss reads them).
 Disk: 5 + 2F + 6k bytes a token (SmolLM2, k 16: 1.25 KB for EAGLE-1/Medusa, 3.6 KB for EAGLE-3).
 
-`progress.json` counts the conversations written; it is replaced (atomically) only after the
-arrays are flushed, so a killed run redoes at most one conversation.
+`meta.json` is the cache's key (keys.py): its shapes, the target and the conversations it was
+made from; a run with other ones makes it again. `progress.json` counts the conversations
+written; it is replaced (atomically) only after the arrays are flushed, so a killed run redoes
+at most one conversation.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,7 @@ import numpy as np
 
 from ..models.base import CausalLM
 from .data import Conversation
+from .keys import differences, digest, model_identity, write_json
 
 META, PROGRESS = "meta.json", "progress.json"
 ARRAYS = ("tokens", "answer", "starts", "features", "top_ids", "top_logits")
@@ -56,13 +59,6 @@ class Features:
         return slice(int(self.starts[i]), int(self.starts[i + 1]))
 
 
-def write_json(path: Path, value: dict) -> None:
-    """Writes `path` whole or not at all (a rename over the old one)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, path)
-
-
 def make_features(
     model: CausalLM,
     conversations: Sequence[Conversation],
@@ -74,7 +70,6 @@ def make_features(
 ) -> Features:
     """The feature cache in `folder` for `conversations`, resumed or made; `taps` empty means
     the final states (`width` = hidden size), else the concatenated taps."""
-    folder.mkdir(parents=True, exist_ok=True)
     lengths = [len(c.tokens) for c in conversations]
     meta = {
         "conversations": len(lengths),
@@ -82,14 +77,19 @@ def make_features(
         "taps": list(taps),
         "width": width,
         "top_k": top_k,
+        "model": model_identity(model),
+        "data": digest([[c.tokens, c.answer] for c in conversations]),
     }
     done = 0
-    if (folder / META).exists():
-        if _read_json(folder / META) != meta:
-            raise ValueError(
-                f"the feature cache in {folder} was made for other data or settings; delete it "
-                "to recompute"
-            )
+    old = _read_json(folder / META) if (folder / META).exists() else None
+    if old is not None and old != meta:
+        if progress:
+            changed = differences(old, meta)
+            print(f"features: made from other data or settings ({changed}): made again")
+        shutil.rmtree(folder)
+        old = None
+    folder.mkdir(parents=True, exist_ok=True)
+    if old is not None:
         done = int(_read_json(folder / PROGRESS).get("done", 0))
         arrays = {name: _open(folder, name, "r+") for name in ARRAYS}
     else:

@@ -10,8 +10,10 @@ the uninterrupted run would have.
 Many small steps learn faster than few large ones: on a small data set, held-out top-1 fell
 as batches grew past a few hundred tokens, at each learning rate tried.
 
-`checkpoint/` (replaced atomically) holds the head's and the optimizer's state and where the
-run stands; a Ctrl-C saves one before it exits.
+`checkpoint/` (replaced atomically) holds the head's and the optimizer's state, where the run
+stands and `key.json`, what the head is and was trained from; a Ctrl-C saves one before it
+exits. A run resumes a checkpoint of its own key only: schedule settings (epochs, learning
+rate, batch tokens, ...) may change between runs, the head and its data may not.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -32,34 +35,14 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..atomic import move_into_place, staging_folder
 from ..checkpoint import read_weights, write_safetensors
 from .features import Features
+from .keys import differences, read_key, write_json
+from .settings import TrainConfig
 
-CHECKPOINT = "checkpoint"
+CHECKPOINT, KEY_FILE = "checkpoint", "key.json"
 # Vocabulary rows a batch's answer count is rounded up to. On a CPU the vocabulary-wide
 # softmax is most of a step, so coarser rounding pays for rows of padding. The step is traced
 # once per (T, rows) shape either way.
 ROWS = 32
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    epochs: int = 10
-    learning_rate: float = 1e-3
-    warmup: int = 50  # steps
-    weight_decay: float = 0.0
-    clip: float = 0.5
-    batch_tokens: int = 256  # about one conversation a step, as the official trainer's batch 1
-    holdout: float = 0.05  # share of conversations held out
-    patience: int = 2  # epochs without a better held-out accuracy before stopping
-    save_every: int = 100  # steps
-    seed: int = 0
-    max_steps: int | None = None  # stop (with a checkpoint) after this many steps in all
-
-    def __post_init__(self) -> None:
-        if self.epochs < 1 or self.batch_tokens < 1 or not 0 <= self.holdout < 1:
-            raise ValueError(
-                f"need epochs >= 1, batch_tokens >= 1 and holdout in [0, 1), got {self.epochs}, "
-                f"{self.batch_tokens}, {self.holdout}"
-            )
 
 
 @dataclass
@@ -132,10 +115,13 @@ def train(
     folder: Path,
     config: TrainConfig,
     progress: bool = True,
+    built_from: dict[str, Any] | None = None,
 ) -> Progress:
     """Trains `head` on `data` (resuming from `folder/checkpoint`), leaves it holding the
     weights of its best held-out epoch; returns the run's record. `loss_fn(head, batch,
-    *frozen, key)` -> (loss, (hits, count)), `key` None when evaluating."""
+    *frozen, key)` -> (loss, (hits, count)), `key` None when evaluating. `built_from`
+    (keys.py): what the head is and was trained from, saved with each checkpoint; a
+    checkpoint saved under another is refused (`check_checkpoint`)."""
     train_rows, held_rows = split(data.conversations, config.holdout, config.seed)
     per_epoch = len(batches(data, train_rows, config.batch_tokens, None))
     total = config.max_steps or config.epochs * per_epoch
@@ -150,7 +136,10 @@ def train(
     )
     optimizer = optim.AdamW(schedule, betas=(0.9, 0.95), weight_decay=config.weight_decay)
     optimizer.init(head.trainable_parameters())
+    check_checkpoint(folder, built_from)
     state = _resume(folder / CHECKPOINT, head, optimizer)
+    if progress and state.step:
+        print(f"resuming {folder / CHECKPOINT} at epoch {state.epoch + 1}, step {state.step}")
     grad_fn = nn.value_and_grad(head, lambda h, *a: loss_fn(h, *a)[0])
     compiled_state = [head.state, optimizer.state]
 
@@ -184,11 +173,11 @@ def train(
                 bar.set_postfix(loss=f"{loss.item():.3f}")
                 bar.update()
                 if state.step % config.save_every == 0 or state.step >= total:
-                    _save(folder / CHECKPOINT, head, optimizer, state)
+                    _save(folder / CHECKPOINT, head, optimizer, state, built_from)
                 if state.step >= total:
                     break
         except KeyboardInterrupt:
-            _save(folder / CHECKPOINT, head, optimizer, state)
+            _save(folder / CHECKPOINT, head, optimizer, state, built_from)
             raise
         finally:
             bar.close()
@@ -208,10 +197,10 @@ def train(
         state.epoch, state.batch = state.epoch + 1, 0
         if accuracy > state.best:
             state.best, state.stale = accuracy, 0
-            _save(folder / CHECKPOINT, head, optimizer, state, best=True)
+            _save(folder / CHECKPOINT, head, optimizer, state, built_from, best=True)
         else:
             state.stale += 1
-            _save(folder / CHECKPOINT, head, optimizer, state)
+            _save(folder / CHECKPOINT, head, optimizer, state, built_from)
             if state.stale >= config.patience:
                 break
     if best_file.exists():
@@ -229,9 +218,38 @@ def evaluate(eval_fn: Callable, data: Features, rows: np.ndarray, budget: int) -
     return hits / count if count else math.nan
 
 
-def _save(folder: Path, head: nn.Module, optimizer, state: Progress, best: bool = False) -> None:
+def check_checkpoint(folder: Path, key: dict[str, Any] | None) -> None:
+    """Nothing when `folder` holds no checkpoint, or one saved under `key` (None: any); else a
+    ValueError naming what differs. Its weights are not deleted: a run of hours is not
+    discarded for a changed flag."""
+    checkpoint = folder / CHECKPOINT
+    if key is None or not (checkpoint / "progress.json").exists():
+        return
+    old = read_key(checkpoint / KEY_FILE)
+    if old == key:
+        return
+    what = (
+        "has no record of the settings it was trained with (an older version wrote it)"
+        if old is None
+        else f"was trained with other settings ({differences(old, key)})"
+    )
+    raise ValueError(
+        f"the checkpoint in {checkpoint} {what}: delete it to train afresh, or give another cache"
+    )
+
+
+def _save(
+    folder: Path,
+    head: nn.Module,
+    optimizer,
+    state: Progress,
+    key: dict[str, Any] | None,
+    best: bool = False,
+) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = staging_folder(folder)
+    if key is not None:
+        write_json(tmp / KEY_FILE, key)
     write_safetensors(tmp / "head.safetensors", dict(tree_flatten(head.parameters())))
     opt = {k: v for k, v in tree_flatten(optimizer.state) if isinstance(v, mx.array)}
     write_safetensors(tmp / "optimizer.safetensors", opt)

@@ -3,9 +3,10 @@
     result = train_head("eagle1", "path/to/model", "out/", prompts="prompts.json")
 
 `cache` (default: `<out>.cache` beside `out`) holds `data.jsonl` (shared by every head kind),
-`features-<what>/` (the final states for EAGLE-1 and Medusa, the taps for EAGLE-3) and
-`train-<kind>/checkpoint`; running the same call again resumes where the last one stopped.
-`out` must not exist: it appears, whole, at the end.
+`features-<what>/` (the final states for EAGLE-1 and Medusa, the taps for EAGLE-3 and DFlash)
+and `train-<kind>/checkpoint`; running the same call again resumes where the last one stopped,
+and a call with other settings makes again the stages they change (keys.py). `out` must not
+exist: it appears, whole, at the end. The settings themselves live in settings.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,65 +26,26 @@ import mlx.nn as nn
 import numpy as np
 
 from ..device import roomy_cache
-from ..heads.dflash import DFlashConfig, DFlashHead, default_layer_ids
+from ..heads.dflash import DFlashConfig, DFlashHead
 from ..heads.dflash_format import save_dflash
 from ..heads.eagle import Eagle1Head, Eagle3Head, EagleConfig, official_taps
-from ..heads.eagle_format import LAYOUTS, save_official
+from ..heads.eagle_format import save_official
 from ..heads.medusa import MedusaHeads, save_medusa1
 from ..loading import load
 from ..models.base import CausalLM
-from .data import make_data, read_prompts
+from .data import data_key, make_data, read_prompts
 from .features import Features, make_features
-from .loop import TrainConfig, train
+from .loop import check_checkpoint, train
 from .memory import Peak, measured
 from .objectives import dflash_loss, eagle1_loss, eagle3_loss, medusa_loss
+from .payoff import Payoff, payoff
+from .settings import DRAFT_VOCAB, KINDS, TRAINING, Recipe, TrainConfig, default_training
 
-KINDS = ("eagle1", "eagle3", "medusa", "dflash")
 # MLX's buffer cache while training: a step's arrays are reused instead of faulted in again
 # (the CPU allocator keeps 32 MB), but a bound, or each new batch shape's stays resident.
 TRAIN_CACHE = 1 << 30
-DRAFT_VOCAB = 32000  # EAGLE-3's default draft vocabulary, or the whole one where smaller
-
-
-@dataclass(frozen=True)
-class Recipe:
-    kind: str
-    max_tokens: int = 200  # answer length
-    temperature: float = 0.0  # answers: greedy, or sampled
-    self_samples: int = 0  # samples from BOS instead of prompts
-    sample_prefix: int = 16  # self samples: tokens drawn at T=1 before answering at temperature
-    data_batch: int = 16  # prompts answered together (a self sample depends on its batch)
-    top_k: int = 16  # target logits kept per token
-    draft_vocab: int | None = None  # EAGLE-3: the most frequent answer tokens (DRAFT_VOCAB)
-    taps: tuple[int, ...] | None = None  # EAGLE-3 (None: layers 2, L//2, L-3; see _taps)
-    ttt_steps: int = 7  # EAGLE-3's training-time test
-    intermediate_size: int | None = None  # EAGLE: the draft layer's MLP width (None: target's)
-    medusa_heads: int = 4
-    medusa_layers: int = 1
-    block_size: int = 8  # DFlash: the verified token and block_size - 1 drafts
-    draft_layers: int = 1  # DFlash: its Qwen3 layers
-    anchors: int = 512  # DFlash: blocks a conversation a step at most (SpecForge's num_anchors)
-    layout: str = "official"  # EAGLE: SafeAILab's keys, or "speculators" (EAGLE-3, vLLM)
-    train: TrainConfig = field(default_factory=TrainConfig)
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"head kind {self.kind!r} is unknown (known: {', '.join(KINDS)})")
-        width = 1 if self.intermediate_size is None else self.intermediate_size
-        draft = 1 if self.draft_vocab is None else self.draft_vocab
-        sizes = (self.max_tokens, self.top_k, draft, self.ttt_steps, self.data_batch, width)
-        if min(*sizes, self.draft_layers, self.anchors) < 1:
-            raise ValueError(
-                "max_tokens, top_k, draft_vocab, ttt_steps, data_batch, intermediate_size, "
-                "draft_layers and anchors must be >= 1"
-            )
-        if self.block_size < 2:
-            raise ValueError(f"DFlash block_size must be >= 2, got {self.block_size}")
-        if self.layout not in LAYOUTS or (self.layout == "speculators" and self.kind != "eagle3"):
-            raise ValueError(
-                f"layout {self.layout!r} is not one for {self.kind} heads "
-                f"(EAGLE: {', '.join(LAYOUTS)}; speculators: eagle3 only)"
-            )
+# The settings live in settings.py (no MLX there, for the CLI's flags); named here too.
+__all__ = ["KINDS", "TRAINING", "Recipe", "Result", "TrainConfig", "default_training", "train_head"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +57,7 @@ class Result:
     tokens: int  # conversation tokens in the feature cache
     bytes_per_token: float  # the feature cache's disk cost
     peaks: dict[str, Peak]  # memory per stage
+    payoff: Payoff  # the tokens a step its held-out accuracy promises, and whether that pays
 
 
 def train_head(
@@ -109,7 +72,8 @@ def train_head(
 ) -> Result:
     """Trains a `kind` head for `model` (a folder or hub id, or a loaded model) from the
     target's answers to `prompts` (or its own samples, `recipe.self_samples`) and writes it to
-    `out` in the official layout."""
+    `out` in the official layout. Each stage is keyed by what it is built from (keys.py):
+    one made from other inputs is made again, a checkpoint of another head is refused."""
     recipe = recipe or Recipe(kind)
     if recipe.kind != kind:
         raise ValueError(f"the recipe is for {recipe.kind!r}, not {kind!r}")
@@ -124,13 +88,20 @@ def train_head(
         target, tokenizer = model, model.origin.tokenizer
     else:
         target, tokenizer = load(model)
+    check_target(kind, target, recipe)
     taps = _taps(kind, target, recipe.taps, recipe.draft_layers)
-    vocab = target.args.vocab_size
-    if kind == "eagle3" and recipe.draft_vocab is not None and recipe.draft_vocab > vocab:
-        raise ValueError(
-            f"draft vocabulary {recipe.draft_vocab} is larger than the target's vocabulary "
-            f"of {vocab} tokens (it must be <= {vocab})"
-        )
+    settings = dict(
+        prompts=texts,
+        self_samples=recipe.self_samples,
+        sample_prefix=recipe.sample_prefix,
+        max_tokens=recipe.max_tokens,
+        temperature=recipe.temperature,
+        seed=recipe.train.seed,
+        batch=recipe.data_batch,
+    )
+    folder = cache / f"train-{kind}"
+    key = head_key(recipe, taps, data_key(target, tokenizer, **settings))
+    check_checkpoint(folder, key)  # before hours of data and features, not after
     cache.mkdir(parents=True, exist_ok=True)
     seconds: dict[str, float] = {}
     peaks: dict[str, Peak] = {}
@@ -145,19 +116,7 @@ def train_head(
             print(f"{name}: {seconds[name]:.1f} s, {peaks[name].describe()}", flush=True)
 
     with stage("data"):
-        data = make_data(
-            target,
-            tokenizer,
-            cache,
-            prompts=texts,
-            self_samples=recipe.self_samples,
-            sample_prefix=recipe.sample_prefix,
-            max_tokens=recipe.max_tokens,
-            temperature=recipe.temperature,
-            seed=recipe.train.seed,
-            batch=recipe.data_batch,
-            progress=progress,
-        )
+        data = make_data(target, tokenizer, cache, progress=progress, **settings)
     with stage("features"):
         width = target.args.hidden_size * max(1, len(taps))
         what = "taps-" + "-".join(map(str, taps)) if taps else "final"
@@ -172,9 +131,7 @@ def train_head(
     del target
     gc.collect()
     with stage("train"), roomy_cache(TRAIN_CACHE):
-        state = train(
-            head, loss_fn, frozen, features, cache / f"train-{kind}", recipe.train, progress
-        )
+        state = train(head, loss_fn, frozen, features, folder, recipe.train, progress, key)
         if kind == "medusa":
             save_medusa1(head, out, source)
         elif kind == "dflash":
@@ -189,7 +146,60 @@ def train_head(
         )
     )
     n = features.tokens.shape[0]
-    return Result(out, seconds, state.best, state.history, n, features.nbytes / max(1, n), peaks)
+    return Result(
+        out,
+        seconds,
+        state.best,
+        state.history,
+        n,
+        features.nbytes / max(1, n),
+        peaks,
+        payoff(state.best, recipe.drafts),
+    )
+
+
+def check_target(kind: str, target: CausalLM, recipe: Recipe) -> None:
+    """ValueError, in a sentence, for a target this recipe cannot train a head for."""
+    if target.recurrent:
+        raise ValueError(
+            f"training a {kind} head for a {target.args.model_type} target is not supported: "
+            "its recurrent layers cannot run the left-padded, masked batches in which the data "
+            "stage answers prompts (their state would take in the padding)"
+        )
+    context = target.args.max_position_embeddings
+    if kind == "dflash" and recipe.block_size > context:
+        raise ValueError(
+            f"DFlash block size {recipe.block_size} is larger than the model's context of "
+            f"{context} tokens"
+        )
+    vocab = target.args.vocab_size
+    if kind == "eagle3" and recipe.draft_vocab is not None and recipe.draft_vocab > vocab:
+        raise ValueError(
+            f"draft vocabulary {recipe.draft_vocab} is larger than the target's vocabulary "
+            f"of {vocab} tokens (it must be <= {vocab})"
+        )
+
+
+def head_key(recipe: Recipe, taps: tuple[int, ...], data: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint is and was trained from (keys.py): the data's key (its fields, so
+    that a refusal names the flag that changed), the features' settings, the head's shape
+    and the held-out split. Schedule settings (epochs, learning rate, batch tokens, ...) and
+    the losses' (anchors, TTT steps) are not in it: a run may resume a checkpoint under new
+    ones, as a second phase of training."""
+    shape = {
+        "eagle1": ("intermediate_size",),
+        "eagle3": ("intermediate_size", "draft_vocab"),
+        "medusa": ("medusa_heads", "medusa_layers"),
+        "dflash": ("intermediate_size", "block_size", "draft_layers"),
+    }[recipe.kind]
+    return data | {
+        "kind": recipe.kind,
+        "top_k": recipe.top_k,
+        "taps": list(taps),
+        **{name: getattr(recipe, name) for name in shape},
+        "seed": recipe.train.seed,
+        "holdout": recipe.train.holdout,
+    }
 
 
 def _taps(
@@ -200,10 +210,10 @@ def _taps(
     L-3; under 7 layers these collapse (5 layers: layer 2 alone), and the states entering the
     last three layers go in instead (a small model's head predicts better from them).
     DFlash: `taps` names target layers whose outputs it reads (z-lab's target_layer_ids;
-    default z-lab's spread for its depth), the states entering the next layers."""
+    default `dflash_layers`), the states entering the next layers."""
     layers = target.args.num_hidden_layers
     if kind == "dflash":
-        ids = taps if taps is not None else default_layer_ids(layers, draft_layers)
+        ids = taps if taps is not None else dflash_layers(layers, draft_layers)
         if not ids or any(not 0 <= i < layers - 1 for i in ids):
             raise ValueError(
                 f"DFlash reads outputs of layers 0 to {layers - 2} of a {layers}-layer target, "
@@ -224,6 +234,23 @@ def _taps(
     if not taps or any(not 0 <= t < layers for t in taps):
         raise ValueError(f"EAGLE-3 taps {list(taps)} are not layers of a {layers}-layer target")
     return tuple(taps)
+
+
+def dflash_layers(layers: int, draft_layers: int = 1) -> tuple[int, ...]:
+    """The target layers a DFlash drafter reads by default: max(2, `draft_layers`) spread
+    evenly from layer 1 to layer L - 2, the last whose output is not the final state (fewer
+    where the target has fewer). Two at least: stories260K's one-layer drafter reading
+    layers 1 and 3 learned faster than reading z-lab's one middle layer (docs/training.md).
+    z-lab's own drafters read as many layers as they have, spread from 1 to L - 3."""
+    if layers < 2:
+        raise ValueError(
+            f"a DFlash drafter reads a layer's output; a {layers}-layer target has none"
+        )
+    first, last = min(1, layers - 2), layers - 2
+    count = min(max(2, draft_layers), last - first + 1)
+    if count == 1:
+        return (last,)
+    return tuple(round(first + i * (last - first) / (count - 1)) for i in range(count))
 
 
 def _layer(
