@@ -6,6 +6,7 @@ import inspect
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -27,6 +28,7 @@ from .models.base import CausalLM
 from .policy.adaptive import FixedPolicy, Policy
 from .policy.measure import default_policy
 from .prefill import PrefillCancelled
+from .prompt_cache import resume
 from .sampling import SamplingParams
 
 
@@ -92,9 +94,14 @@ def stream_generate(
     drafter: DrafterSpec | Drafter | None = None,
     policy: Policy | None = None,
     grammar: Grammar | None = None,
+    prompt_cache_file: str | Path | None = None,
     **options: Any,
 ) -> Iterator[GenerationResponse]:
     """Yields one response per emitted token.
+
+    `prompt_cache_file` (made by `python -m mlx_speculate.cache_prompt` or `prompt_cache`)
+    starts from its cached prompt: `prompt` continues it, as with mlx-lm's `prompt_cache`, and
+    only `prompt` is prefilled (prompt_cache/).
 
     `grammar` (`Grammar.json_schema(...)`, `.json_object()`, `.lark(...)`) constrains the
     output, with speculation still exact for the constrained distribution (grammar/constraint.py):
@@ -129,6 +136,8 @@ def stream_generate(
     elif set(keywords) - {"num_draft_tokens", "typical_acceptance"}:
         raise ValueError(f"a ready drafter takes no {', '.join(keywords)}")
     session = Session(model, tokenizer, drafter, typical_acceptance=typical)
+    if prompt_cache_file is not None:
+        prompt = resume(session.decoder, prompt_cache_file, prompt, tokenizer)
     yield from session.stream(
         prompt,
         sampling=sampling,
