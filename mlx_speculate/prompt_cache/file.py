@@ -56,7 +56,7 @@ def save_prompt_cache(path: str | Path, model: CausalLM, prompt: PromptCache) ->
     """Writes `prompt` (made with `model`) to `path` atomically: a reader sees the old file or
     the whole new one. OSError when `path` cannot be written, ValueError for an empty cache."""
     path = Path(path)
-    cache, tokens = prompt.cache, list(prompt.tokens)
+    cache, tokens = prompt.cache, [int(t) for t in prompt.tokens]
     if cache.offset == 0 or cache.offset != len(tokens):
         raise ValueError(
             f"a prompt cache must hold its {len(tokens)} prompt tokens, it holds {cache.offset}"
