@@ -32,11 +32,52 @@ def apply_chat_template(
         if tools:
             raise ValueError("the model has no chat template to tell it about tools")
         return plain_tokens(tokenizer, [m.get("content") or "" for m in messages])
+    extra = {} if tools is None else {"tools": list(tools)}
+    return list(_render(tokenizer, messages, **extra))
+
+
+def open_user_message(
+    tokenizer, prompt: str, system: str | None = None, template: bool = True
+) -> list[int]:
+    """Token ids of `prompt` as a user message the chat template leaves open (no end of turn,
+    no generation prompt), for a later prompt to continue (`continuation`): what mlx-lm's
+    cache_prompt caches. Without a chat template (or `template`), the plain text."""
+    texts = [system, prompt] if system else [prompt]
+    if not (template and has_chat_template(tokenizer)):
+        return plain_tokens(tokenizer, texts)
+    messages = [{"role": "user", "content": check_text(prompt)}]
+    if system:
+        messages.insert(0, {"role": "system", "content": check_text(system, "the system prompt")})
+    return list(
+        _render(tokenizer, messages, add_generation_prompt=False, continue_final_message=True)
+    )
+
+
+def continuation(tokenizer, prompt: str, template: bool = True) -> list[int]:
+    """Token ids that continue an open user message (`open_user_message`) with `prompt`,
+    end it and start the answer: the template's text from the message's content on, as
+    mlx-lm's generate takes it (no special tokens added). Without a template (or
+    `template`), the text."""
+    check_text(prompt)
+    if not (template and has_chat_template(tokenizer)):
+        return list(tokenizer.encode(prompt, add_special_tokens=False)) if prompt else []
+    marker = "<query>"
+    full, probe = (
+        _render(tokenizer, [{"role": "user", "content": text}], tokenize=False)
+        for text in (prompt, marker)
+    )
+    if marker not in probe:
+        raise ValueError("the tokenizer's chat template does not show the message as given")
+    return list(tokenizer.encode(full[probe.index(marker) :], add_special_tokens=False))
+
+
+def _render(tokenizer, messages: Sequence[Message], **options: Any):
+    """The chat template over `messages` (a generation prompt unless said otherwise)."""
     from jinja2 import TemplateError
 
-    extra = {} if tools is None else {"tools": list(tools)}
+    options = {"add_generation_prompt": True, **options}
     try:
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra))
+        return tokenizer.apply_chat_template(list(messages), **options)
     except TemplateError as e:  # raise_exception(...) in the template, or it does not parse
         raise ValueError(f"the tokenizer's chat template failed: {e}") from None
 

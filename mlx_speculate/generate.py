@@ -11,7 +11,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 
 from . import cli
-from .chat import apply_chat_template, has_chat_template, plain_tokens
+from .chat import apply_chat_template, continuation, has_chat_template, plain_tokens
 from .default_model import load_or_default
 from .drafters import cli as drafter_cli
 from .generation import GenerationResponse, stream_generate
@@ -20,6 +20,7 @@ from .parallel import group as distributed
 from .parallel.group import decoding_options, init_group, shared_seed
 from .parallel.ranks import guarded
 from .parallel.sharding import Split
+from .prompt_cache import read_metadata
 from .sampling import SamplingParams
 
 EXAMPLES = """examples:
@@ -74,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="compute dtype of the model (default: float32 on the CPU, the checkpoint's on "
         "Metal; a draft model keeps that default)",
     )
+    parser.add_argument(
+        "--prompt-cache-file",
+        default=None,
+        metavar="F",
+        help="start from a prompt cached by mlx_speculate.cache_prompt: the prompt continues "
+        "it; --model and --dtype default to the ones it was made with",
+    )
     parser.add_argument("--verbose", action="store_true", help="print speed and statistics")
     distributed.add_arguments(parser)
     drafter_cli.add_arguments(parser)
@@ -99,7 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.min_p or 0.0,
         args.seed,
     )
+    if args.prompt_cache_file is not None and args.system_prompt is not None:
+        parser.error("--system-prompt: a cached prompt holds its own (give it to cache_prompt)")
     group = init_group()
+    if group is not None and args.prompt_cache_file is not None:
+        parser.error("--prompt-cache-file: not with a distributed group")
     split = None if group is None else Split(group, args.parallel)
     if group is not None:
         sampling = replace(sampling, seed=shared_seed(args.seed, group))
@@ -112,13 +124,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             prompt = _read_prompt(args.prompt)
             system = cli.utf8_argument(args.system_prompt, "--system-prompt")
             stops = [cli.utf8_argument(stop, "--stop") for stop in args.stop]
-            model, tokenizer = load_or_default(args.model, args.dtype, split)
-            options = {"drafter": spec}
+            model_path, dtype, options = args.model, args.dtype, {"drafter": spec}
+            if args.prompt_cache_file is not None:
+                # As mlx-lm: the file's model by default; the prompt continues the cached one.
+                cached = read_metadata(args.prompt_cache_file)
+                model_path = model_path or cached.get("model") or None
+                dtype = dtype or (cached.get("dtype") if cached.get("dtype") in DTYPES else None)
+                options["prompt_cache_file"] = args.prompt_cache_file
+            model, tokenizer = load_or_default(model_path, dtype, split)
             if split is not None:
                 if args.verbose and split.group.rank() == 0:
                     print(split.describe(model), file=sys.stderr)
                 options = decoding_options(model, tokenizer, spec, split.group)
-            if args.ignore_chat_template or not has_chat_template(tokenizer):
+            if args.prompt_cache_file is not None:
+                tokens = continuation(tokenizer, prompt, not args.ignore_chat_template)
+            elif args.ignore_chat_template or not has_chat_template(tokenizer):
                 if system:
                     why = ("--ignore-chat-template" if args.ignore_chat_template
                            else "no chat template")

@@ -7,6 +7,7 @@ import time
 from collections import abc
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -27,6 +28,7 @@ from .grammar.constraint import Constraint
 from .models.base import CausalLM
 from .policy.adaptive import FixedPolicy, Policy
 from .policy.measure import default_policy
+from .prompt_cache import resume
 from .sampling import SamplingParams
 from .sequence import PrefillCancelled, Sequence, Step
 
@@ -93,9 +95,14 @@ def stream_generate(
     drafter: DrafterSpec | Drafter | None = None,
     policy: Policy | None = None,
     grammar: Grammar | None = None,
+    prompt_cache_file: str | Path | None = None,
     **options: Any,
 ) -> Iterator[GenerationResponse]:
     """Yields one response per emitted token.
+
+    `prompt_cache_file` (made by `python -m mlx_speculate.cache_prompt` or `prompt_cache`)
+    starts from its cached prompt: `prompt` continues it, as with mlx-lm's `prompt_cache`, and
+    only `prompt` is prefilled (prompt_cache/).
 
     `grammar` (`Grammar.json_schema(...)`, `.json_object()`, `.lark(...)`) constrains the
     output, with speculation still exact for the constrained distribution (grammar/constraint.py):
@@ -130,6 +137,8 @@ def stream_generate(
     elif set(keywords) - {"num_draft_tokens", "typical_acceptance"}:
         raise ValueError(f"a ready drafter takes no {', '.join(keywords)}")
     session = Session(model, tokenizer, drafter, typical_acceptance=typical)
+    if prompt_cache_file is not None:
+        prompt = resume(session.sequence, prompt_cache_file, prompt, tokenizer)
     yield from session.stream(
         prompt,
         sampling=sampling,

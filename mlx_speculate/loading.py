@@ -27,7 +27,7 @@ from mlx_lm.tokenizer_utils import (
     TokenizerWrapper,
 )
 
-from . import config_checks
+from .models import config_checks
 from .checkpoint import evaluate, load_into, read_weights
 from .models import MODEL_TYPES, quantized_prefill
 from .models.base import CausalLM, Origin

@@ -180,6 +180,27 @@ class Sequence:
         self.context = prompt[:kept]
         return Prefill(self, prompt, kept, sized)
 
+    def resume(self, tokens: abc.Sequence[int], cache: KVCache) -> None:
+        """Starts from `cache`, which holds `tokens` (a prompt-cache file's: prompt_cache/),
+        so the next prompt prefills only what follows the prefix it shares with them. A
+        drafter that drafts from the target's features (a head) would lack the prefix's:
+        ValueError; one that follows the context (draft model, lookup) rebuilds from it."""
+        if self.drafter is not None and not self.drafter.follows_context:
+            raise ValueError(
+                "a prompt-cache file holds the target's cache, not the features a head drafter "
+                "(EAGLE, Medusa, DFlash, MTP, an assistant) reads of the cached prompt: use a "
+                "draft model, prompt lookup or no drafter with it"
+            )
+        if len(tokens) > self.max_context:
+            raise ValueError(
+                f"the cached prompt has {len(tokens)} tokens, more than the context of "
+                f"{self.max_context}"
+            )
+        self.cache, self.context = cache, list(tokens)
+        self._prompt_logits = None
+        if self.drafter is not None:
+            self.drafter.rewind(0)
+
     def prefilled(self, logits: mx.array) -> None:
         """The prompt is in the cache; `logits` (1, V) are its last position's."""
         self._prompt_logits = logits
