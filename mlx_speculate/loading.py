@@ -27,9 +27,8 @@ from mlx_lm.tokenizer_utils import (
     TokenizerWrapper,
 )
 
-from .models import config_checks
 from .checkpoint import evaluate, load_into, read_weights
-from .models import MODEL_TYPES, quantized_prefill
+from .models import MODEL_TYPES, config_checks, quantized_prefill
 from .models.base import CausalLM, Origin
 from .parallel.ranks import check_same_model, model_digest
 from .parallel.sharding import Split

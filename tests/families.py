@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_speculate.convert import convert
+from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters import EagleGrowth, EagleSpec, make_drafter
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
 from mlx_speculate.drafters.lookup import LookupDrafter
@@ -177,11 +178,11 @@ def check_sampled_marginal(target, draft, temperature: float = 1.0, draws: int =
     the target's exact marginal for it (Pearson's test; tests/markov.py)."""
     mx.random.seed(0)
     vocab = target.args.vocab_size
-    sequence = Sequence(target, DraftModelDrafter(draft, vocab))
+    decoder = Decoder(Sequence(target, DraftModelDrafter(draft, vocab)))
     sampling = SamplingParams(temperature=temperature)
     start = [t % vocab for t in PROMPT]
     seconds = [
-        leading_tokens(sequence, start, sampling, FixedPolicy(3), 2, 4)[1] for _ in range(draws)
+        leading_tokens(decoder, start, sampling, FixedPolicy(3), 2, 4)[1] for _ in range(draws)
     ]
     assert_follows_marginal(target, start, temperature, 1, seconds)
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from mlx_speculate.chat import apply_chat_template
+from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters import DraftModelSpec, EagleGrowth, EagleSpec, make_drafter
 from mlx_speculate.drafters.base import Draft, Drafter
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
@@ -48,9 +49,9 @@ def test_sampling_with_a_draft_model_follows_the_target(model_type):
     that is often rejected, follow the hybrid target's exact marginals (Pearson's test)."""
     mx.random.seed(0)
     target, draft = tiny_hybrid(model_type), llama_draft()
-    sequence = Sequence(target, DraftModelDrafter(draft, VOCAB))
+    decoder = Decoder(Sequence(target, DraftModelDrafter(draft, VOCAB)))
     sampling = SamplingParams(temperature=1.0)
-    draws = [leading_tokens(sequence, PROMPT, sampling, FixedPolicy(3), 2, 4) for _ in range(400)]
+    draws = [leading_tokens(decoder, PROMPT, sampling, FixedPolicy(3), 2, 4) for _ in range(400)]
     assert_follows_marginal(target, PROMPT, 1.0, 0, [d[0] for d in draws])
     assert_follows_marginal(target, PROMPT, 1.0, 1, [d[1] for d in draws])
     with pytest.raises(AssertionError):  # the test tells the draft's distribution apart

@@ -13,6 +13,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_speculate.drafters import DraftModelSpec
+from mlx_speculate.loading import load
 
 from .helpers import SHARED, require
 from .serving import load_cached, serve
@@ -146,3 +147,23 @@ def test_sixteen_clients_with_disconnects_keep_streaming_and_memory_flat(server,
     round_()
     mx.clear_cache()
     assert mx.get_active_memory() <= before * 1.1 + 2**20
+
+
+@pytest.mark.parametrize("max_batch", [8, 1])
+def test_no_request_waits_on_a_calibration(max_batch, monkeypatch, tmp_path):
+    """On a machine with no calibration: a batched server calibrates nothing (its planner
+    prices the widths), and a server decoding one request at a time calibrates every method it
+    serves before it takes a request; either way a prompt-lookup request answers as plain
+    decoding does and calibrates nothing itself."""
+    monkeypatch.setenv("MLX_SPECULATE_CALIBRATION", str(tmp_path))
+    model, tokenizer = load(require(SHARED / "models" / "stories260K-llama", BESIDE))
+
+    def calibrations() -> list[str]:
+        return sorted(str(p) for p in tmp_path.rglob("*") if p.is_file())
+
+    with serve(model, tokenizer, max_batch=max_batch) as running:
+        before = calibrations()
+        assert (before == []) == (max_batch > 1), before
+        prompt = OPENINGS[0] + " " + OPENINGS[0]
+        assert complete(running, prompt, "prompt_lookup") == complete(running, prompt, "none")
+        assert calibrations() == before

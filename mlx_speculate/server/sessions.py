@@ -71,16 +71,16 @@ class SessionPool:
             if spec is not None
         }
         self.max_draft = {name: drafter.max_draft for name, drafter in drafters.items()}
+        self._drafters = drafters  # what each method's policy is calibrated with
         # One draft-length policy per method, shared by its sessions and kept across requests:
-        # the costs and acceptance it measured hold for the next conversation too. The
-        # configured method's is built now, calibrating its costs (when none are cached)
-        # before the server takes requests rather than inside the first one.
+        # the costs and acceptance it measured hold for the next conversation too. Only the
+        # single-stream loop reads them (the batch engine's planner sets its own widths), so
+        # they are built when it first asks (`policy`), or all at once before the server takes
+        # requests (`calibrate`); the configured method's now on a sharded target, every rank
+        # at the same point.
         self.policies: dict[str, Policy] = {}
-        if self.default != NONE:
-            spec = self.methods[self.default]
-            self.policies[self.default] = shared_policy(
-                drafters[self.default], model, spec.num_draft_tokens, group
-            )
+        if group is not None and self.default != NONE:
+            self.policy(self.default)
         self._entries: list[Entry] = []  # least recently used first
 
     def acquire(self, method: str, tokens: list[int]) -> Entry:
@@ -110,6 +110,24 @@ class SessionPool:
         entry.busy = True
         return entry
 
+    def policy(self, method: str) -> Policy | None:
+        """`method`'s draft-length policy (None for "none"), built on first use: calibrating
+        its costs when none are cached."""
+        spec = self.methods[method]
+        if spec is None:
+            return None
+        if method not in self.policies:
+            self.policies[method] = shared_policy(
+                self._drafters[method], self.model, spec.num_draft_tokens, self.group
+            )
+        return self.policies[method]
+
+    def calibrate(self) -> None:
+        """Builds every served method's policy now (prompt lookup's too: always on offer), so
+        that no request of a server decoding one at a time waits on a calibration."""
+        for method in self.methods:
+            self.policy(method)
+
     def release(self, entry: Entry) -> None:
         """`entry`'s generation ended: another may take its session (and its cached context)."""
         entry.busy = False
@@ -128,10 +146,6 @@ class SessionPool:
         if spec is None:
             return Entry(method, Session(self.model, self.tokenizer))
         drafter = make_drafter(spec, self.model, self.tokenizer)
-        if method not in self.policies:
-            self.policies[method] = shared_policy(
-                drafter, self.model, spec.num_draft_tokens, self.group
-            )
         session = Session(
             self.model, self.tokenizer, drafter, typical_acceptance=spec.typical_acceptance
         )

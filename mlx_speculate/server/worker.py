@@ -126,8 +126,12 @@ class Worker:
     def _run(self) -> None:
         try:
             with self._lockstep.guard():
+                batched = False
                 try:
                     self.pool = self._load()
+                    batched = self._batched()
+                    if not batched and isinstance(self._lockstep, Solo):
+                        self.pool.calibrate()  # before the first request, never inside it
                 except Exception as e:  # a bad model folder must not kill the process silently
                     # One line for the user (the command line prints it); the traceback only
                     # under --log-level debug.
@@ -136,7 +140,7 @@ class Worker:
                 finally:
                     self.loaded.set()
                     self._lockstep.idle()
-                if self.pool is not None and self._batched():
+                if self.pool is not None and batched:
                     self._run_batched()
                 else:
                     while (job := self._take()) is not None:
@@ -183,7 +187,7 @@ class Worker:
         request, pool, metrics = job.request, self.pool, self._metrics
         assert pool is not None
         entry = pool.acquire(request.method, request.tokens)
-        policy = pool.policies.get(request.method)
+        policy = pool.policy(request.method)
         if request.num_draft_tokens is not None:
             policy = FixedPolicy(request.num_draft_tokens)
         eos = set(pool.tokenizer.eos_token_ids)
