@@ -11,7 +11,6 @@ import pytest
 from mlx_speculate.batch import BatchEngine, Handle, batch_generate, check_batchable
 from mlx_speculate.batch.cache import BatchKVCache
 from mlx_speculate.batch.engine import batch_stream
-from mlx_speculate.batch.plan import BatchPlanner, expected_tokens
 from mlx_speculate.batch.prefill import PREFILL_ROWS, PrefillGroup
 from mlx_speculate.drafters import DFlashSpec, EagleGrowth, EagleSpec, MtpSpec, make_drafter
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
@@ -19,6 +18,8 @@ from mlx_speculate.drafters.lookup import LookupDrafter
 from mlx_speculate.drafters.medusa import MedusaDrafter
 from mlx_speculate.generation import Session
 from mlx_speculate.loading import load
+from mlx_speculate.policy.batch import BatchPlanner, expected_tokens
+from mlx_speculate.policy.costs import StepCosts
 from mlx_speculate.sampling import SamplingParams
 
 from .families import PROMPT, REPEATING, related_draft
@@ -375,3 +376,18 @@ def test_the_planner_spends_rows_where_they_pay():
     assert steep.width(8, caps, rates, least=4) == 4
     assert BatchPlanner().width(8, [0] * 8, rates) == 1  # nothing to draft with
     assert expected_tokens(0.5, 2) == 1.75
+
+
+def test_the_planner_prices_rows_by_the_calibration_until_it_measures():
+    """Before it has measured two row counts, the planner prices a step by the target's
+    calibrated verify curve (the single-stream policy's costs): rows nearly free there, long
+    drafts at once; rows that cost in proportion, none; once steps are measured, they rule."""
+    cheap = StepCosts({1: 1.0, 8: 1.05, 16: 1.1, 64: 1.5, 128: 2.0}, {})
+    dear = StepCosts({1: 1.0, 8: 8.0, 16: 16.0, 64: 64.0}, {})
+    caps, rates = [8] * 4, [0.8] * 4
+    assert BatchPlanner(cheap).width(4, caps, rates) >= 6
+    assert BatchPlanner(dear).width(4, caps, rates) == 1
+    measured = BatchPlanner(cheap)
+    for n in range(1, 10):
+        measured.observe(4, n, 1.0 * n)
+    assert measured.width(4, caps, rates) == 1

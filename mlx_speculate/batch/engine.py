@@ -41,14 +41,15 @@ from ..generation import GenerationResponse, Responder, Session
 from ..grammar import Grammar
 from ..grammar.constraint import Constraint, Guide, masked
 from ..models.base import CausalLM
+from ..policy.batch import Acceptance as Rate
+from ..policy.batch import BatchPlanner
+from ..policy.costs import cached_costs
 from ..sampling import SamplingParams
 from ..sequence import Prefill, Sequence, Step
 from ..step import bucket
 from ..tree import ROOT, Tree
 from ..verify import Acceptance
 from .cache import BatchHybridCache, BatchKVCache
-from .plan import Acceptance as Rate
-from .plan import BatchPlanner
 from .prefill import PrefillGroup
 from .step import forward
 
@@ -145,7 +146,7 @@ class BatchEngine:
         check_batchable(model)
         self.model = model
         self.max_batch = max_batch
-        self.planner = BatchPlanner()
+        self.planner = BatchPlanner(cached_costs(model))
         self.cache = batch_cache(model, 1)
         self._waiting: list[_Running] = []  # to prefill, first come first served
         self._prefills = PrefillGroup(model)  # the waiting ones' prefills under way

@@ -140,6 +140,15 @@ def costs_of(record: dict, name: str | None) -> StepCosts:
     return StepCosts(verify, draft, entry["catch_up"], entry["trees"])
 
 
+def cached_costs(model: CausalLM) -> StepCosts | None:
+    """The target's verify costs as calibrated on this machine, if a calibration of this
+    model is cached (no drafter's, nothing measured now)."""
+    record = read_record(cache_file(model))
+    if record.get("key") != target_key(model) or "verify" not in record:
+        return None
+    return costs_of(record, None)
+
+
 def read_record(path: Path) -> dict:
     try:
         record = json.loads(path.read_text())

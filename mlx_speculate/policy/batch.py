@@ -10,8 +10,10 @@ second over the batch,
 from each sequence's measured acceptance rate r per draft token (a chain's expected run) and
 its draft cap (its drafter's longest proposal, or none), and the seconds of (B, N) forwards
 measured in this process. Cells not measured yet are priced from the measured ones as a fixed
-cost plus one per row, fitted by least squares over rows B * N (before a second row count is
-measured: PRIOR_FIXED_ROWS rows' worth of fixed cost); every EXPLORE_EVERY steps the width
+cost plus one per row, fitted by least squares over rows B * N; before a second row count is
+measured, from the target's calibrated verify curve (policy/costs.py: one forward over B * N
+rows, what the single-stream policy prices its steps by) where one is cached, else
+PRIOR_FIXED_ROWS rows' worth of fixed cost; every EXPLORE_EVERY steps the width
 next to the best one is tried, so the fit follows what the machine really does. A compute-
 bound batch (a wide one on a slow machine) gets N = 1, plain decoding: speculation and
 batching spend the same rows, and the planner spends them where they yield more.
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from .costs import StepCosts
 
 PRIOR_FIXED_ROWS = 10.0  # fixed cost of a forward in rows, until two row counts are measured
 PRIOR_RATE = 0.6  # acceptance rate per draft token of a sequence not yet measured
@@ -47,7 +51,9 @@ def expected_tokens(rate: float, drafts: int) -> float:
 class BatchPlanner:
     """Chooses each step's width from measured step costs and acceptance (see the module)."""
 
-    def __init__(self, max_width: int = 9):
+    def __init__(self, prior: StepCosts | None = None, max_width: int = 9):
+        """`prior`: the target's calibrated costs, which price rows until measured ones do."""
+        self.prior = prior
         self.max_width = max_width
         self._seconds: dict[tuple[int, int], float] = {}  # (B, N) -> moving average
         self._steps = 0
@@ -76,6 +82,13 @@ class BatchPlanner:
             best = (unseen or near)[0] if near else best
         return best
 
+    def _prior_curve(self, rows: int) -> float:
+        """A forward over `rows` rows before any fit: the calibrated verify curve, else a
+        fixed cost of PRIOR_FIXED_ROWS rows plus one a row (only ratios matter then)."""
+        if self.prior is not None and self.prior.verify:
+            return self.prior.verify_cost(rows)
+        return PRIOR_FIXED_ROWS + rows
+
     def observe(self, batch: int, width: int, seconds: float) -> None:
         """A (batch, width) forward's step took `seconds`."""
         key = (batch, width)
@@ -83,17 +96,18 @@ class BatchPlanner:
         self._seconds[key] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
 
     def seconds(self, batch: int, width: int) -> float:
-        """The measured or fitted seconds of a (batch, width) step (1.0 per row before any
-        measurement: only ratios matter then)."""
+        """The measured or fitted seconds of a (batch, width) step (before two row counts
+        are measured: the prior's curve, scaled to the one measured)."""
         if (batch, width) in self._seconds:
             return self._seconds[(batch, width)]
         points = [(b * n, s) for (b, n), s in self._seconds.items()]
         rows = batch * width
         if len({r for r, _ in points}) < 2:
+            curve = self._prior_curve
             if not points:
-                return PRIOR_FIXED_ROWS + rows
+                return curve(rows)
             r0, s0 = points[0]
-            return s0 * (PRIOR_FIXED_ROWS + rows) / (PRIOR_FIXED_ROWS + r0)
+            return s0 * curve(rows) / curve(r0)
         n = len(points)
         mean_r = sum(r for r, _ in points) / n
         mean_s = sum(s for _, s in points) / n
