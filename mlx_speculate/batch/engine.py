@@ -17,7 +17,7 @@ to its session's cache.
 
 Host syncs per step: one `mx.eval` of every row's acceptance; drafters and grammars add
 their own as they do alone. A prefill step is evaluated before the decoding step is built.
-The planner (plan.py) sets the step's width from measured step costs and each sequence's
+The planner (policy/batch.py) sets the step's width from measured step costs and each sequence's
 acceptance. A hybrid target's rows keep their own recurrent state (`BatchHybridCache`),
 rolled back per row on the device; they verify chains only, and their prompts prefill one at a
 time. Length-dependent rope types are refused (`check_batchable`): their rotation depends on
