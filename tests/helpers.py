@@ -73,6 +73,8 @@ HYBRID_MOE = {
 # fast-turning local RoPE base) beside global layer 1, and an attention scale of its own.
 FAMILY_TINY = {
     "qwen3": {"head_dim": 32},
+    # Mistral: every layer slides over 6 tokens, fewer than the tests' prompts.
+    "mistral": {"sliding_window": 6},
     # Qwen3-MoE: 4 experts, 2 a token, each half the dense MLP's width.
     "qwen3_moe": {
         "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,

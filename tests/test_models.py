@@ -73,6 +73,11 @@ VARIANTS = {
         length=12,
         prefill=8,
     ),
+    # Mistral: every layer slides over 6 tokens (tests.helpers.FAMILY_TINY), or none does.
+    "mistral": Variant("mistral", length=12, prefill=8),
+    "mistral-tied": Variant("mistral", {"tie_word_embeddings": True}, length=12, prefill=8),
+    "mistral-no-window": Variant("mistral", {"sliding_window": None}),
+    "mistral-head-dim": Variant("mistral", {"head_dim": 32}, theta=1e6, length=12, prefill=8),
     "phi3": Variant("phi3"),
     "phi3-window": Variant("phi3", {"sliding_window": 6}, length=12, prefill=8),
     "phi3-longrope-short": Variant(
@@ -232,7 +237,9 @@ def test_cached_decoding_matches_transformers(name, form):
     assert cache.offset == variant.length
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize(
+    "model_type", ["llama", "mistral", "qwen2", "phi3", "qwen3", "gemma3_text"]
+)
 def test_missing_keys_take_transformers_defaults(model_type):
     """A config with only the required sizes behaves like transformers' defaults for it."""
     config = {"model_type": model_type, "vocab_size": 97, "hidden_size": 64}
@@ -241,10 +248,24 @@ def test_missing_keys_take_transformers_defaults(model_type):
     # Without max_window_layers, transformers' default (28) keeps both layers full attention.
     config |= {"use_sliding_window": True, "sliding_window": 4} if model_type == "qwen2" else {}
     # Gemma 3: head_dim 256, theta 1e6 and local base 1e4, window 4096 on 5 of every 6 layers.
+    # Mistral: window 4096 on every layer.
     weights = random_weights(config)
     tokens = prompt(12)
     expected = hf_forward(hf_model(config, weights), tokens).logits
     assert_close(build_model(config, weights)(mx.array(tokens)).logits, expected)
+
+
+@pytest.mark.parametrize("name", ["mistral", "mistral-head-dim"])
+def test_mistral_window_matters(name):
+    """The parity above has teeth: the same weights without the window move the logits of
+    the tokens past it far beyond its tolerance (and leave those before it alone)."""
+    config = variant_config(VARIANTS[name], "rope_parameters")
+    weights = random_weights(config)
+    tokens = mx.array(prompt(12))
+    windowed = build_model(config, weights)(tokens).logits
+    wide = build_model({**config, "sliding_window": None}, weights)(tokens).logits
+    assert mx.array_equal(windowed[:, :6], wide[:, :6])
+    assert mx.abs(windowed[:, 6:] - wide[:, 6:]).max().item() > 1e-2
 
 
 # How transformers >= 4.52, and older transformers or mlx-vlm, name a `gemma3` folder's language
@@ -367,13 +388,14 @@ PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5]  # depth 3, branching 2: leaves 4, 6, 7
     [
         ("llama", {}),
         ("qwen2", {}),
+        ("mistral", {"sliding_window": 8}),
         ("phi3", {}),
         ("phi3", {"sliding_window": 8}),
         ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
         ("gemma3_text", {}),
     ],
     # Windows 8 (Gemma 3: 6) < prefix 10 + tree depth.
-    ids=["llama", "qwen2", "phi3", "phi3-window", "qwen3-window", "gemma3"],
+    ids=["llama", "qwen2", "mistral-window", "phi3", "phi3-window", "qwen3-window", "gemma3"],
 )
 def test_tree_forward_matches_paths(model_type, overrides):
     """Every tree node's logits equal a cached forward along its root-to-node path."""
@@ -392,7 +414,9 @@ def test_tree_forward_matches_paths(model_type, overrides):
         assert_close(tree[mx.array(path)], sequential)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize(
+    "model_type", ["llama", "mistral", "qwen2", "phi3", "qwen3", "gemma3_text"]
+)
 @pytest.mark.parametrize("shape", ["(B, L)", "(L,)"])
 def test_explicit_consecutive_positions_equal_default(model_type, shape):
     """Positions equal to the consecutive default give the same logits as positions=None."""

@@ -5,6 +5,7 @@ from . import (
     gemma4,
     gpt_oss,
     llama,
+    mistral,
     phi3,
     qwen2,
     qwen3,
@@ -16,6 +17,7 @@ from . import (
 
 MODEL_TYPES = {
     "llama": llama,
+    "mistral": mistral,
     "qwen2": qwen2,
     "qwen3": qwen3,
     "qwen3_moe": qwen3_moe,
