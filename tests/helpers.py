@@ -75,6 +75,15 @@ FAMILY_TINY = {
     "qwen3": {"head_dim": 32},
     # Mistral: every layer slides over 6 tokens, fewer than the tests' prompts.
     "mistral": {"sliding_window": 6},
+    # Ministral 3: Mistral's window, an explicit head_dim, YaRN from 8 positions and queries
+    # scaled anew every 8 positions.
+    "ministral3": {
+        "head_dim": 32, "sliding_window": 6,
+        "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 8, "llama_4_scaling_beta": 0.5,
+        },
+    },
     # Qwen3-MoE: 4 experts, 2 a token, each half the dense MLP's width.
     "qwen3_moe": {
         "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,

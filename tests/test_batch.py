@@ -45,6 +45,10 @@ FAMILIES = {
         tiny_model("mistral", 4, **DEEP),
         related_draft("mistral", 4, 7, **DEEP),
     ),
+    "ministral3": lambda: (
+        tiny_model("ministral3", 6, **DEEP),
+        related_draft("ministral3", 6, 7, **DEEP),
+    ),
     "gemma3_text": lambda: (
         tiny_model("gemma3_text", 0, **DEEP),
         related_draft("gemma3_text", 0, 7, **DEEP),

@@ -267,6 +267,20 @@ def test_mlx_lm_loads_a_converted_sparse_mistral_folder(tmp_path):
     assert mx.allclose(mlx_lm.load(str(dst))[0](tokens), ours, rtol=1e-4, atol=1e-4).item()
 
 
+def test_mlx_lm_loads_a_converted_ministral3_folder(tmp_path):
+    """A `ministral3` folder transformers saved (YaRN, queries scaled every 8 positions, no
+    window: mlx-lm's ministral3 would need a full layer) converts 4-bit to what mlx-lm reads
+    (rope from `rope_parameters` alone, untied embeddings stated); both agree on it."""
+    from .families import check_convert_loads_in_mlx_lm, save_hf
+
+    config = tiny_config("ministral3", vocab_size=128, sliding_window=None)
+    save_hf(tmp_path / "hf", config)
+    dst = check_convert_loads_in_mlx_lm(tmp_path / "hf", tmp_path / "mlx", 128)
+    written = json.loads((dst / "config.json").read_text())
+    assert written["rope_parameters"]["llama_4_scaling_beta"] == 0.5
+    assert written["tie_word_embeddings"] is False
+
+
 # -- (3) sharding ------------------------------------------------------------------------------
 
 

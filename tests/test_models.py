@@ -41,6 +41,12 @@ def longrope(n: int) -> dict[str, Any]:
     }
 
 
+MINISTRAL3_YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 8,
+    "llama_4_scaling_beta": 0.5,
+}
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 
 VARIANTS = {
@@ -78,6 +84,19 @@ VARIANTS = {
     "mistral-tied": Variant("mistral", {"tie_word_embeddings": True}, length=12, prefill=8),
     "mistral-no-window": Variant("mistral", {"sliding_window": None}),
     "mistral-head-dim": Variant("mistral", {"head_dim": 32}, theta=1e6, length=12, prefill=8),
+    # Ministral 3: queries scaled anew every 8 (4) positions, past the window of 6 (or none).
+    "ministral3": Variant("ministral3", rope=MINISTRAL3_YARN, length=20, prefill=12),
+    "ministral3-plain-rope": Variant(
+        "ministral3",
+        {"sliding_window": None},
+        {
+            "rope_type": "default",
+            "original_max_position_embeddings": 4,
+            "llama_4_scaling_beta": 0.3,
+        },
+        length=14,
+        prefill=6,
+    ),
     "phi3": Variant("phi3"),
     "phi3-window": Variant("phi3", {"sliding_window": 6}, length=12, prefill=8),
     "phi3-longrope-short": Variant(
@@ -134,6 +153,7 @@ def variant_config(variant: Variant, form: str) -> dict[str, Any]:
     """The variant's config.json in the transformers 5.x form or the legacy form."""
     config = tiny_config(variant.model_type, **variant.overrides)
     del config["rope_theta"]
+    config.pop("rope_parameters", None)  # the variant's own rope replaces a family's tiny one
     rope = dict(variant.rope)
     local = config.pop("rope_local_base_freq", None)  # Gemma 3's sliding layers
     if form == "rope_parameters":
@@ -238,7 +258,7 @@ def test_cached_decoding_matches_transformers(name, form):
 
 
 @pytest.mark.parametrize(
-    "model_type", ["llama", "mistral", "qwen2", "phi3", "qwen3", "gemma3_text"]
+    "model_type", ["llama", "mistral", "ministral3", "qwen2", "phi3", "qwen3", "gemma3_text"]
 )
 def test_missing_keys_take_transformers_defaults(model_type):
     """A config with only the required sizes behaves like transformers' defaults for it."""
@@ -255,7 +275,7 @@ def test_missing_keys_take_transformers_defaults(model_type):
     assert_close(build_model(config, weights)(mx.array(tokens)).logits, expected)
 
 
-@pytest.mark.parametrize("name", ["mistral", "mistral-head-dim"])
+@pytest.mark.parametrize("name", ["mistral", "mistral-head-dim", "ministral3"])
 def test_mistral_window_matters(name):
     """The parity above has teeth: the same weights without the window move the logits of
     the tokens past it far beyond its tolerance (and leave those before it alone)."""
@@ -266,6 +286,25 @@ def test_mistral_window_matters(name):
     wide = build_model({**config, "sliding_window": None}, weights)(tokens).logits
     assert mx.array_equal(windowed[:, :6], wide[:, :6])
     assert mx.abs(windowed[:, 6:] - wide[:, 6:]).max().item() > 1e-2
+
+
+def test_ministral3_query_scale_matters():
+    """Without the query scale (beta 0) the logits from position 8 on (floor(8 / 8) = 1)
+    move far beyond the parity's tolerance, and those before it stay."""
+    config = variant_config(VARIANTS["ministral3"], "rope_parameters")
+    weights = random_weights(config)
+    tokens = mx.array(prompt(20))
+    scaled = build_model(config, weights)(tokens).logits
+    rope = {**config["rope_parameters"], "llama_4_scaling_beta": 0.0}
+    plain = build_model({**config, "rope_parameters": rope}, weights)(tokens).logits
+    assert mx.array_equal(scaled[:, :8], plain[:, :8])
+    assert mx.abs(scaled[:, 8:] - plain[:, 8:]).max().item() > 1e-2
+
+
+def test_ministral3_without_query_scaling_keys_is_one_line_error():
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match="rope_parameters need llama_4_scaling_beta and orig"):
+        build_model(tiny_config("ministral3", rope_parameters=rope), {})
 
 
 # How transformers >= 4.52, and older transformers or mlx-vlm, name a `gemma3` folder's language
@@ -389,13 +428,23 @@ PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5]  # depth 3, branching 2: leaves 4, 6, 7
         ("llama", {}),
         ("qwen2", {}),
         ("mistral", {"sliding_window": 8}),
+        ("ministral3", {"sliding_window": 8}),
         ("phi3", {}),
         ("phi3", {"sliding_window": 8}),
         ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
         ("gemma3_text", {}),
     ],
     # Windows 8 (Gemma 3: 6) < prefix 10 + tree depth.
-    ids=["llama", "qwen2", "mistral-window", "phi3", "phi3-window", "qwen3-window", "gemma3"],
+    ids=[
+        "llama",
+        "qwen2",
+        "mistral-window",
+        "ministral3-window",
+        "phi3",
+        "phi3-window",
+        "qwen3-window",
+        "gemma3",
+    ],
 )
 def test_tree_forward_matches_paths(model_type, overrides):
     """Every tree node's logits equal a cached forward along its root-to-node path."""
@@ -415,7 +464,7 @@ def test_tree_forward_matches_paths(model_type, overrides):
 
 
 @pytest.mark.parametrize(
-    "model_type", ["llama", "mistral", "qwen2", "phi3", "qwen3", "gemma3_text"]
+    "model_type", ["llama", "mistral", "ministral3", "qwen2", "phi3", "qwen3", "gemma3_text"]
 )
 @pytest.mark.parametrize("shape", ["(B, L)", "(L,)"])
 def test_explicit_consecutive_positions_equal_default(model_type, shape):

@@ -5,6 +5,7 @@ from . import (
     gemma4,
     gpt_oss,
     llama,
+    ministral3,
     mistral,
     phi3,
     qwen2,
@@ -18,6 +19,7 @@ from . import (
 MODEL_TYPES = {
     "llama": llama,
     "mistral": mistral,
+    "ministral3": ministral3,
     "qwen2": qwen2,
     "qwen3": qwen3,
     "qwen3_moe": qwen3_moe,
