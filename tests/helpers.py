@@ -113,6 +113,12 @@ FAMILY_TINY = {
             "qwen3_5_moe_text": HYBRID_MOE,
         }.items()
     },
+    # Gemma 2: sliding layer 0 (window 6) beside global layer 1, scores capped at 2 (far below
+    # their size, so the cap bites) and logits at 5, tied as its checkpoints are.
+    "gemma2": {
+        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
+        "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0, "tie_word_embeddings": True,
+    },
     "gemma3_text": {
         "head_dim": 32,
         "query_pre_attn_scalar": 24,

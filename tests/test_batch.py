@@ -49,6 +49,10 @@ FAMILIES = {
         tiny_model("ministral3", 6, **DEEP),
         related_draft("ministral3", 6, 7, **DEEP),
     ),
+    "gemma2": lambda: (
+        tiny_model("gemma2", 4, **DEEP),
+        related_draft("gemma2", 4, 7, **DEEP),
+    ),
     "gemma3_text": lambda: (
         tiny_model("gemma3_text", 0, **DEEP),
         related_draft("gemma3_text", 0, 7, **DEEP),

@@ -281,6 +281,18 @@ def test_mlx_lm_loads_a_converted_ministral3_folder(tmp_path):
     assert written["tie_word_embeddings"] is False
 
 
+def test_mlx_lm_loads_a_converted_gemma2_folder(tmp_path):
+    """A `gemma2` folder transformers saved (both caps) converts 4-bit to what mlx-lm reads
+    (its query scale and sizes stated, not its defaults); both agree on it. mlx-lm's gemma2
+    has no window, so this one (64) is longer than the tokens compared."""
+    from .families import check_convert_loads_in_mlx_lm, save_hf
+
+    config = tiny_config("gemma2", vocab_size=128, sliding_window=64)
+    save_hf(tmp_path / "hf", config)
+    dst = check_convert_loads_in_mlx_lm(tmp_path / "hf", tmp_path / "mlx", 128)
+    assert json.loads((dst / "config.json").read_text())["query_pre_attn_scalar"] == 24
+
+
 # -- (3) sharding ------------------------------------------------------------------------------
 
 

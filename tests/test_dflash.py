@@ -49,6 +49,7 @@ TARGET_SEED = {
     "gemma3_text": 0,
     "mistral": 4,
     "ministral3": 6,
+    "gemma2": 4,
 }
 
 

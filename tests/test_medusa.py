@@ -58,6 +58,7 @@ TARGET_SEED = {
     "gemma3_text": 0,
     "mistral": 4,
     "ministral3": 6,
+    "gemma2": 4,
 }
 FULL_TREE = len(MEDUSA_TREES["mc_sim_7b_63"])
 
@@ -143,7 +144,7 @@ def test_no_proposal_without_hidden_state():
 
 
 @pytest.mark.parametrize(
-    "family", (*FAMILIES, "qwen3", "gemma3_text", "mistral", "ministral3")
+    "family", (*FAMILIES, "qwen3", "gemma3_text", "mistral", "ministral3", "gemma2")
 )  # random heads: cheap
 @pytest.mark.parametrize("k", [3, 19, FULL_TREE])
 def test_greedy_with_random_heads_equals_plain(family, k):

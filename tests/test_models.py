@@ -146,6 +146,19 @@ VARIANTS = {
         "gemma3_text", rope={"rope_type": "linear", "factor": 8.0}, theta=1e6, length=12, prefill=8
     ),
     "gemma3-softcap": Variant("gemma3_text", {"final_logit_softcapping": 2.0}),
+    # Gemma 2: layer 0 slides over 6 tokens, scores capped at 2, logits at 5 (tests.helpers).
+    "gemma2": Variant("gemma2", length=12, prefill=8),
+    "gemma2-untied": Variant("gemma2", {"tie_word_embeddings": False}, length=12, prefill=8),
+    "gemma2-no-caps": Variant(
+        "gemma2", {"attn_logit_softcapping": None, "final_logit_softcapping": None}, length=12
+    ),
+    "gemma2-layer-types": Variant(
+        "gemma2",
+        {"num_hidden_layers": 3, "layer_types": ["full_attention", *["sliding_attention"] * 2]},
+        theta=100.0,
+        length=12,
+        prefill=7,
+    ),
 }
 
 
@@ -258,7 +271,8 @@ def test_cached_decoding_matches_transformers(name, form):
 
 
 @pytest.mark.parametrize(
-    "model_type", ["llama", "mistral", "ministral3", "qwen2", "phi3", "qwen3", "gemma3_text"]
+    "model_type",
+    ["llama", "mistral", "ministral3", "qwen2", "phi3", "qwen3", "gemma2", "gemma3_text"],
 )
 def test_missing_keys_take_transformers_defaults(model_type):
     """A config with only the required sizes behaves like transformers' defaults for it."""
@@ -275,8 +289,8 @@ def test_missing_keys_take_transformers_defaults(model_type):
     assert_close(build_model(config, weights)(mx.array(tokens)).logits, expected)
 
 
-@pytest.mark.parametrize("name", ["mistral", "mistral-head-dim", "ministral3"])
-def test_mistral_window_matters(name):
+@pytest.mark.parametrize("name", ["mistral", "mistral-head-dim", "ministral3", "gemma2"])
+def test_windows_matter(name):
     """The parity above has teeth: the same weights without the window move the logits of
     the tokens past it far beyond its tolerance (and leave those before it alone)."""
     config = variant_config(VARIANTS[name], "rope_parameters")
@@ -299,6 +313,50 @@ def test_ministral3_query_scale_matters():
     plain = build_model({**config, "rope_parameters": rope}, weights)(tokens).logits
     assert mx.array_equal(scaled[:, :8], plain[:, :8])
     assert mx.abs(scaled[:, 8:] - plain[:, 8:]).max().item() > 1e-2
+
+
+@pytest.mark.parametrize("cap", ["attn_logit_softcapping", "final_logit_softcapping"])
+def test_gemma2_softcaps_matter(cap):
+    """The parity above has teeth: without either cap the logits move far beyond its
+    tolerance."""
+    config = variant_config(VARIANTS["gemma2"], "rope_parameters")
+    weights = random_weights(config)
+    tokens = mx.array(prompt(12))
+    capped = build_model(config, weights)(tokens).logits
+    free = build_model({**config, cap: None}, weights)(tokens).logits
+    assert mx.abs(capped - free).max().item() > 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 40])  # below and above attention.MIN_SCORES on the CPU
+def test_attention_softcap_on_both_paths(rows):
+    """Scaled scores are capped (cap * tanh(s / cap)) before the mask, on either path."""
+    from mlx_speculate.models.attention import scaled_dot_product_attention
+
+    mx.random.seed(0)
+    q = 3 * mx.random.normal((1, 8, rows, 16))
+    k, v = mx.random.normal((1, 2, 300, 16)), mx.random.normal((1, 2, 300, 16))
+    allowed = mx.random.uniform(shape=(rows, 300)) > 0.3
+    mask = mx.where(allowed, 0.0, mx.finfo(mx.float32).min)
+    ours = scaled_dot_product_attention(q, k, v, 0.25, mask, softcap=1.5)
+    scores = (q @ mx.repeat(k, 4, axis=1).swapaxes(-1, -2)) * 0.25
+    expected = mx.softmax(1.5 * mx.tanh(scores / 1.5) + mask, axis=-1) @ mx.repeat(v, 4, axis=1)
+    assert mx.allclose(ours, expected, atol=1e-5).item()
+    uncapped = scaled_dot_product_attention(q, k, v, 0.25, mask)
+    assert mx.abs(uncapped - expected).max().item() > 1e-2
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        ({"hidden_activation": "gelu"}, "Gemma 2 hidden_activation 'gelu' is not supported"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"layer_types": ["full_attention"]}, "layer_types names 1 layers, the model has 2"),
+    ],
+)
+def test_gemma2_configs_it_cannot_run_are_one_line_errors(overrides, needle):
+    with pytest.raises(ValueError, match=needle) as error:
+        build_model(tiny_config("gemma2", **overrides), random_weights(tiny_config("gemma2")))
+    assert "\n" not in str(error.value)
 
 
 def test_ministral3_without_query_scaling_keys_is_one_line_error():
@@ -429,17 +487,19 @@ PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5]  # depth 3, branching 2: leaves 4, 6, 7
         ("qwen2", {}),
         ("mistral", {"sliding_window": 8}),
         ("ministral3", {"sliding_window": 8}),
+        ("gemma2", {}),
         ("phi3", {}),
         ("phi3", {"sliding_window": 8}),
         ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
         ("gemma3_text", {}),
     ],
-    # Windows 8 (Gemma 3: 6) < prefix 10 + tree depth.
+    # Windows 8 (Gemma 2 and 3: 6) < prefix 10 + tree depth.
     ids=[
         "llama",
         "qwen2",
         "mistral-window",
         "ministral3-window",
+        "gemma2",
         "phi3",
         "phi3-window",
         "qwen3-window",
@@ -464,7 +524,8 @@ def test_tree_forward_matches_paths(model_type, overrides):
 
 
 @pytest.mark.parametrize(
-    "model_type", ["llama", "mistral", "ministral3", "qwen2", "phi3", "qwen3", "gemma3_text"]
+    "model_type",
+    ["llama", "mistral", "ministral3", "qwen2", "phi3", "qwen3", "gemma2", "gemma3_text"],
 )
 @pytest.mark.parametrize("shape", ["(B, L)", "(L,)"])
 def test_explicit_consecutive_positions_equal_default(model_type, shape):

@@ -1,6 +1,7 @@
 """Model families by HF `model_type`."""
 
 from . import (
+    gemma2,
     gemma3,
     gemma4,
     gpt_oss,
@@ -24,6 +25,7 @@ MODEL_TYPES = {
     "qwen3": qwen3,
     "qwen3_moe": qwen3_moe,
     "phi3": phi3,
+    "gemma2": gemma2,
     "gemma3_text": gemma3,
     "gemma3": gemma3,
     "gemma4_text": gemma4,
