@@ -84,6 +84,21 @@ VARIANTS = {
     "mistral-tied": Variant("mistral", {"tie_word_embeddings": True}, length=12, prefill=8),
     "mistral-no-window": Variant("mistral", {"sliding_window": None}),
     "mistral-head-dim": Variant("mistral", {"head_dim": 32}, theta=1e6, length=12, prefill=8),
+    # Ministral: layer 1 of 3 global between sliding ones, or every layer sliding by default.
+    "ministral": Variant(
+        "ministral",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 16,  # transformers' Ministral reads it as it is (None fails)
+            "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        },
+        length=12,
+        prefill=8,
+    ),
+    "ministral-default-types": Variant(
+        "ministral", {"head_dim": 16, "sliding_window": 6}, length=12, prefill=8
+    ),
     # Ministral 3: queries scaled anew every 8 (4) positions, past the window of 6 (or none).
     "ministral3": Variant("ministral3", rope=MINISTRAL3_YARN, length=20, prefill=12),
     "ministral3-plain-rope": Variant(
@@ -289,7 +304,9 @@ def test_missing_keys_take_transformers_defaults(model_type):
     assert_close(build_model(config, weights)(mx.array(tokens)).logits, expected)
 
 
-@pytest.mark.parametrize("name", ["mistral", "mistral-head-dim", "ministral3", "gemma2"])
+@pytest.mark.parametrize(
+    "name", ["mistral", "mistral-head-dim", "ministral", "ministral3", "gemma2"]
+)
 def test_windows_matter(name):
     """The parity above has teeth: the same weights without the window move the logits of
     the tokens past it far beyond its tolerance (and leave those before it alone)."""
@@ -313,6 +330,17 @@ def test_ministral3_query_scale_matters():
     plain = build_model({**config, "rope_parameters": rope}, weights)(tokens).logits
     assert mx.array_equal(scaled[:, :8], plain[:, :8])
     assert mx.abs(scaled[:, 8:] - plain[:, 8:]).max().item() > 1e-2
+
+
+def test_ministral_layer_types_matter():
+    """Ministral's global layer (the parity above) is global: every layer sliding, as Mistral
+    would run the same config, moves the logits past the window."""
+    config = variant_config(VARIANTS["ministral"], "rope_parameters")
+    weights = random_weights(config)
+    tokens = mx.array(prompt(12))
+    ours = build_model(config, weights)(tokens).logits
+    mistral = build_model({**config, "model_type": "mistral"}, weights)(tokens).logits
+    assert mx.abs(ours[:, 6:] - mistral[:, 6:]).max().item() > 1e-2
 
 
 @pytest.mark.parametrize("cap", ["attn_logit_softcapping", "final_logit_softcapping"])
@@ -486,6 +514,10 @@ PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5]  # depth 3, branching 2: leaves 4, 6, 7
         ("llama", {}),
         ("qwen2", {}),
         ("mistral", {"sliding_window": 8}),
+        (
+            "ministral",
+            {"sliding_window": 8, "layer_types": ["full_attention", "sliding_attention"]},
+        ),
         ("ministral3", {"sliding_window": 8}),
         ("gemma2", {}),
         ("phi3", {}),
@@ -498,6 +530,7 @@ PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5]  # depth 3, branching 2: leaves 4, 6, 7
         "llama",
         "qwen2",
         "mistral-window",
+        "ministral-layer-types",
         "ministral3-window",
         "gemma2",
         "phi3",

@@ -6,6 +6,7 @@ from . import (
     gemma4,
     gpt_oss,
     llama,
+    ministral,
     ministral3,
     mistral,
     phi3,
@@ -20,6 +21,7 @@ from . import (
 MODEL_TYPES = {
     "llama": llama,
     "mistral": mistral,
+    "ministral": ministral,
     "ministral3": ministral3,
     "qwen2": qwen2,
     "qwen3": qwen3,
