@@ -436,6 +436,53 @@ def test_gemma3_folder_loads_its_language_model(tmp_path, prefix):
     assert mx.array_equal(loaded(tokens).logits, model(tokens).logits)
 
 
+# A tiny Pixtral vision tower for `mistral3` folders (not run, only skipped at load).
+PIXTRAL = {
+    "model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "head_dim": 16, "image_size": 28, "patch_size": 14,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("text_type", ["mistral", "ministral3"])
+def test_mistral3_folder_loads_its_language_model(tmp_path, text_type):
+    """A `mistral3` folder transformers saved (Mistral3ForConditionalGeneration: a vision
+    tower, the text model under model.language_model.) loads as its text model with
+    transformers' logits, and converts to a folder mlx-lm's mistral3 reads alike (no window:
+    mlx-lm's would need a full layer)."""
+    import mlx_lm
+    from transformers import AutoConfig, Mistral3ForConditionalGeneration
+
+    from mlx_speculate.convert import convert
+
+    from .families import randomize
+    from .test_convert import save_tokenizer
+
+    text = tiny_config(text_type, sliding_window=None, num_hidden_layers=3)
+    config = AutoConfig.for_model(
+        "mistral3", text_config=text, vision_config=PIXTRAL, tie_word_embeddings=False
+    )
+    config.text_config._attn_implementation = "eager"
+    ref = Mistral3ForConditionalGeneration(config).float().eval()
+    randomize(ref, 0)
+    ref.save_pretrained(tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf", text["vocab_size"])
+    tokens = prompt(20)
+    expected = hf_forward(ref.double(), tokens).logits
+    ours = load_model(tmp_path / "hf")[0]
+    assert ours.args.model_type == "mistral3"
+    assert_close(ours(mx.array(tokens)).logits, expected)
+    dst = convert(tmp_path / "hf", tmp_path / "mlx", quantize=True, q_group_size=32)
+    a = load(dst)[0](mx.array(tokens)).logits
+    b = mlx_lm.load(str(dst))[0](mx.array(tokens))
+    assert mx.abs(a - b).max().item() < 1e-4 * max(mx.abs(b).max().item(), 1.0)
+
+
+def test_mistral3_with_another_text_model_is_one_line_error():
+    config = {"model_type": "mistral3", "text_config": tiny_config("qwen2")}
+    with pytest.raises(ValueError, match="mistral3 text_config model_type 'qwen2' is not supp"):
+        build_model(config, {})
+
+
 @pytest.mark.parametrize("name", ["gemma3", "gemma3-linear"])
 def test_gemma3_rope_forms_agree(name):
     """Gemma 3's nested rope_parameters and the legacy keys convert writes beside them (what
