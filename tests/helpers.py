@@ -74,6 +74,17 @@ HYBRID_MOE = {
 # fast-turning local RoPE base) beside global layer 1, and an attention scale of its own.
 FAMILY_TINY = {
     "qwen3": {"head_dim": 32},
+    # Mistral: every layer slides over 6 tokens, fewer than the tests' prompts.
+    "mistral": {"sliding_window": 6},
+    # Ministral 3: Mistral's window, an explicit head_dim, YaRN from 8 positions and queries
+    # scaled anew every 8 positions.
+    "ministral3": {
+        "head_dim": 32, "sliding_window": 6,
+        "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 8, "llama_4_scaling_beta": 0.5,
+        },
+    },
     # Qwen3-MoE: 4 experts, 2 a token, each half the dense MLP's width.
     "qwen3_moe": {
         "head_dim": 32,
@@ -118,6 +129,12 @@ FAMILY_TINY = {
             "qwen3_5_text": {},
             "qwen3_5_moe_text": HYBRID_MOE,
         }.items()
+    },
+    # Gemma 2: sliding layer 0 (window 6) beside global layer 1, scores capped at 2 (far below
+    # their size, so the cap bites) and logits at 5, tied as its checkpoints are.
+    "gemma2": {
+        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 6,
+        "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0, "tie_word_embeddings": True,
     },
     "gemma3_text": {
         "head_dim": 32,

@@ -48,6 +48,18 @@ FAMILIES = {
     "qwen2": lambda: (tiny_model("qwen2", 2, **DEEP), related_draft("qwen2", 2, 7, **DEEP)),
     "qwen3": lambda: (tiny_model("qwen3", 6, **DEEP), related_draft("qwen3", 6, 7, **DEEP)),
     "phi3": lambda: (tiny_model("phi3", 0, **DEEP), related_draft("phi3", 0, 7, **DEEP)),
+    "mistral": lambda: (
+        tiny_model("mistral", 4, **DEEP),
+        related_draft("mistral", 4, 7, **DEEP),
+    ),
+    "ministral3": lambda: (
+        tiny_model("ministral3", 6, **DEEP),
+        related_draft("ministral3", 6, 7, **DEEP),
+    ),
+    "gemma2": lambda: (
+        tiny_model("gemma2", 4, **DEEP),
+        related_draft("gemma2", 4, 7, **DEEP),
+    ),
     "gemma3_text": lambda: (
         tiny_model("gemma3_text", 0, **DEEP),
         related_draft("gemma3_text", 0, 7, **DEEP),

@@ -64,7 +64,7 @@ def save_hf_model(out: Path, arch: str = "llama", seed: int = 0, **overrides) ->
     import torch
     import transformers
 
-    name = {"llama": "Llama", "qwen2": "Qwen2", "phi3": "Phi3"}[arch]
+    name = {"llama": "Llama", "qwen2": "Qwen2", "phi3": "Phi3", "mistral": "Mistral"}[arch]
     config = getattr(transformers, f"{name}Config")(**{**SMALL, **overrides})
     torch.manual_seed(seed)
     getattr(transformers, f"{name}ForCausalLM")(config).float().save_pretrained(out)
@@ -181,6 +181,7 @@ def test_quantized_conversion(hf_folder, tmp_path):
         ("llama", {"rope_type": "default", "rope_theta": 100.0}),
         ("qwen2", {"rope_type": "default", "rope_theta": 100.0}),
         ("phi3", {"rope_type": "default", "rope_theta": 100.0}),
+        ("mistral", {"rope_type": "default", "rope_theta": 100.0}),  # window 4096 > 20 tokens
         (
             "llama",
             {
@@ -241,6 +242,55 @@ def test_mlx_lm_loads_a_converted_gemma3_folder(tmp_path):
         ours = load(dst)[0](tokens).logits
         theirs = mlx_lm.load(str(dst))[0](tokens)
         assert mx.allclose(theirs, ours, rtol=1e-4, atol=1e-4).item(), quantize
+
+
+def test_mlx_lm_loads_a_converted_sparse_mistral_folder(tmp_path):
+    """A `mistral` config that leaves heads, norm epsilon and tying to transformers'
+    MistralConfig defaults (8 key/value heads, 1e-6, untied) converts to a folder that states
+    them, since mlx-lm reads `mistral` as its `llama`, whose defaults differ; both agree on it."""
+    import mlx_lm
+
+    sizes = {"hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 96}
+    config = {"model_type": "mistral", "vocab_size": 97, "num_attention_heads": 8, **sizes}
+    model = build_model(config, random_weights(config))
+    assert model.layers[0].self_attn.n_kv_heads == 8 and model.args.rms_norm_eps == 1e-6
+    src = tmp_path / "hf"
+    src.mkdir()
+    mx.save_safetensors(str(src / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (src / "config.json").write_text(json.dumps(config))
+    save_tokenizer(src, 97)
+    dst = convert(src, tmp_path / "mlx")
+    written = json.loads((dst / "config.json").read_text())
+    assert written["num_key_value_heads"] == 8 and written["tie_word_embeddings"] is False
+    tokens = mx.array([[1, 5, 9, 33, 7, 2, 60, 11, 40, 3, 80, 12]])
+    ours = load(dst)[0](tokens).logits
+    assert mx.allclose(mlx_lm.load(str(dst))[0](tokens), ours, rtol=1e-4, atol=1e-4).item()
+
+
+def test_mlx_lm_loads_a_converted_ministral3_folder(tmp_path):
+    """A `ministral3` folder transformers saved (YaRN, queries scaled every 8 positions, no
+    window: mlx-lm's ministral3 would need a full layer) converts 4-bit to what mlx-lm reads
+    (rope from `rope_parameters` alone, untied embeddings stated); both agree on it."""
+    from .families import check_convert_loads_in_mlx_lm, save_hf
+
+    config = tiny_config("ministral3", vocab_size=128, sliding_window=None)
+    save_hf(tmp_path / "hf", config)
+    dst = check_convert_loads_in_mlx_lm(tmp_path / "hf", tmp_path / "mlx", 128)
+    written = json.loads((dst / "config.json").read_text())
+    assert written["rope_parameters"]["llama_4_scaling_beta"] == 0.5
+    assert written["tie_word_embeddings"] is False
+
+
+def test_mlx_lm_loads_a_converted_gemma2_folder(tmp_path):
+    """A `gemma2` folder transformers saved (both caps) converts 4-bit to what mlx-lm reads
+    (its query scale and sizes stated, not its defaults); both agree on it. mlx-lm's gemma2
+    has no window, so this one (64) is longer than the tokens compared."""
+    from .families import check_convert_loads_in_mlx_lm, save_hf
+
+    config = tiny_config("gemma2", vocab_size=128, sliding_window=64)
+    save_hf(tmp_path / "hf", config)
+    dst = check_convert_loads_in_mlx_lm(tmp_path / "hf", tmp_path / "mlx", 128)
+    assert json.loads((dst / "config.json").read_text())["query_pre_attn_scalar"] == 24
 
 
 # -- (3) sharding ------------------------------------------------------------------------------

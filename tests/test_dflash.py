@@ -43,7 +43,15 @@ GREEDY = SamplingParams()
 PROMPT = [1, 5, 9, 33, 7, 2, 60]
 DEEP = {"num_hidden_layers": 6}
 # Seeds whose greedy continuations of PROMPT keep a clear top-2 margin (asserted, not assumed).
-TARGET_SEED = {"llama": 0, "qwen2": 2, "qwen3": 6, "gemma3_text": 0}
+TARGET_SEED = {
+    "llama": 0,
+    "qwen2": 2,
+    "qwen3": 6,
+    "gemma3_text": 0,
+    "mistral": 4,
+    "ministral3": 6,
+    "gemma2": 4,
+}
 
 
 def dflash_config(target: dict, block: int = 5, ids=(1, 3), layers: int = 2, **layer):

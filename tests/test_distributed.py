@@ -22,7 +22,7 @@ from .helpers import tiny_model
 from .test_cli import tiny_folder
 
 ROOT = Path(__file__).resolve().parents[1]
-FAMILIES = ("llama", "qwen2", "phi3", "qwen3", "gemma3_text")
+FAMILIES = ("llama", "qwen2", "phi3", "qwen3", "gemma3_text", "mistral", "ministral3", "gemma2")
 # The families tensor parallelism does not split (experts, recurrent or shared-key layers):
 # pipeline parallelism runs them.
 PIPELINE_ONLY = (

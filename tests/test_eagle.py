@@ -32,9 +32,18 @@ from .markov import MarkovLM, StubTokenizer, assert_follows_marginal, assert_mar
 
 GREEDY = SamplingParams()
 PROMPT = [1, 5, 9, 33, 7, 2, 60]
-FAMILIES = ("llama", "qwen2", "phi3", "qwen3", "gemma3_text")
+FAMILIES = ("llama", "qwen2", "phi3", "qwen3", "gemma3_text", "mistral", "ministral3", "gemma2")
 # Seeds whose greedy continuations of PROMPT keep a clear top-2 margin (asserted, not assumed).
-TARGET_SEED = {"llama": 0, "qwen2": 2, "phi3": 1, "qwen3": 6, "gemma3_text": 0}
+TARGET_SEED = {
+    "llama": 0,
+    "qwen2": 2,
+    "phi3": 1,
+    "qwen3": 6,
+    "gemma3_text": 0,
+    "mistral": 4,
+    "ministral3": 6,
+    "gemma2": 4,
+}
 DEEP = {"num_hidden_layers": 6}  # EAGLE-3 taps layers 2 and 3 of six (L//2 = L-3 = 3)
 
 

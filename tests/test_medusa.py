@@ -50,7 +50,16 @@ PROMPT = [1, 5, 9, 33, 7, 2, 60]
 # gap of 1e-3 at every reference step means both must pick the same argmax, so equal outputs are
 # a real comparison and not a coin flip on near-ties.
 # Seeds whose greedy continuations of PROMPT keep that margin (asserted, not assumed).
-TARGET_SEED = {"llama": 0, "qwen2": 1, "phi3": 3, "qwen3": 0, "gemma3_text": 0}
+TARGET_SEED = {
+    "llama": 0,
+    "qwen2": 1,
+    "phi3": 3,
+    "qwen3": 0,
+    "gemma3_text": 0,
+    "mistral": 4,
+    "ministral3": 6,
+    "gemma2": 4,
+}
 FULL_TREE = len(MEDUSA_TREES["mc_sim_7b_63"])
 
 
@@ -134,7 +143,9 @@ def test_no_proposal_without_hidden_state():
 # Greedy Medusa == plain greedy.
 
 
-@pytest.mark.parametrize("family", (*FAMILIES, "qwen3", "gemma3_text"))  # random heads: cheap
+@pytest.mark.parametrize(
+    "family", (*FAMILIES, "qwen3", "gemma3_text", "mistral", "ministral3", "gemma2")
+)  # random heads: cheap
 @pytest.mark.parametrize("k", [3, 19, FULL_TREE])
 def test_greedy_with_random_heads_equals_plain(family, k):
     target = tiny_model(family, seed=TARGET_SEED[family])

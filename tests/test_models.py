@@ -41,6 +41,12 @@ def longrope(n: int) -> dict[str, Any]:
     }
 
 
+MINISTRAL3_YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 8,
+    "llama_4_scaling_beta": 0.5,
+}
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 
 VARIANTS = {
@@ -72,6 +78,39 @@ VARIANTS = {
         {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
         length=12,
         prefill=8,
+    ),
+    # Mistral: every layer slides over 6 tokens (tests.helpers.FAMILY_TINY), or none does.
+    "mistral": Variant("mistral", length=12, prefill=8),
+    "mistral-tied": Variant("mistral", {"tie_word_embeddings": True}, length=12, prefill=8),
+    "mistral-no-window": Variant("mistral", {"sliding_window": None}),
+    "mistral-head-dim": Variant("mistral", {"head_dim": 32}, theta=1e6, length=12, prefill=8),
+    # Ministral: layer 1 of 3 global between sliding ones, or every layer sliding by default.
+    "ministral": Variant(
+        "ministral",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 16,  # transformers' Ministral reads it as it is (None fails)
+            "sliding_window": 6,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        },
+        length=12,
+        prefill=8,
+    ),
+    "ministral-default-types": Variant(
+        "ministral", {"head_dim": 16, "sliding_window": 6}, length=12, prefill=8
+    ),
+    # Ministral 3: queries scaled anew every 8 (4) positions, past the window of 6 (or none).
+    "ministral3": Variant("ministral3", rope=MINISTRAL3_YARN, length=20, prefill=12),
+    "ministral3-plain-rope": Variant(
+        "ministral3",
+        {"sliding_window": None},
+        {
+            "rope_type": "default",
+            "original_max_position_embeddings": 4,
+            "llama_4_scaling_beta": 0.3,
+        },
+        length=14,
+        prefill=6,
     ),
     "phi3": Variant("phi3"),
     "phi3-window": Variant("phi3", {"sliding_window": 6}, length=12, prefill=8),
@@ -122,6 +161,19 @@ VARIANTS = {
         "gemma3_text", rope={"rope_type": "linear", "factor": 8.0}, theta=1e6, length=12, prefill=8
     ),
     "gemma3-softcap": Variant("gemma3_text", {"final_logit_softcapping": 2.0}),
+    # Gemma 2: layer 0 slides over 6 tokens, scores capped at 2, logits at 5 (tests.helpers).
+    "gemma2": Variant("gemma2", length=12, prefill=8),
+    "gemma2-untied": Variant("gemma2", {"tie_word_embeddings": False}, length=12, prefill=8),
+    "gemma2-no-caps": Variant(
+        "gemma2", {"attn_logit_softcapping": None, "final_logit_softcapping": None}, length=12
+    ),
+    "gemma2-layer-types": Variant(
+        "gemma2",
+        {"num_hidden_layers": 3, "layer_types": ["full_attention", *["sliding_attention"] * 2]},
+        theta=100.0,
+        length=12,
+        prefill=7,
+    ),
 }
 
 
@@ -129,6 +181,7 @@ def variant_config(variant: Variant, form: str) -> dict[str, Any]:
     """The variant's config.json in the transformers 5.x form or the legacy form."""
     config = tiny_config(variant.model_type, **variant.overrides)
     del config["rope_theta"]
+    config.pop("rope_parameters", None)  # the variant's own rope replaces a family's tiny one
     rope = dict(variant.rope)
     local = config.pop("rope_local_base_freq", None)  # Gemma 3's sliding layers
     if form == "rope_parameters":
@@ -232,7 +285,10 @@ def test_cached_decoding_matches_transformers(name, form):
     assert cache.offset == variant.length
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize(
+    "model_type",
+    ["llama", "mistral", "ministral3", "qwen2", "phi3", "qwen3", "gemma2", "gemma3_text"],
+)
 def test_missing_keys_take_transformers_defaults(model_type):
     """A config with only the required sizes behaves like transformers' defaults for it."""
     config = {"model_type": model_type, "vocab_size": 97, "hidden_size": 64}
@@ -241,10 +297,100 @@ def test_missing_keys_take_transformers_defaults(model_type):
     # Without max_window_layers, transformers' default (28) keeps both layers full attention.
     config |= {"use_sliding_window": True, "sliding_window": 4} if model_type == "qwen2" else {}
     # Gemma 3: head_dim 256, theta 1e6 and local base 1e4, window 4096 on 5 of every 6 layers.
+    # Mistral: window 4096 on every layer.
     weights = random_weights(config)
     tokens = prompt(12)
     expected = hf_forward(hf_model(config, weights), tokens).logits
     assert_close(build_model(config, weights)(mx.array(tokens)).logits, expected)
+
+
+@pytest.mark.parametrize(
+    "name", ["mistral", "mistral-head-dim", "ministral", "ministral3", "gemma2"]
+)
+def test_windows_matter(name):
+    """The parity above has teeth: the same weights without the window move the logits of
+    the tokens past it far beyond its tolerance (and leave those before it alone)."""
+    config = variant_config(VARIANTS[name], "rope_parameters")
+    weights = random_weights(config)
+    tokens = mx.array(prompt(12))
+    windowed = build_model(config, weights)(tokens).logits
+    wide = build_model({**config, "sliding_window": None}, weights)(tokens).logits
+    assert mx.array_equal(windowed[:, :6], wide[:, :6])
+    assert mx.abs(windowed[:, 6:] - wide[:, 6:]).max().item() > 1e-2
+
+
+def test_ministral3_query_scale_matters():
+    """Without the query scale (beta 0) the logits from position 8 on (floor(8 / 8) = 1)
+    move far beyond the parity's tolerance, and those before it stay."""
+    config = variant_config(VARIANTS["ministral3"], "rope_parameters")
+    weights = random_weights(config)
+    tokens = mx.array(prompt(20))
+    scaled = build_model(config, weights)(tokens).logits
+    rope = {**config["rope_parameters"], "llama_4_scaling_beta": 0.0}
+    plain = build_model({**config, "rope_parameters": rope}, weights)(tokens).logits
+    assert mx.array_equal(scaled[:, :8], plain[:, :8])
+    assert mx.abs(scaled[:, 8:] - plain[:, 8:]).max().item() > 1e-2
+
+
+def test_ministral_layer_types_matter():
+    """Ministral's global layer (the parity above) is global: every layer sliding, as Mistral
+    would run the same config, moves the logits past the window."""
+    config = variant_config(VARIANTS["ministral"], "rope_parameters")
+    weights = random_weights(config)
+    tokens = mx.array(prompt(12))
+    ours = build_model(config, weights)(tokens).logits
+    mistral = build_model({**config, "model_type": "mistral"}, weights)(tokens).logits
+    assert mx.abs(ours[:, 6:] - mistral[:, 6:]).max().item() > 1e-2
+
+
+@pytest.mark.parametrize("cap", ["attn_logit_softcapping", "final_logit_softcapping"])
+def test_gemma2_softcaps_matter(cap):
+    """The parity above has teeth: without either cap the logits move far beyond its
+    tolerance."""
+    config = variant_config(VARIANTS["gemma2"], "rope_parameters")
+    weights = random_weights(config)
+    tokens = mx.array(prompt(12))
+    capped = build_model(config, weights)(tokens).logits
+    free = build_model({**config, cap: None}, weights)(tokens).logits
+    assert mx.abs(capped - free).max().item() > 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 40])  # below and above attention.MIN_SCORES on the CPU
+def test_attention_softcap_on_both_paths(rows):
+    """Scaled scores are capped (cap * tanh(s / cap)) before the mask, on either path."""
+    from mlx_speculate.models.attention import scaled_dot_product_attention
+
+    mx.random.seed(0)
+    q = 3 * mx.random.normal((1, 8, rows, 16))
+    k, v = mx.random.normal((1, 2, 300, 16)), mx.random.normal((1, 2, 300, 16))
+    allowed = mx.random.uniform(shape=(rows, 300)) > 0.3
+    mask = mx.where(allowed, 0.0, mx.finfo(mx.float32).min)
+    ours = scaled_dot_product_attention(q, k, v, 0.25, mask, softcap=1.5)
+    scores = (q @ mx.repeat(k, 4, axis=1).swapaxes(-1, -2)) * 0.25
+    expected = mx.softmax(1.5 * mx.tanh(scores / 1.5) + mask, axis=-1) @ mx.repeat(v, 4, axis=1)
+    assert mx.allclose(ours, expected, atol=1e-5).item()
+    uncapped = scaled_dot_product_attention(q, k, v, 0.25, mask)
+    assert mx.abs(uncapped - expected).max().item() > 1e-2
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        ({"hidden_activation": "gelu"}, "Gemma 2 hidden_activation 'gelu' is not supported"),
+        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"layer_types": ["full_attention"]}, "layer_types names 1 layers, the model has 2"),
+    ],
+)
+def test_gemma2_configs_it_cannot_run_are_one_line_errors(overrides, needle):
+    with pytest.raises(ValueError, match=needle) as error:
+        build_model(tiny_config("gemma2", **overrides), random_weights(tiny_config("gemma2")))
+    assert "\n" not in str(error.value)
+
+
+def test_ministral3_without_query_scaling_keys_is_one_line_error():
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    with pytest.raises(ValueError, match="rope_parameters need llama_4_scaling_beta and orig"):
+        build_model(tiny_config("ministral3", rope_parameters=rope), {})
 
 
 # How transformers >= 4.52, and older transformers or mlx-vlm, name a `gemma3` folder's language
@@ -288,6 +434,53 @@ def test_gemma3_folder_loads_its_language_model(tmp_path, prefix):
     assert isinstance(loaded.model.layers[0].mlp.down_proj, nn.Linear)
     tokens = mx.array(prompt(12))
     assert mx.array_equal(loaded(tokens).logits, model(tokens).logits)
+
+
+# A tiny Pixtral vision tower for `mistral3` folders (not run, only skipped at load).
+PIXTRAL = {
+    "model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "head_dim": 16, "image_size": 28, "patch_size": 14,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("text_type", ["mistral", "ministral3"])
+def test_mistral3_folder_loads_its_language_model(tmp_path, text_type):
+    """A `mistral3` folder transformers saved (Mistral3ForConditionalGeneration: a vision
+    tower, the text model under model.language_model.) loads as its text model with
+    transformers' logits, and converts to a folder mlx-lm's mistral3 reads alike (no window:
+    mlx-lm's would need a full layer)."""
+    import mlx_lm
+    from transformers import AutoConfig, Mistral3ForConditionalGeneration
+
+    from mlx_speculate.convert import convert
+
+    from .families import randomize
+    from .test_convert import save_tokenizer
+
+    text = tiny_config(text_type, sliding_window=None, num_hidden_layers=3)
+    config = AutoConfig.for_model(
+        "mistral3", text_config=text, vision_config=PIXTRAL, tie_word_embeddings=False
+    )
+    config.text_config._attn_implementation = "eager"
+    ref = Mistral3ForConditionalGeneration(config).float().eval()
+    randomize(ref, 0)
+    ref.save_pretrained(tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf", text["vocab_size"])
+    tokens = prompt(20)
+    expected = hf_forward(ref.double(), tokens).logits
+    ours = load_model(tmp_path / "hf")[0]
+    assert ours.args.model_type == "mistral3"
+    assert_close(ours(mx.array(tokens)).logits, expected)
+    dst = convert(tmp_path / "hf", tmp_path / "mlx", quantize=True, q_group_size=32)
+    a = load(dst)[0](mx.array(tokens)).logits
+    b = mlx_lm.load(str(dst))[0](mx.array(tokens))
+    assert mx.abs(a - b).max().item() < 1e-4 * max(mx.abs(b).max().item(), 1.0)
+
+
+def test_mistral3_with_another_text_model_is_one_line_error():
+    config = {"model_type": "mistral3", "text_config": tiny_config("qwen2")}
+    with pytest.raises(ValueError, match="mistral3 text_config model_type 'qwen2' is not supp"):
+        build_model(config, {})
 
 
 @pytest.mark.parametrize("name", ["gemma3", "gemma3-linear"])
@@ -367,13 +560,31 @@ PARENTS = [-1, 0, 0, 1, 1, 2, 3, 5]  # depth 3, branching 2: leaves 4, 6, 7
     [
         ("llama", {}),
         ("qwen2", {}),
+        ("mistral", {"sliding_window": 8}),
+        (
+            "ministral",
+            {"sliding_window": 8, "layer_types": ["full_attention", "sliding_attention"]},
+        ),
+        ("ministral3", {"sliding_window": 8}),
+        ("gemma2", {}),
         ("phi3", {}),
         ("phi3", {"sliding_window": 8}),
         ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
         ("gemma3_text", {}),
     ],
-    # Windows 8 (Gemma 3: 6) < prefix 10 + tree depth.
-    ids=["llama", "qwen2", "phi3", "phi3-window", "qwen3-window", "gemma3"],
+    # Windows 8 (Gemma 2 and 3: 6) < prefix 10 + tree depth.
+    ids=[
+        "llama",
+        "qwen2",
+        "mistral-window",
+        "ministral-layer-types",
+        "ministral3-window",
+        "gemma2",
+        "phi3",
+        "phi3-window",
+        "qwen3-window",
+        "gemma3",
+    ],
 )
 def test_tree_forward_matches_paths(model_type, overrides):
     """Every tree node's logits equal a cached forward along its root-to-node path."""
@@ -392,7 +603,10 @@ def test_tree_forward_matches_paths(model_type, overrides):
         assert_close(tree[mx.array(path)], sequential)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "phi3", "qwen3", "gemma3_text"])
+@pytest.mark.parametrize(
+    "model_type",
+    ["llama", "mistral", "ministral3", "qwen2", "phi3", "qwen3", "gemma2", "gemma3_text"],
+)
 @pytest.mark.parametrize("shape", ["(B, L)", "(L,)"])
 def test_explicit_consecutive_positions_equal_default(model_type, shape):
     """Positions equal to the consecutive default give the same logits as positions=None."""

@@ -21,12 +21,21 @@ from .markov import MarkovLM, assert_markov
 GREEDY = SamplingParams()
 PROMPT = [1, 5, 9, 33, 7, 2, 60]
 FAMILIES = ("llama", "qwen2", "phi3")  # also as real checkpoints in ../shared
-TINY_FAMILIES = (*FAMILIES, "qwen3", "gemma3_text")
+TINY_FAMILIES = (*FAMILIES, "qwen3", "gemma3_text", "mistral", "ministral3", "gemma2")
 # Batched (verify) and one-token float32 forwards differ by well under 1e-5 in the logits; a
 # top-2 gap of 1e-3 at every reference step means both paths must pick the same argmax, so
 # equal outputs are a real comparison and not a coin flip on near-ties.
 # Seeds whose greedy continuations of PROMPT keep that margin (asserted, not assumed).
-TARGET_SEED = {"llama": 0, "qwen2": 1, "phi3": 1, "qwen3": 0, "gemma3_text": 13}
+TARGET_SEED = {
+    "llama": 0,
+    "qwen2": 1,
+    "phi3": 1,
+    "qwen3": 0,
+    "gemma3_text": 13,
+    "mistral": 4,
+    "ministral3": 6,
+    "gemma2": 4,
+}
 
 
 load_cached = functools.lru_cache(load)

@@ -17,7 +17,8 @@ CHOICES = [
     (0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (1, 1), (2, 0),
     (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (1, 1, 0), (1, 1, 1), (0, 0, 0, 0),
 ]  # fmt: skip
-FAMILIES = ["llama", "qwen2", "phi3", "qwen3", "gemma3_text"]  # Gemma 3: window 6 < prefix
+# Gemma 2 and 3, Mistral and Ministral 3: window 6 < prefix.
+FAMILIES = ["llama", "qwen2", "phi3", "qwen3", "gemma3_text", "mistral", "ministral3", "gemma2"]
 
 
 def assert_close(a: mx.array, b: mx.array) -> None:

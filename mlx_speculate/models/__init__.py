@@ -1,10 +1,15 @@
 """Model families by HF `model_type`."""
 
 from . import (
+    gemma2,
     gemma3,
     gemma4,
     gpt_oss,
     llama,
+    ministral,
+    ministral3,
+    mistral,
+    mistral3,
     phi3,
     qwen2,
     qwen3,
@@ -16,10 +21,15 @@ from . import (
 
 MODEL_TYPES = {
     "llama": llama,
+    "mistral": mistral,
+    "ministral": ministral,
+    "ministral3": ministral3,
+    "mistral3": mistral3,
     "qwen2": qwen2,
     "qwen3": qwen3,
     "qwen3_moe": qwen3_moe,
     "phi3": phi3,
+    "gemma2": gemma2,
     "gemma3_text": gemma3,
     "gemma3": gemma3,
     "gemma4_text": gemma4,

@@ -27,19 +27,26 @@ def scaled_dot_product_attention(
     scale: float,
     mask: mx.array | str | None,
     sinks: mx.array | None = None,
+    softcap: float | None = None,
 ) -> mx.array:
     """(B, H, L, D) queries over (B, Hk, S, D) keys and values; `mask` additive, broadcasting
     to (B, H, L, S), or "causal" (the L queries are the last L of the S positions). `sinks`
     (H,): a learned logit per head that joins every row's softmax without a value (gpt-oss),
-    so a row may attend to nothing; masked slots stay out of it as they do of the rest."""
+    so a row may attend to nothing; masked slots stay out of it as they do of the rest.
+    `softcap`: scaled scores become softcap * tanh(scores / softcap) before the mask (Gemma 2),
+    which MLX's fused kernel does not do, so these take the op by op path everywhere."""
     B, H, L, D = q.shape
     Hk, S = k.shape[1], k.shape[2]
-    if mx.default_device() != mx.cpu or B * H * L * S < MIN_SCORES:
+    fused = mx.default_device() != mx.cpu or B * H * L * S < MIN_SCORES
+    if fused and softcap is None:
         return mx.fast.scaled_dot_product_attention(
             q, k, v, scale=scale, mask=mask, sinks=sinks
         )
     grouped = (q * mx.array(scale, q.dtype)).reshape(B, Hk, H // Hk * L, D)
     scores = (grouped @ k.swapaxes(-1, -2)).reshape(B, H, L, S)
+    if softcap is not None:
+        cap = mx.array(softcap, scores.dtype)
+        scores = mx.tanh(scores / cap) * cap
     if isinstance(mask, str):
         mask = additive_mask(mx.arange(S)[None] <= mx.arange(S - L, S)[:, None], scores.dtype)
     if mask is not None:

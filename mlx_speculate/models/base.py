@@ -130,13 +130,14 @@ def attend(
     values: mx.array,
     scale: float,
     sinks: mx.array | None = None,
+    softcap: float | None = None,
 ) -> mx.array:
     """RoPE at the context's positions, cache write, SDPA. Takes (B, H, L, D) heads; `rope` is
     the layer's own (Gemma 3's local layers have another base); `sinks`, gpt-oss's per-head
-    sink logits (attention.py)."""
+    sink logits, `softcap`, Gemma 2's score capping (attention.py)."""
     queries, keys = rotate(ctx, rope, queries, keys)
     keys, values = store(ctx, layer, keys, values)
-    return attention(ctx, layer, queries, keys, values, scale, sinks)
+    return attention(ctx, layer, queries, keys, values, scale, sinks, softcap)
 
 
 def rotate(ctx: ForwardContext, rope: RotaryEmbedding, *heads: mx.array) -> tuple[mx.array, ...]:
@@ -168,12 +169,13 @@ def attention(
     values: mx.array,
     scale: float,
     sinks: mx.array | None = None,
+    softcap: float | None = None,
 ) -> mx.array:
     """SDPA of rotated (B, H, L, D) queries over what `store` returned, under `layer`'s mask
     (the window's on sliding layers); (B, L, H * D)."""
     B, _, L, _ = queries.shape
     mask = ctx.window_mask if ctx.window_mask is not None and ctx.sliding[layer] else ctx.mask
-    out = scaled_dot_product_attention(queries, keys, values, scale, mask, sinks)
+    out = scaled_dot_product_attention(queries, keys, values, scale, mask, sinks, softcap)
     return out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, H * D)
 
 

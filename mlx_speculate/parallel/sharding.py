@@ -57,7 +57,18 @@ class Split:
 
 
 # The families whose every layer has the dense attention and MLP projections split above.
-TENSOR_PARALLEL = ("llama", "qwen2", "qwen3", "phi3", "gemma3_text", "gemma3")
+TENSOR_PARALLEL = (
+    "llama",
+    "mistral",
+    "ministral",
+    "ministral3",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma2",
+    "gemma3_text",
+    "gemma3",
+)
 
 
 def check_shardable(model: nn.Module, size: int) -> None:
