@@ -17,7 +17,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.activations import swiglu_oai
 
 from .base import BaseModelArgs, CausalLM, TransformerBlock, attend
 from .context import ForwardContext
@@ -118,6 +117,8 @@ class ClampedSwiGLU(nn.Module):
         self._alpha, self._limit = alpha, limit
 
     def __call__(self, up: mx.array, gate: mx.array) -> mx.array:
+        from mlx_lm.models.activations import swiglu_oai  # as experts.SwitchGLU: a lazy import
+
         return swiglu_oai(gate, up, alpha=self._alpha, limit=self._limit)
 
 
