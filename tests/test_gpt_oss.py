@@ -89,6 +89,8 @@ def test_missing_keys_take_transformers_defaults(tmp_path):
         ({"layer_types": ["full_attention"]}, "layer_types names 1 layers, the model has 2"),
         ({"num_experts_per_tok": 9}, "'num_experts_per_tok' must be in 1..num_local_experts"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"sliding_window": 0}, "'sliding_window' must be >= 1, got 0"),
+        ({"sliding_window": -1}, "'sliding_window' must be >= 1, got -1"),
     ],
 )
 def test_configs_it_cannot_run_are_one_line_errors(overrides, needle):

@@ -75,6 +75,10 @@ class ModelArgs(BaseModelArgs):
             raise ValueError(
                 f"gpt-oss hidden_act {self.hidden_act!r} is not supported (supported: silu)"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:  # None: no window
+            raise ValueError(
+                f"config field 'sliding_window' must be >= 1, got {self.sliding_window}"
+            )
         if not 1 <= self.num_experts_per_tok <= self.num_local_experts:
             raise ValueError(
                 f"config field 'num_experts_per_tok' must be in 1..num_local_experts "
