@@ -120,8 +120,15 @@ def test_convert_4bit_loads_here_and_in_mlx_lm(tmp_path):
     transformers' gpt-oss default (`truncate: false`) does not: with that rope mlx-lm's
     logits differ from transformers' (1e-2 here; ours match, test_matches_transformers), so
     the folder compared here has a truncated YaRN, which both compute alike."""
-    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-            "beta_slow": 1.0, "truncate": True, "original_max_position_embeddings": 4096}
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": True,
+        "original_max_position_embeddings": 4096,
+    }
     config = gpt_oss_config(vocab_size=128, rope_parameters=rope)
     save_hf(tmp_path / "hf", config, seed=2, scales=SCALES)
     dst = check_convert_loads_in_mlx_lm(tmp_path / "hf", tmp_path / "mlx", 128)
