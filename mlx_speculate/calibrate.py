@@ -30,8 +30,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         description="Measure (or show the cached) verify and draft costs of a model on this "
         "machine: what the adaptive policy chooses draft lengths with.",
     )
-    parser.add_argument("--model", default=None, help="model folder or hub id (default model)")
-    parser.add_argument("--dtype", choices=list(DTYPES), help="compute dtype, as generate's")
+    parser.add_argument(
+        "--model", default=None, help="model folder or hub id (default: the default model)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        help="compute dtype, as generate's (default: float32 on the CPU, the checkpoint's on "
+        "Metal)",
+    )
     parser.add_argument("--force", action="store_true", help="measure again even if cached")
     drafter_cli.add_arguments(parser)
     args = parser.parse_args(argv)

@@ -23,9 +23,34 @@ def prog(module: str) -> str:
     return name if name.startswith("mlx_speculate-") else f"python -m {module}"
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option that takes a value shows its default: `(default: 8080)` after the help,
+    `(default: none)` for None, False or an empty list, unless the help already says it in
+    words (`default: the model's own`). Descriptions and epilogs keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "default" in text
+            or not action.option_strings
+            or action.nargs == 0  # a flag: off unless given
+            or action.required
+            or action.default is argparse.SUPPRESS
+        ):
+            return text
+        if action.default is None or action.default is False or action.default == []:
+            return f"{text} (default: none)"
+        return f"{text} (default: %(default)s)"
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser with one-line errors: `prog: error: ...`, no usage block before it
-    (a wrong flag buries its reason under the whole usage; --help still prints it)."""
+    (a wrong flag buries its reason under the whole usage; --help still prints it), and
+    `HelpFormatter`'s defaults in --help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")

@@ -41,7 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog=cli.prog("mlx_speculate.generate"),
         description="Generate text with an MLX model, optionally with speculative decoding.",
         epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--model",
@@ -54,18 +53,45 @@ def build_parser() -> argparse.ArgumentParser:
         default="-",
         help="prompt text, or - (the default) to read it from stdin, before the model loads",
     )
-    parser.add_argument("--max-tokens", "-m", type=cli.positive_int, default=256)
     parser.add_argument(
-        "--temp", type=cli.temperature, default=0.0, help="temperature (0: greedy)"
+        "--max-tokens", "-m", type=cli.positive_int, default=256, help="most tokens generated"
     )
-    parser.add_argument("--top-p", type=cli.top_p, default=None, help="needs --temp > 0")
+    parser.add_argument("--temp", type=cli.temperature, default=0.0, help="temperature (0: greedy)")
     parser.add_argument(
-        "--top-k", type=cli.non_negative_int, default=None, help="0: off; needs --temp > 0"
+        "--top-p",
+        type=cli.top_p,
+        default=None,
+        help="sample from the likeliest tokens whose probabilities add up to P; needs "
+        "--temp > 0 (default: 1, all tokens)",
     )
-    parser.add_argument("--min-p", type=cli.min_p, default=None, help="needs --temp > 0")
-    parser.add_argument("--seed", type=cli.seed, default=None)
-    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--system-prompt", default=None)
+    parser.add_argument(
+        "--top-k",
+        type=cli.non_negative_int,
+        default=None,
+        help="sample from the K likeliest tokens; needs --temp > 0 (default: 0, all tokens)",
+    )
+    parser.add_argument(
+        "--min-p",
+        type=cli.min_p,
+        default=None,
+        help="drop tokens less likely than P times the likeliest; needs --temp > 0 "
+        "(default: 0, none dropped)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=cli.seed,
+        default=None,
+        help="sampling seed: the same seed, prompt and flags give the same text (default: a "
+        "random one; docs/cli.md says why a method's flags change the text)",
+    )
+    parser.add_argument(
+        "--stop", action="append", default=[], help="stop string (repeatable; default: none)"
+    )
+    parser.add_argument(
+        "--system-prompt",
+        default=None,
+        help="the chat template's system message, before the prompt (default: none)",
+    )
     parser.add_argument(
         "--ignore-chat-template", action="store_true", help="feed the prompt as raw text"
     )
@@ -140,10 +166,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tokens = continuation(tokenizer, prompt, not args.ignore_chat_template)
             elif args.ignore_chat_template or not has_chat_template(tokenizer):
                 if system:
-                    why = ("--ignore-chat-template" if args.ignore_chat_template
-                           else "no chat template")
-                    print(f"warning: {why}: the system prompt goes before the prompt as plain text",
-                          file=sys.stderr)
+                    why = (
+                        "--ignore-chat-template"
+                        if args.ignore_chat_template
+                        else "no chat template"
+                    )
+                    print(
+                        f"warning: {why}: the system prompt goes before the prompt as plain text",
+                        file=sys.stderr,
+                    )
                 tokens = plain_tokens(tokenizer, [system, prompt] if system else [prompt])
             else:
                 tokens = apply_chat_template(tokenizer, prompt, system)
@@ -151,8 +182,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 logging.basicConfig(format="%(message)s", stream=sys.stderr)
                 logging.getLogger("mlx_speculate.policy.adaptive").setLevel(logging.INFO)
             for response in stream_generate(
-                model, tokenizer, tokens, max_tokens=args.max_tokens, sampling=sampling,
-                stop=stops, **options,
+                model,
+                tokenizer,
+                tokens,
+                max_tokens=args.max_tokens,
+                sampling=sampling,
+                stop=stops,
+                **options,
             ):
                 print(response.text, end="", flush=True)
                 if watchdog is not None:
@@ -172,8 +208,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cli.fail(e)
     if response.finish_reason == "context":
         n = response.generation_tokens
-        print(f"note: stopped after {n} token{'' if n == 1 else 's'}: the model's context "
-              f"of {model.args.max_position_embeddings} tokens is full", file=sys.stderr)
+        print(
+            f"note: stopped after {n} token{'' if n == 1 else 's'}: the model's context "
+            f"of {model.args.max_position_embeddings} tokens is full",
+            file=sys.stderr,
+        )
     if args.verbose and (group is None or group.rank() == 0):
         _print_stats(response, model.compute_dtype, spec)
     return 0
@@ -183,8 +222,11 @@ def _read_prompt(prompt: str) -> str:
     if prompt != "-":
         return cli.utf8_argument(prompt, "--prompt")
     if sys.stdin.isatty():
-        print("Reading the prompt from the terminal: type it, then Ctrl-D on an empty line "
-              "(or pass --prompt TEXT)", file=sys.stderr)
+        print(
+            "Reading the prompt from the terminal: type it, then Ctrl-D on an empty line "
+            "(or pass --prompt TEXT)",
+            file=sys.stderr,
+        )
     return cli.read_stdin("the prompt on stdin")
 
 

@@ -17,21 +17,18 @@ import glob
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
-from mlx_lm.tokenizer_utils import (
-    BPEStreamingDetokenizer,
-    NaiveStreamingDetokenizer,
-    SPMStreamingDetokenizer,
-    TokenizerWrapper,
-)
 
 from .checkpoint import evaluate, load_into, read_weights
 from .models import MODEL_TYPES, config_checks, quantized_prefill
 from .models.base import CausalLM, Origin
 from .parallel.ranks import check_same_model, model_digest
 from .parallel.sharding import Split
+
+if TYPE_CHECKING:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 _HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -59,9 +56,7 @@ def resolve_path(path_or_hub_id: str | Path, allow_patterns: list[str] | None = 
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(
-            snapshot_download(name, allow_patterns=allow_patterns or _DOWNLOAD_PATTERNS)
-        )
+        return Path(snapshot_download(name, allow_patterns=allow_patterns or _DOWNLOAD_PATTERNS))
     except Exception as e:  # the hub raises many types: network, auth, missing repo
         raise FileNotFoundError(
             f"{name!r} is not a local folder and could not be fetched from the Hugging Face "
@@ -187,6 +182,13 @@ def eos_token_ids(path: Path, config: dict[str, Any], vocab_size: int) -> list[i
 
 def _detokenizer_class(path: Path):
     """mlx-lm's choice of streaming detokenizer, from the tokenizer.json decoder."""
+    # Imported here, as in load_tokenizer: mlx_lm's package imports transformers (and torch).
+    from mlx_lm.tokenizer_utils import (
+        BPEStreamingDetokenizer,
+        NaiveStreamingDetokenizer,
+        SPMStreamingDetokenizer,
+    )
+
     file = path / "tokenizer.json"
     if not file.exists():
         return NaiveStreamingDetokenizer
@@ -195,8 +197,7 @@ def _detokenizer_class(path: Path):
         return BPEStreamingDetokenizer
     steps = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else []
     replaces_metaspace = any(
-        d.get("type") == "Replace" and d.get("pattern", {}).get("String") == "\u2581"
-        for d in steps
+        d.get("type") == "Replace" and d.get("pattern", {}).get("String") == "\u2581" for d in steps
     )
     if replaces_metaspace and any(d.get("type") == "ByteFallback" for d in steps):
         strips = any(d.get("type") == "Strip" for d in steps)
@@ -217,6 +218,7 @@ def check_tokenizer_files(path: Path) -> None:
 
 
 def load_tokenizer(path: Path, eos_ids: list[int] | None = None) -> TokenizerWrapper:
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     check_tokenizer_files(path)

@@ -89,6 +89,8 @@ def test_missing_keys_take_transformers_defaults(tmp_path):
         ({"layer_types": ["full_attention"]}, "layer_types names 1 layers, the model has 2"),
         ({"num_experts_per_tok": 9}, "'num_experts_per_tok' must be in 1..num_local_experts"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"sliding_window": 0}, "'sliding_window' must be >= 1, got 0"),
+        ({"sliding_window": -1}, "'sliding_window' must be >= 1, got -1"),
     ],
 )
 def test_configs_it_cannot_run_are_one_line_errors(overrides, needle):
@@ -118,8 +120,15 @@ def test_convert_4bit_loads_here_and_in_mlx_lm(tmp_path):
     transformers' gpt-oss default (`truncate: false`) does not: with that rope mlx-lm's
     logits differ from transformers' (1e-2 here; ours match, test_matches_transformers), so
     the folder compared here has a truncated YaRN, which both compute alike."""
-    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-            "beta_slow": 1.0, "truncate": True, "original_max_position_embeddings": 4096}
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": True,
+        "original_max_position_embeddings": 4096,
+    }
     config = gpt_oss_config(vocab_size=128, rope_parameters=rope)
     save_hf(tmp_path / "hf", config, seed=2, scales=SCALES)
     dst = check_convert_loads_in_mlx_lm(tmp_path / "hf", tmp_path / "mlx", 128)

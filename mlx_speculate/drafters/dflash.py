@@ -104,7 +104,10 @@ class DFlashSpec(DrafterSpec):
         if drafter is True:
             folder = target.origin.folder
             if folder is None or not (folder / DFLASH_DIR).is_dir():
-                raise ValueError("no DFlash drafter beside the model (name the drafter folder)")
+                raise ValueError(
+                    "no DFlash drafter beside the model: name the drafter folder, or train one "
+                    "with `python -m mlx_speculate.train dflash --model M --out DIR`"
+                )
             drafter = folder / DFLASH_DIR
         if not isinstance(drafter, str | Path):
             raise ValueError(f"a DFlash drafter must be a folder or a DFlashHead, got {drafter!r}")

@@ -141,8 +141,9 @@ class EagleSpec(DrafterSpec):
         if heads is True:
             if target.origin.folder is None or not (target.origin.folder / EAGLE_DIR).is_dir():
                 raise ValueError(
-                    "no EAGLE heads beside the model (convert it with --eagle-path, or name the "
-                    "heads folder)"
+                    "no EAGLE heads beside the model: name the heads folder, convert published "
+                    "heads with `convert --eagle-path`, or train them with `python -m "
+                    "mlx_speculate.train eagle3 --model M --out DIR`"
                 )
             heads = target.origin.folder / EAGLE_DIR
         if not isinstance(heads, str | Path):

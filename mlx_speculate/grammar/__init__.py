@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
-import llguidance.hf
 
 from .json_schema import check_finite, strict_objects
 
@@ -123,8 +122,10 @@ def ll_tokenizer(tokenizer) -> llguidance.LLTokenizer:
             llguidance.TokenizerWrapper(inner), eos_token=eos or inner.eos_token_id
         )
     else:
+        from llguidance.hf import from_tokenizer  # imports transformers: only needed here
+
         try:
-            built = llguidance.hf.from_tokenizer(inner, eos_token=eos or None)
+            built = from_tokenizer(inner, eos_token=eos or None)
         except ValueError as e:
             message = f"grammars need a fast Hugging Face tokenizer: {first_line(str(e))}"
             raise ValueError(message) from e

@@ -42,7 +42,8 @@ def find_checkpoint(
         found = [folder / name for name in files if (folder / name).exists()]
         if not found:
             raise FileNotFoundError(
-                f"no {what} weights in {folder} (looked for {', '.join(files)})"
+                f"no {what} weights in {folder} (looked for {', '.join(files)}; "
+                "`python -m mlx_speculate.train --help` says how to train them)"
             )
         file = found[0]
     config_file = folder / "config.json"

@@ -16,11 +16,18 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchGLU
 
 from .fast_exp import silu
 
 __all__ = ["SwitchGLU", "SwiGLU", "stack_experts", "top_k"]
+
+
+def SwitchGLU(*args, **kwargs) -> nn.Module:  # stands for mlx-lm's class of that name
+    """mlx-lm's `SwitchGLU(*args, **kwargs)`, imported when a model builds one: importing the
+    mlx_lm package imports transformers and torch, which no CLI's start needs."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    return SwitchGLU(*args, **kwargs)
 
 
 class SwiGLU(nn.Module):

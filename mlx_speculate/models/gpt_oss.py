@@ -17,7 +17,6 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.activations import swiglu_oai
 
 from .base import BaseModelArgs, CausalLM, TransformerBlock, attend
 from .context import ForwardContext
@@ -76,6 +75,10 @@ class ModelArgs(BaseModelArgs):
             raise ValueError(
                 f"gpt-oss hidden_act {self.hidden_act!r} is not supported (supported: silu)"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:  # None: no window
+            raise ValueError(
+                f"config field 'sliding_window' must be >= 1, got {self.sliding_window}"
+            )
         if not 1 <= self.num_experts_per_tok <= self.num_local_experts:
             raise ValueError(
                 f"config field 'num_experts_per_tok' must be in 1..num_local_experts "
@@ -118,6 +121,8 @@ class ClampedSwiGLU(nn.Module):
         self._alpha, self._limit = alpha, limit
 
     def __call__(self, up: mx.array, gate: mx.array) -> mx.array:
+        from mlx_lm.models.activations import swiglu_oai  # as experts.SwitchGLU: a lazy import
+
         return swiglu_oai(gate, up, alpha=self._alpha, limit=self._limit)
 
 

@@ -21,11 +21,11 @@ from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchGLU
 
 from ..state_cache import HybridCache, chains_only
 from .base import BaseModelArgs, CausalLM, ModelOutput, attend
 from .context import ForwardContext
+from .experts import SwitchGLU
 from .gated_delta import GatedDeltaNet, state_shape
 from .rope import RotaryEmbedding
 

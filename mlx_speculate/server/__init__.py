@@ -15,3 +15,7 @@ sessions.py          the prompt-prefix cache: sessions per method over the one m
 metrics.py           Prometheus metrics
 __main__.py          the command line
 """
+
+# Request bodies larger than this are refused (413) unless --max-body-bytes says otherwise. It
+# lives here, not in app.py, so that the command line shows it without importing FastAPI.
+MAX_BODY = 8 * 1024 * 1024

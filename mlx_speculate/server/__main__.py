@@ -18,31 +18,17 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-
-import jinja2
-import jinja2.sandbox
+from typing import TYPE_CHECKING
 
 from .. import cli
-
-try:  # the [server] extra; without it, say how to get it rather than a traceback
-    import fastapi  # noqa: F401
-    import uvicorn
-except ImportError as missing:
-    sys.exit(
-        f"error: the server needs {missing.name}, which is not installed: "
-        'pip install -e ".[server]" (or "mlx_speculate[server]")'
-    )
-
-from ..chat import apply_chat_template
 from ..drafters import cli as drafter_cli
 from ..parallel import group as distributed
 from ..parallel.group import init_group
 from ..parallel.sharding import Split
-from .app import MAX_BODY, create_app
-from .lockstep import Lockstep
-from .metrics import Metrics
-from .sessions import SessionPool
-from .worker import Worker
+from . import MAX_BODY
+
+if TYPE_CHECKING:
+    from .worker import Worker
 
 LOOP_CONTROLS = "jinja2.ext.loopcontrols"  # {% break %}, which transformers' templates may use
 PORT = cli.bounded(int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
@@ -58,6 +44,8 @@ def api_key(text: str) -> str:
 def chat_template(path: Path) -> str:
     """The Jinja source in `path`, parsed: a ValueError (or OSError) of one line where it
     cannot be read or is not a template, before the model loads."""
+    import jinja2.sandbox
+
     try:
         source = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -113,12 +101,25 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="conversations whose KV cache is kept for the next turn (memory: N contexts)",
     )
-    parser.add_argument("--max-body-bytes", type=cli.positive_int, default=MAX_BODY)
     parser.add_argument(
-        "--shutdown-timeout", type=cli.non_negative_float, default=10.0, metavar="SECONDS"
+        "--max-body-bytes",
+        type=cli.positive_int,
+        default=MAX_BODY,
+        metavar="N",
+        help="largest request body taken, in bytes (then 413)",
     )
     parser.add_argument(
-        "--log-level", default="warning", choices=["debug", "info", "warning", "error"]
+        "--shutdown-timeout",
+        type=cli.non_negative_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C: how long running requests may go on before they are cancelled",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="uvicorn's log level",
     )
     distributed.add_arguments(parser)
     drafter_cli.add_arguments(parser)
@@ -142,6 +143,24 @@ def model_id(source: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:  # the [server] extra; without it, say how to get it rather than a traceback
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as missing:
+        sys.exit(
+            f"error: the server needs {missing.name}, which is not installed: "
+            'pip install -e ".[server]" (or "mlx_speculate[server]")'
+        )
+    # Imported here, not above: --help needs none of the app, the worker or their imports.
+    import jinja2
+
+    from ..chat import apply_chat_template
+    from .app import create_app
+    from .lockstep import Lockstep
+    from .metrics import Metrics
+    from .sessions import SessionPool
+    from .worker import Worker
+
     try:
         spec = drafter_cli.spec_from_args(args)
         template = None if args.chat_template is None else chat_template(args.chat_template)

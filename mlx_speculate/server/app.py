@@ -19,7 +19,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..grammar import Grammar
-from . import messages
+from . import MAX_BODY, messages
 from .errors import APIError, BodyLimit, install
 from .gateway import Gateway
 from .metrics import Metrics
@@ -30,7 +30,6 @@ from .tool_parser import Tools
 from .tools import call_grammar, tool_format
 from .worker import Worker
 
-MAX_BODY = 8 * 1024 * 1024
 # Module level: FastAPI resolves the (postponed) annotations of routes in the module's globals.
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))]
 
