@@ -34,7 +34,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog=cli.prog("mlx_speculate.cache_prompt"),
         description="Prefill a prompt once and save its cache, for generate to start from.",
         epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--model",
@@ -47,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--prompt", default="-", help="prompt text, or - (the default) to read it from stdin"
     )
-    parser.add_argument("--system-prompt", default=None)
+    parser.add_argument(
+        "--system-prompt", default=None, help="a system message before the cached prompt"
+    )
     parser.add_argument(
         "--ignore-chat-template", action="store_true", help="cache the prompt as raw text"
     )

@@ -48,7 +48,7 @@ def add_options(
             continue
         m = f.metadata
         parse, many = _parser(hints[f.name])
-        default = m["shown"] or (None if f.default is None else _show(f.default))
+        default = m["shown"] or ("none" if f.default is None else _show(f.default))
         kinds = (kind_defaults or {}).items()
         extra = [f"{k}: {_show(d[f.name])}" for k, d in kinds if f.name in d]
         shown = "; ".join(([default] if default else []) + extra)
