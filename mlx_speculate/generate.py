@@ -16,6 +16,7 @@ from .default_model import load_or_default
 from .drafters import cli as drafter_cli
 from .generation import GenerationResponse, stream_generate
 from .loading import DTYPES
+from .models.base import implementation_line
 from .parallel import group as distributed
 from .parallel.group import decoding_options, init_group, shared_seed
 from .parallel.ranks import guarded
@@ -113,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             system = cli.utf8_argument(args.system_prompt, "--system-prompt")
             stops = [cli.utf8_argument(stop, "--stop") for stop in args.stop]
             model, tokenizer = load_or_default(args.model, args.dtype, split)
+            if args.verbose:
+                print(implementation_line(model), file=sys.stderr)
             options = {"drafter": spec}
             if split is not None:
                 if args.verbose and split.group.rank() == 0:

@@ -48,6 +48,11 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch rows: a batch grows and shrinks by t
 
 def check_batchable(model: CausalLM) -> None:
     """ValueError (one line) when sequences of `model` cannot share a batch forward."""
+    if model.implementation != "native":
+        raise ValueError(
+            f"{model.args.model_type} runs through mlx-lm's module, whose caches hold one "
+            "sequence: serve it one request at a time (--max-batch 1)"
+        )
     if model.recurrent:
         raise ValueError(
             f"{model.args.model_type} has recurrent layers, whose state a batch cannot roll "

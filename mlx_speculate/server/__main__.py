@@ -35,6 +35,7 @@ except ImportError as missing:
 
 from ..chat import apply_chat_template
 from ..drafters import cli as drafter_cli
+from ..models.base import implementation_line
 from ..parallel import group as distributed
 from ..parallel.group import init_group
 from ..parallel.sharding import Split
@@ -157,6 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ..loading import load as load_model
 
         model, tokenizer = load_model(source, split=split)
+        print(implementation_line(model), flush=True)
         if split is not None and lockstep.leads:
             print(split.describe(model), file=sys.stderr, flush=True)
         if template is not None:
