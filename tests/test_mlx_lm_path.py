@@ -17,11 +17,13 @@ import pytest
 
 from mlx_speculate.batch import check_batchable
 from mlx_speculate.decode import Decoder
-from mlx_speculate.drafters import make_drafter, spec_from_keywords
+from mlx_speculate.drafters import DraftModelSpec, make_drafter, spec_from_keywords
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
 from mlx_speculate.drafters.lookup import LookupDrafter, LookupSpec
 from mlx_speculate.generate import main
 from mlx_speculate.generation import stream_generate
+from mlx_speculate.grammar import Grammar
+from mlx_speculate.grammar.constraint import Constraint
 from mlx_speculate.loading import load
 from mlx_speculate.models import MODEL_TYPES
 from mlx_speculate.policy.adaptive import FixedPolicy
@@ -30,7 +32,9 @@ from mlx_speculate.sampling import SamplingParams
 from .families import PROMPT, REPEATING, check_sampled_marginal, save_hf
 from .helpers import TINY, assert_clear_argmax, decode, greedy_reference, tiny_model
 from .markov import StubTokenizer
+from .serving import serve
 from .test_convert import save_tokenizer
+from .test_grammar import constrained_greedy
 
 VOCAB = TINY["vocab_size"]
 FAMILIES = {
@@ -184,6 +188,59 @@ def test_sampled_speculation_follows_the_target_through_mlx_lm(models):
     """A draft model at temperature 1 on the Mamba hybrid: the second token of many
     generations follows the target's exact marginal (Pearson's test, tests/markov.py)."""
     check_sampled_marginal(models["nemotron_h"], tiny_model("llama", seed=11), draws=400)
+
+
+class CharTokenizer:
+    """llguidance's plain tokenizer protocol over the folders' ids: id i is the character
+    chr(32 + i), the last id the EOS."""
+
+    tokens = [bytes([32 + i]) for i in range(VOCAB - 1)] + [b"</s>"]
+    eos_token_id, bos_token_id, special_token_ids = VOCAB - 1, None, [VOCAB - 1]
+    eos_token_ids = {VOCAB - 1}
+
+    def __call__(self, text):
+        return [c - 32 for c in text]
+
+
+@pytest.mark.parametrize("model_type", ["olmo2", "nemotron_h"])
+def test_grammars_constrain_speculation_through_mlx_lm(models, model_type):
+    """Under a grammar, plain decoding, prompt lookup and a draft model give the constrained
+    greedy tokens (tests/test_grammar.py's definition, one token per forward)."""
+    model, tokenizer = models[model_type], CharTokenizer()
+    grammar = Grammar.lark(r'start: (/[a-h]/ /[0-9]/ /[q-z]/)+ "."')
+    reference = constrained_greedy(model, tokenizer, REPEATING, grammar, 16)
+    assert len(set(reference)) > 2
+    drafters = {
+        "plain": None,
+        "lookup": LookupDrafter(max_ngram=3, branches=1),
+        "draft": DraftModelDrafter(tiny_model("llama", seed=11), VOCAB),
+    }
+    for name, drafter in drafters.items():
+        constraint = Constraint(grammar, tokenizer, VOCAB)
+        policy = FixedPolicy(0 if drafter is None else 3)
+        tokens, _, _ = decode(
+            model, REPEATING, len(reference), drafter, policy, constraint=constraint
+        )
+        assert tokens == reference, name
+
+
+def test_the_server_serves_an_mlx_lm_model_one_request_at_a_time(folders):
+    """Each method's greedy completion is plain greedy decoding's text (the engine refuses the
+    model, so requests run one at a time)."""
+    model, tokenizer = load(folders["olmo2"])
+    prompt = " ".join(f"w{t}" for t in REPEATING)
+    reference = greedy_reference(model, tokenizer.encode(prompt), 8)
+    spec = DraftModelSpec(model=tiny_model("llama", seed=11))
+    with serve(model, tokenizer, spec, model_id="olmo2", max_batch=8) as running:
+        for method in ("none", "prompt_lookup", "draft_model"):
+            completion = running.client().completions.create(
+                model="olmo2",
+                prompt=prompt,
+                max_tokens=8,
+                temperature=0,
+                extra_body={"speculative": {"method": method}},
+            )
+            assert completion.choices[0].text == tokenizer.decode(reference), method
 
 
 def test_trees_and_head_methods_refuse_in_one_line(models):
