@@ -50,18 +50,22 @@ class MlxLmArgs:
     @classmethod
     def from_config(cls, config: dict[str, Any], module: nn.Module) -> MlxLmArgs:
         """From config.json (a multimodal config's text part where the top level lacks a key)
-        and the module's layers."""
+        and the module: its layers, and the width of its logits where no vocabulary size is
+        given (configs that nest it elsewhere)."""
         text = config.get("text_config") or {}
 
-        def field(name: str, default: Any = None) -> Any:
+        def field(name: str, default: Any) -> Any:
             value = config.get(name, text.get(name, default))
             if not isinstance(value, int) or isinstance(value, bool):
                 raise ValueError(f"config field {name!r} must be int, got {value!r}")
             return value
 
+        vocab = config.get("vocab_size", text.get("vocab_size"))
+        if vocab is None:
+            vocab = module(mx.array([[0]])).shape[-1]
         return cls(
             config["model_type"],
-            field("vocab_size"),
+            field("vocab_size", vocab),
             field("max_position_embeddings", DEFAULT_CONTEXT),
             len(module.layers),
         )
@@ -142,7 +146,7 @@ def load_mlx_lm(path: Path, config: dict[str, Any], dtype: mx.Dtype | None) -> M
     from mlx_lm.utils import load_model
 
     try:
-        module, _ = load_model(path)
+        module, _ = load_model(path, lazy=True)  # read once cast, not before
     except (ValueError, TypeError, KeyError, AttributeError) as e:  # its config or weights
         reason = " ".join(str(e).split())
         raise ValueError(
