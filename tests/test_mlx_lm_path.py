@@ -1,9 +1,10 @@
 """Model types mlx-lm knows and this package does not implement run through mlx-lm's own
 module (models/mlx_lm_model.py): tiny random folders that transformers saved, of a dense
 (OLMo 2), an MoE (Mixtral), a multi-head latent attention (DeepSeek-V3), a short-conv hybrid
-(LFM2) and a Mamba-2 hybrid (Nemotron-H) family, give mlx-lm's logits; greedy speculation with
-prompt lookup and draft models equals plain greedy decoding; the hybrids roll back exactly
-after rejections; sampling follows the target; tree and head methods refuse in one line; a
+(LFM2), a Mamba-2 hybrid (Nemotron-H) and a sliding-window (Cohere 2) family, give mlx-lm's
+logits; greedy speculation with prompt lookup and draft models equals plain greedy decoding;
+the recurrent states and the wrapped window roll back exactly after rejections; sampling
+follows the target; grammars and the server work; tree and head methods refuse in one line; a
 4-bit folder mlx-lm made loads."""
 
 from __future__ import annotations
@@ -78,10 +79,19 @@ FAMILIES = {
         "layer_norm_epsilon": 1e-5,
         "chunk_size": 8,
     },
+    # A sliding window of 4 on layer 0 (mlx-lm's RotatingKVCache, which wraps: no trim).
+    "cohere2": {
+        "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window_pattern": 2,  # what mlx-lm reads of layer_types
+        "tie_word_embeddings": True,
+    },
 }
 HYBRIDS = ("lfm2", "nemotron_h")
+# Whose caches roll back by a copy and a replay (the hybrids' recurrent state, a window).
+REPLAYING = (*HYBRIDS, "cohere2")
 # Seeds whose greedy tokens have clear margins (helpers.assert_clear_argmax).
-SEEDS = {"olmo2": 0, "mixtral": 5, "deepseek_v3": 3, "lfm2": 0, "nemotron_h": 3}
+SEEDS = {"olmo2": 0, "mixtral": 5, "deepseek_v3": 3, "lfm2": 0, "nemotron_h": 3, "cohere2": 0}
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +117,7 @@ def test_each_family_loads_through_mlx_lm_with_its_logits(folders, models, model
     model = models[model_type]
     assert model_type not in MODEL_TYPES
     assert model.implementation == "mlx-lm"
-    assert model.recurrent == (model_type in HYBRIDS)
+    assert model.recurrent == (model_type in REPLAYING)
     assert not model.verifies_trees
     theirs, _ = mlx_lm.load(str(folders[model_type]))
     tokens = mx.array([REPEATING])
@@ -149,8 +159,8 @@ def test_greedy_speculation_equals_plain_greedy(folders, models, model_type):
             assert [r.token for r in out] == reference, options
 
 
-@pytest.mark.parametrize("model_type", HYBRIDS)
-def test_the_hybrids_roll_back_exactly_after_rejections(models, model_type):
+@pytest.mark.parametrize("model_type", REPLAYING)
+def test_replaying_caches_roll_back_exactly_after_rejections(models, model_type):
     """A verify-like forward of 5 tokens, truncated to 2 of them: the next forward gives the
     logits of a forward of the whole sequence; a later decode with a bad draft too, and a
     second prompt reuses the cached prefix the recurrent state can return to."""
