@@ -305,7 +305,11 @@ def test_an_unknown_type_stays_a_one_line_error(tmp_path):
         load(tmp_path)
 
 
-def test_verbose_says_which_path_the_model_took(folders, capsys):
-    args = ["--model", str(folders["olmo2"]), "--prompt", "w1 w2", "-m", "2", "--verbose"]
-    assert main([*args, "--ignore-chat-template"]) == 0
+def test_the_cli_says_which_path_the_model_took_and_refuses_heads(folders, capsys):
+    args = ["--model", str(folders["olmo2"]), "--prompt", "w1 w2", "-m", "2"]
+    assert main([*args, "--ignore-chat-template", "--verbose"]) == 0
     assert "model: olmo2, through mlx-lm's module" in capsys.readouterr().err
+    assert main([*args, "--medusa", "some-heads"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: medusa needs a model type this package implements (llama")
+    assert err.count("\n") == 1
