@@ -71,7 +71,7 @@ class MlxLmState:
     def unreachable(self, slot: int) -> str:
         """Why `seek` cannot return to `slot`, in one line."""
         return (
-            f"cannot restore the recurrent state at {slot} tokens: only {self.kept_at} to "
+            f"cannot roll mlx-lm's caches back to {slot} tokens: only {self.kept_at} to "
             f"{self.position} (the last forward's rows) are kept"
         )
 
