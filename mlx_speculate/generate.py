@@ -16,6 +16,7 @@ from .default_model import load_or_default
 from .drafters import cli as drafter_cli
 from .generation import GenerationResponse, stream_generate
 from .loading import DTYPES
+from .models.base import implementation_line
 from .parallel import group as distributed
 from .parallel.group import decoding_options, init_group, shared_seed
 from .parallel.ranks import guarded
@@ -158,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 dtype = dtype or (cached.get("dtype") if cached.get("dtype") in DTYPES else None)
                 options["prompt_cache_file"] = args.prompt_cache_file
             model, tokenizer = load_or_default(model_path, dtype, split)
+            if args.verbose:
+                print(implementation_line(model), file=sys.stderr)
             if split is not None:
                 if args.verbose and split.group.rank() == 0:
                     print(split.describe(model), file=sys.stderr)

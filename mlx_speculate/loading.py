@@ -1,7 +1,8 @@
 """Local folder or hub id -> (model, tokenizer).
 
 Reads HF checkpoints (single or sharded safetensors) and mlx-lm / mlx-community folders
-(`quantization` in config.json, per-module overrides included).
+(`quantization` in config.json, per-module overrides included). A model type this package
+does not implement but mlx-lm does runs through mlx-lm's own module (models/mlx_lm_model.py).
 
 The compute dtype follows the device: MLX's CPU backend runs float16/bfloat16 arithmetic
 (quantized matmuls with such scales included) far slower than float32, so on the CPU
@@ -24,6 +25,7 @@ import mlx.core as mx
 from .checkpoint import evaluate, load_into, read_weights
 from .models import MODEL_TYPES, config_checks, quantized_prefill
 from .models.base import CausalLM, Origin
+from .models.mlx_lm_model import load_mlx_lm, mlx_lm_class
 from .parallel.ranks import check_same_model, model_digest
 from .parallel.sharding import Split
 
@@ -96,12 +98,28 @@ def load_config(path: Path) -> dict[str, Any]:
 
 
 def model_class(config: dict[str, Any]):
+    """The family module of a type this package implements (ValueError for any other)."""
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
         raise ValueError(
             f"model_type {model_type!r} is not supported (supported: {', '.join(MODEL_TYPES)})"
         )
     return MODEL_TYPES[model_type]
+
+
+def implementation(config: dict[str, Any]) -> str:
+    """What runs the config's model type: "native" for a type this package implements;
+    "mlx-lm" for another one that mlx-lm has a module for (models/mlx_lm_model.py);
+    ValueError in one line for any other."""
+    model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type in MODEL_TYPES:
+        return "native"
+    if isinstance(model_type, str) and mlx_lm_class(config) is not None:
+        return "mlx-lm"
+    raise ValueError(
+        f"model_type {model_type!r} is not supported (supported: {', '.join(MODEL_TYPES)}, "
+        "and through mlx-lm every type it loads)"
+    )
 
 
 def load_weights(path: Path) -> dict[str, mx.array]:
@@ -150,7 +168,15 @@ def load_model(
     with `split`, only this rank's part of it is read, once every rank is known to have
     found the same checkpoint."""
     config = load_config(path)
-    model_class(config)
+    if implementation(config) == "mlx-lm":
+        if split is not None:
+            raise ValueError(
+                f"{config['model_type']} runs through mlx-lm's module, which this package "
+                "does not split across machines"
+            )
+        model = load_mlx_lm(path, config, dtype)
+        model.origin = Origin(path, tokenizer)
+        return model, config
     if split is None:
         model = build_model(config, load_weights(path), dtype)
     else:
@@ -272,7 +298,7 @@ def load(
     dtype = compute_dtype(dtype)
     path = resolve_path(path_or_hub_id)
     if path.is_dir():  # what is quick to check first: a model's config, then the tokenizer
-        model_class(load_config(path))
+        implementation(load_config(path))
         check_tokenizer_files(path)
     model, config = load_model(path, dtype or default_dtype(), split=split)
     if mx.default_device() == mx.cpu:

@@ -155,11 +155,17 @@ def test_config_without_a_required_size(folder):
 
 
 def test_unknown_model_type(folder):
-    """An unsupported model_type is a ValueError naming it and the supported types."""
+    """A model_type neither this package nor mlx-lm knows is a ValueError naming it and the
+    supported types; one that mlx-lm knows but cannot build from the config (gpt2 from a
+    llama config) is one line from the mlx-lm path (models/mlx_lm_model.py)."""
+    (folder / "config.json").write_text(json.dumps(tiny_config("no_such_family")))
+    with pytest.raises(ValueError) as error:
+        load(folder)
+    assert_one_line(error, "'no_such_family' is not supported", "llama", "qwen2", "phi3")
     (folder / "config.json").write_text(json.dumps(tiny_config("gpt2")))
     with pytest.raises(ValueError) as error:
         load(folder)
-    assert_one_line(error, "'gpt2'", "llama", "qwen2", "phi3")
+    assert_one_line(error, "mlx-lm cannot load the gpt2 model")
 
 
 def test_missing_weights(folder):

@@ -65,6 +65,11 @@ def batch_cache(model: CausalLM, rows: int) -> BatchKVCache:
 
 def check_batchable(model: CausalLM) -> None:
     """ValueError (one line) when sequences of `model` cannot share a batch forward."""
+    if model.implementation != "native":
+        raise ValueError(
+            f"{model.args.model_type} runs through mlx-lm's module, whose caches hold one "
+            "sequence: serve it one request at a time (--max-batch 1)"
+        )
     if not model.traceable:  # a forward that reads the host offset (models/base.py)
         raise ValueError(
             "the model's rope frequencies depend on the longest position, which differs per "

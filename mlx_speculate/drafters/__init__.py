@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..models.base import CausalLM
+from ..models.mlx_lm_cache import needs_native
 from .assistant import AssistantSpec
 from .base import MAX_DRAFT, METHODS, Draft, Drafter, DrafterSpec, TargetFeatures
 from .dflash import DFlashSpec
@@ -51,6 +52,8 @@ def make_drafter(spec: DrafterSpec, target: CausalLM, tokenizer=None) -> Drafter
     """A fresh drafter for `target`, checked to fit it (ValueError otherwise)."""
     if not isinstance(spec, DrafterSpec):
         raise TypeError(f"expected a DrafterSpec, got {type(spec).__name__}")
+    if not spec.logits_only and target.implementation != "native":
+        raise ValueError(needs_native(spec.method, target.args.model_type))
     return spec.build(target, tokenizer)
 
 

@@ -153,6 +153,10 @@ class DrafterSpec(ABC):
     keywords: ClassVar[dict[str, str | None]]
     #: each keyword's command-line flag(s), so that errors speak the CLI's words
     flags: ClassVar[dict[str, str]]
+    #: True when its drafts need only the target's logits (a draft model, prompt lookup), so
+    #: it runs on a target of any `CausalLM.implementation`; False: heads read the target's
+    #: features, and need a native one
+    logits_only: ClassVar[bool] = False
 
     # Draft tokens per step (tree: nodes below the root); None lets the adaptive policy choose
     # from measured costs and acceptance, plain decoding included.

@@ -84,6 +84,7 @@ class DraftModelSpec(DrafterSpec):
         "draft_tokenizer": "tokenizer",
     }
     flags: ClassVar[dict[str, str]] = {"draft_model": "--draft-model"}
+    logits_only: ClassVar[bool] = True
 
     model: CausalLM | str | Path
     tokenizer: Any = None

@@ -12,6 +12,7 @@ import mlx.nn as nn
 
 from ..cli import positive_int
 from ..models.base import CausalLM
+from ..models.mlx_lm_cache import needs_native
 from ..sampling import SamplingParams
 from ..tree import Tree
 from .base import MAX_DRAFT, Draft, Drafter, DrafterSpec, TargetFeatures
@@ -35,10 +36,11 @@ class LookupSpec(DrafterSpec):
         "max_ngram": "--max-ngram",
         "lookup_branches": "--lookup-branches",
     }
+    logits_only: ClassVar[bool] = True
 
     max_ngram: int = 3
     # Matches verified together as one tree (1: a chain); by default BRANCHES, or 1 for a
-    # target with recurrent layers, which verifies chains only.
+    # target that verifies chains only (`CausalLM.verifies_trees`).
     branches: int | None = None
 
     @classmethod
@@ -80,7 +82,10 @@ class LookupSpec(DrafterSpec):
             raise ValueError(f"lookup_branches must be >= 1, got {self.branches}")
 
     def build(self, target: CausalLM, tokenizer=None) -> LookupDrafter:
-        branches = self.branches or (1 if target.recurrent else BRANCHES)
+        branches = self.branches or (BRANCHES if target.verifies_trees else 1)
+        if branches > 1 and target.implementation != "native":
+            what = "prompt lookup with lookup_branches > 1"
+            raise ValueError(needs_native(what, target.args.model_type))
         most = self.num_draft_tokens or MAX_DRAFT * branches  # a chain's worth per branch
         return LookupDrafter(self.max_ngram, most, branches)
 

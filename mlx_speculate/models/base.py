@@ -277,6 +277,16 @@ class DecoderStack(nn.Module):
         return None
 
 
+def implementation_line(model: CausalLM) -> str:
+    """What `--verbose` and the server's log say of the path a model took."""
+    if model.implementation == "native":
+        return f"model: {model.args.model_type}, native (every method)"
+    return (
+        f"model: {model.args.model_type}, through {model.implementation}'s module "
+        "(chains from the target's logits: plain, draft model, prompt lookup)"
+    )
+
+
 @dataclass(frozen=True)
 class Origin:
     """Where `load` found a model: what drafter specs read (heads live beside it in `folder`;
@@ -294,6 +304,9 @@ class CausalLM(nn.Module):
     origin: Origin = Origin()  # set once by `load`
     # Layers with recurrent state (hybrids): a HybridCache rolls back chains, never trees.
     recurrent: ClassVar[bool] = False
+    # What runs its forward: "native", a family of this package (every method); "mlx-lm",
+    # mlx-lm's own module (mlx_lm_model.py: chains from the target's logits only).
+    implementation: ClassVar[str] = "native"
 
     def __init__(
         self,
@@ -346,6 +359,12 @@ class CausalLM(nn.Module):
         as its attention holds them (tensor parallel leaves each rank its share of the heads);
         a family whose layers share caches lists only those that write one (Gemma 4)."""
         return [(layer.self_attn.n_kv_heads, layer.self_attn.head_dim) for layer in self.layers]
+
+    @property
+    def verifies_trees(self) -> bool:
+        """Whether a verify forward may hold a draft tree (not where layers keep recurrent
+        state, nor through mlx-lm's modules, which mask causally)."""
+        return not self.recurrent and self.implementation == "native"
 
     @property
     def traceable(self) -> bool:

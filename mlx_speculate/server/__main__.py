@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from .. import cli
 from ..drafters import cli as drafter_cli
+from ..models.base import implementation_line
 from ..parallel import group as distributed
 from ..parallel.group import init_group
 from ..parallel.sharding import Split
@@ -176,6 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ..loading import load as load_model
 
         model, tokenizer = load_model(source, split=split)
+        print(implementation_line(model), flush=True)
         if split is not None and lockstep.leads:
             print(split.describe(model), file=sys.stderr, flush=True)
         if template is not None:
