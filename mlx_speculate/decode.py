@@ -36,7 +36,7 @@ from .grammar.constraint import Constraint, Guide
 from .graphs import built
 from .policy.adaptive import FixedPolicy, Policy
 from .sampling import SamplingParams
-from .sequence import Sequence, Step
+from .sequence import Sequence, Step, finite
 from .step import Then, Verified, verify
 from .tree import ROOT, Tree
 from .verify import Acceptance
@@ -128,7 +128,8 @@ class Decoder:
         queued already (`StepBuilder.follow`)."""
         cache = self.sequence.cache
         acceptance = step.acceptance
-        mx.eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
+        ok = finite(step.logits)
+        mx.eval(acceptance.tokens, acceptance.num_accepted, acceptance.path, ok)
         n = acceptance.num_accepted.item()
         # Sliced on the host: a lazy slice would be evaluated behind the step queued next.
         tokens = acceptance.tokens.tolist()[: n + 1]
@@ -158,6 +159,7 @@ class Decoder:
             settled=followed or step.fused,
             seconds=seconds,
             traced=traced,
+            finite=ok.item(),
         )
 
 

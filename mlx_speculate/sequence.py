@@ -64,6 +64,13 @@ class Step:
         return len(self.tokens) - 1 - sum(self.forced[: len(self.tokens) - 1])
 
 
+def finite(logits: mx.array) -> mx.array:
+    """Whether every row of (..., N, V) `logits` is a distribution: no NaN and no +inf (broken
+    weights or inputs; a grammar's masked tokens are -inf, which is fine). (...) bool, lazy: a
+    scheduler evaluates it with the step's acceptance, so the check costs no sync of its own."""
+    return mx.all(logits < mx.inf, axis=(-2, -1))
+
+
 class PrefillCancelled(Exception):
     """The `cancelled` callback of a prefill asked it to stop."""
 
@@ -312,13 +319,21 @@ class Sequence:
         settled: bool = False,
         seconds: float = 0.0,
         traced: bool = False,
+        finite: bool = True,
     ) -> Step:
         """Commits a step's accepted path, whose keys the scheduler has put in place: `tokens`
         (the accepted drafts, then the target's token) at tree nodes `path`, chosen by `logits`
         (one row per node). The drafter learns them: `settled`, it followed the step already
         (a pipelined or fused one) and is told the count; else it takes the path's rows of
         `features` (None: the first token, whose features came with the prompt). The grammar
-        consumes them. A step without `features` that did not settle had no verify forward."""
+        consumes them. A step without `features` that did not settle had no verify forward.
+        `finite`: whether its logits were (`finite`); else ValueError, and nothing is committed:
+        NaN weights would otherwise emit token 0 again and again."""
+        if not finite:
+            raise ValueError(
+                "the model's logits are not finite (NaN or infinity): its weights (or the "
+                "activations they give) are broken; check the checkpoint and its dtype"
+            )
         n = len(tokens) - 1
         rows = slice(0, n + 1) if path == list(range(n + 1)) else mx.array(path)
         self.context.extend(tokens)

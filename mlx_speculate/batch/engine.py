@@ -45,7 +45,7 @@ from ..policy.batch import Acceptance as Rate
 from ..policy.batch import BatchPlanner
 from ..policy.costs import cached_costs
 from ..sampling import SamplingParams
-from ..sequence import Prefill, Sequence, Step
+from ..sequence import Prefill, Sequence, Step, finite
 from ..step import bucket
 from ..tree import ROOT, Tree
 from ..verify import Acceptance
@@ -265,10 +265,13 @@ class BatchEngine:
         )
         seeded = running.reseed()
         acceptance, logits, guide = sequence.first()
+        ok = finite(logits)
+        mx.eval(acceptance.tokens, ok)
         token = acceptance.tokens.tolist()[0]
         if seeded:
             _unseed()
-        if self._emit(running, sequence.commit([token], [0], logits, ROOT, guide, None)):
+        step = sequence.commit([token], [0], logits, ROOT, guide, None, finite=ok.item())
+        if self._emit(running, step):
             return
         running.row = len(self._running)
         self._running.append(running)
@@ -337,7 +340,9 @@ class BatchEngine:
             verdicts.append((r.sequence.rule(tree, tokens_in, logits, q), logits))
         if seeded:
             _unseed()
-        mx.eval([a for v, _ in verdicts for a in (v.tokens, v.num_accepted, v.path)])
+        oks = finite(out.logits)  # (B,) per row, read with the verdicts
+        mx.eval([a for v, _ in verdicts for a in (v.tokens, v.num_accepted, v.path)], oks)
+        oks = oks.tolist()
         seconds = time.perf_counter() - began
         self.planner.observe(rows, n, seconds)
         self.last_rows = rows * n
@@ -360,7 +365,9 @@ class BatchEngine:
                 if r.sequence.drafter is not None:
                     index = [taps.index(t) for t in r.sequence.taps]
                     features = TargetFeatures(out.hidden[b], tuple(out.taps[i][b] for i in index))
-                self._commit(r, features, guide, tree, accepted, path, emitted, logits, seconds)
+                self._commit(
+                    r, features, guide, tree, accepted, path, emitted, logits, seconds, oks[b]
+                )
             except Exception as e:  # this request's (its grammar, its drafter), not the batch's
                 self._fail(r, e)
             yield r.handle
@@ -376,13 +383,14 @@ class BatchEngine:
         emitted: list[int],
         logits: mx.array,
         seconds: float,
+        ok: bool,
     ) -> None:
         """Commits a row's accepted path (its keys are in place in the row: the offset moves
         over them) through `Sequence.commit`, as alone (`features`: the row's, for its
         drafter), and ends the sequence when that finished it."""
         self.cache.offsets[running.row] += accepted + 1
         step = running.sequence.commit(
-            emitted, path, logits, tree, guide, features, seconds=seconds
+            emitted, path, logits, tree, guide, features, seconds=seconds, finite=ok
         )
         if guide is None:
             running.rate.observe(step.drafted, accepted)
