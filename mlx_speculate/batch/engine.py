@@ -43,7 +43,10 @@ from .cache import BatchKVCache
 from .plan import Acceptance as Rate
 from .plan import BatchPlanner
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch rows: a batch grows and shrinks by these
+
+def bucket(n: int, most: int) -> int:
+    """Batch rows for `n` sequences: a batch grows and shrinks by powers of two, up to `most`."""
+    return min(most, 1 << (max(1, n) - 1).bit_length())
 
 
 def check_batchable(model: CausalLM) -> None:
@@ -407,7 +410,7 @@ class BatchEngine:
 
     def _fit_rows(self) -> None:
         """The cache's rows: the smallest bucket that holds the running sequences."""
-        need = next(b for b in BUCKETS if b >= max(1, len(self._running)))
+        need = bucket(len(self._running), self.max_batch)
         if need != self.cache.rows:
             self.cache.resize(need)
 
