@@ -80,7 +80,7 @@ class Job:
     the worker thread, through an asyncio queue of the loop that submitted it."""
 
     def __init__(self, request: Generation, ended: Callable[[], None] = lambda: None):
-        """`ended` is called once, on the worker thread, when the job's last event is emitted
+        """`ended` is called once, on the worker thread, as the job's last event is emitted
         (the worker counts the requests it holds by it)."""
         self.request = request
         self.submitted = time.perf_counter()
@@ -97,14 +97,15 @@ class Job:
         return self._cancelled.is_set()
 
     def emit(self, event: Event) -> None:
-        """From the worker thread. A loop already closed (shutdown) has nobody to tell."""
+        """From the worker thread. A loop already closed (shutdown) has nobody to tell. The
+        last event calls `ended` first: a client that read it finds its place free."""
+        if not isinstance(event, Delta) and self._ended is not None:
+            ended, self._ended = self._ended, None
+            ended()
         try:
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
         except RuntimeError:
             self.cancel()
-        if not isinstance(event, Delta) and self._ended is not None:
-            ended, self._ended = self._ended, None
-            ended()
 
     async def events(self) -> AsyncIterator[Event]:
         while True:
