@@ -216,8 +216,8 @@ def test_generations_ended_by_shutdown_say_so(endless, max_batch):
 
 @pytest.mark.parametrize("max_batch", [1, 2])
 def test_full_queue_answers_429(endless, max_batch):
-    """Past the requests running (one at a time: one; in a batch: the batch, and the next one,
-    prefilled, waiting for a row) and `max_queue` waiting, a request gets 429 with Retry-After;
+    """Past the requests decoding (one at a time: one; in a batch: the batch) and `max_queue`
+    waiting (queued, or prefilled and waiting for a row), a request gets 429 with Retry-After;
     the waiting one is served once the running ones end."""
     with serve(*endless, max_queue=1, max_batch=max_batch) as running:
         client = running.client()
@@ -226,14 +226,13 @@ def test_full_queue_answers_429(endless, max_batch):
         next(iter(streams[0]))  # generating now
         deadline = time.monotonic() + 60
         opened: list = []
-        for n in range(2, max_batch + 2 if max_batch > 1 else 0):
-            # The batch's other rows, and one waiting for a row: one at a time, each taken
-            # from the queue (of one) before the next is sent.
+        for n in range(2, max_batch + 1):
+            # The batch's other rows, one at a time, each decoding before the next is sent.
             thread = threading.Thread(
                 target=lambda: opened.append(client.completions.create(**args, stream=True))
             )
             thread.start()
-            while running.worker._queue.qsize() or len(running.worker._running) < n:
+            while running.worker.state.decoding < n:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
         waiting: list = []
@@ -257,8 +256,8 @@ def test_full_queue_answers_429(endless, max_batch):
         assert refused.value.response.headers["retry-after"] == "1"
         error = refused.value.response.json()["error"]
         assert error["code"] == "queue_full" and error["type"] == "rate_limit_error"
-        for job in list(running.worker._running):  # their clients leave
-            job.cancel()
+        for stream in [*streams, *opened]:  # their clients leave
+            stream.close()
         thread.join(60)
         assert waiting and waiting[0].choices[0].message.content  # served after all
         assert timed_request(running) < 30

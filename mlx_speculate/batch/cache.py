@@ -10,6 +10,10 @@ The engine sets `start` and `attended` before each forward and keeps the offsets
 the forward's `advance` leaves them alone. Rows move in and out between forwards: a sequence's
 prefilled prompt comes in from its own cache (`insert`), its whole context goes back there
 when it leaves (`extract`), so the prompt-prefix cache and sessions work as they do alone.
+
+Memory: the storage is `rows` x the longest row's slots (rounded up to the step). What leaves
+is copied out and evaluated at once, and a shrinking batch copies the rows it keeps, so no
+lazy slice keeps the whole batch's storage alive; a cache that no sequence holds keeps none.
 """
 
 from __future__ import annotations
@@ -74,14 +78,22 @@ class BatchKVCache(KVCache):
         self.offsets[row] = length
 
     def extract(self, row: int, target: KVCache, length: int) -> None:
-        """A one-sequence cache takes row `row`'s first `length` slots (its own storage: the
-        batch's moves on), its offset set to `length`."""
+        """A one-sequence cache takes row `row`'s first `length` slots (its own storage,
+        evaluated now: a lazy slice would keep the batch's whole storage alive), its offset
+        set to `length`; the row is then free (offset 0)."""
         size = min(self.capacity, target.capacity_for(length))
+        copies = []
         for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
             if k is not None:
                 target.keys[layer] = mx.array(k[row : row + 1, :, :size, :])
                 target.values[layer] = mx.array(v[row : row + 1, :, :size, :])
+                copies += [target.keys[layer], target.values[layer]]
+        mx.eval(copies)
         target.offset = length
+        self.offsets[row] = 0
+        if not any(self.offsets):  # no sequence holds a row: the storage goes back
+            self.keys = [None] * len(self.keys)
+            self.values = [None] * len(self.values)
 
     def move(self, source: int, destination: int) -> None:
         """Row `destination` takes row `source`'s slots and offset (a sequence left)."""
@@ -91,23 +103,34 @@ class BatchKVCache(KVCache):
                 self.keys[layer] = mx.slice_update(k, k[source : source + 1], at, (0, 2))
                 self.values[layer] = mx.slice_update(v, v[source : source + 1], at, (0, 2))
         self.offsets[destination] = self.offsets[source]
+        self.offsets[source] = 0
 
     def resize(self, rows: int) -> None:
-        """`rows` rows: the leading ones kept (a batch grows or shrinks by whole buckets)."""
+        """`rows` rows: the leading ones kept (a batch grows or shrinks by whole buckets). A
+        shrinking cache copies what it keeps, its slots cut to the kept rows' longest."""
+        offsets = (self.offsets + [0] * rows)[:rows]
+        slots = -(-max(offsets) // self.step) * self.step
+        kept = []
         for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
             like = self.likes[layer]
             self.likes[layer] = mx.zeros((rows, *like.shape[1:]), like.dtype)
             if k is None:
                 continue
-            if rows <= self.rows:
-                self.keys[layer], self.values[layer] = k[:rows], v[:rows]
-            else:
-                pad = (rows - self.rows, *k.shape[1:])
-                self.keys[layer] = mx.concatenate([k, mx.zeros(pad, k.dtype)])
+            if rows > self.rows:
+                self.keys[layer] = mx.concatenate(
+                    [k, mx.zeros((rows - self.rows, *k.shape[1:]), k.dtype)]
+                )
                 self.values[layer] = mx.concatenate(
                     [v, mx.zeros((rows - self.rows, *v.shape[1:]), v.dtype)]
                 )
-        self.offsets = (self.offsets + [0] * rows)[:rows]
+            elif slots == 0:
+                self.keys[layer] = self.values[layer] = None
+            else:
+                self.keys[layer] = mx.array(k[:rows, :, :slots])
+                self.values[layer] = mx.array(v[:rows, :, :slots])
+                kept += [self.keys[layer], self.values[layer]]
+        mx.eval(kept)
+        self.offsets = offsets
         self.rows = rows
 
 

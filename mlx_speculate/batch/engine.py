@@ -53,7 +53,10 @@ from .cache import BatchHybridCache, BatchKVCache
 from .prefill import PrefillGroup
 from .step import forward
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch rows: a batch grows and shrinks by these
+
+def rows_bucket(n: int, most: int) -> int:
+    """Batch rows for `n` sequences: a batch grows and shrinks by powers of two, up to `most`."""
+    return min(most, 1 << (max(1, n) - 1).bit_length())
 
 
 def batch_cache(model: CausalLM, rows: int) -> BatchKVCache:
@@ -446,7 +449,7 @@ class BatchEngine:
 
     def _fit_rows(self) -> None:
         """The cache's rows: the smallest bucket that holds the running sequences."""
-        need = next(b for b in BUCKETS if b >= max(1, len(self._running)))
+        need = rows_bucket(len(self._running), self.max_batch)
         if need != self.cache.rows:
             self.cache.resize(need)
 

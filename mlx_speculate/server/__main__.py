@@ -86,7 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
         "in front, to hide them)",
     )
     parser.add_argument(
-        "--max-queue", type=cli.positive_int, default=16, help="requests waiting at most (then 429)"
+        "--max-queue",
+        type=cli.positive_int,
+        default=None,
+        metavar="N",
+        help="requests waiting at most beyond those decoding, then 429 (default: --max-batch, "
+        "at least 16)",
     )
     parser.add_argument(
         "--max-batch",

@@ -75,6 +75,24 @@ def create_app(
         status = "failed" if worker.load_error else "loading"
         return JSONResponse({"status": status, "error": worker.load_error}, status_code=503)
 
+    @app.get("/debug/state")
+    async def debug_state() -> dict:
+        """What the generation thread holds (after its last step): a self-check that an idle
+        server holds no sequence, no cache row beyond one empty one, and bounded sessions."""
+        state = worker.state
+        return {
+            "decoding": state.decoding,
+            "waiting": worker.waiting,
+            "batch_cache_rows": state.cache_rows,
+            "batch_cache_slots": state.cache_slots,
+            "sessions": state.sessions,
+            "busy_sessions": state.busy_sessions,
+            "active_memory_bytes": state.active_memory,
+            "max_batch": worker.max_batch,
+            "max_queue": worker.max_queue,
+            "max_sessions": None if worker.pool is None else worker.pool.max_sessions,
+        }
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -76,7 +76,19 @@ class Metrics:
             registry=registry,
         )
         self.queue_depth = Gauge(
-            f"{PREFIX}_queue_depth", "Requests waiting for the generation thread", registry=registry
+            f"{PREFIX}_queue_depth",
+            "Requests accepted and not decoding yet (queued, or prefilling)",
+            registry=registry,
+        )
+        self.cache_rows = Gauge(
+            f"{PREFIX}_batch_cache_rows",
+            "Rows of the batch's KV cache (a power of two holding the requests decoding)",
+            registry=registry,
+        )
+        self.sessions = Gauge(
+            f"{PREFIX}_sessions",
+            "Sessions (a KV cache each) kept: idle ones up to --prompt-cache-size, and busy ones",
+            registry=registry,
         )
 
     def generation_done(self, usage: Usage) -> None:

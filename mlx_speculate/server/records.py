@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from ..generation import SpeculativeStats
@@ -79,12 +79,15 @@ class Job:
     """One request's generation as the event loop sees it: the events come in order, from
     the worker thread, through an asyncio queue of the loop that submitted it."""
 
-    def __init__(self, request: Generation):
+    def __init__(self, request: Generation, ended: Callable[[], None] = lambda: None):
+        """`ended` is called once, on the worker thread, as the job's last event is emitted
+        (the worker counts the requests it holds by it)."""
         self.request = request
         self.submitted = time.perf_counter()
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue[Event] = asyncio.Queue()
         self._cancelled = threading.Event()
+        self._ended: Callable[[], None] | None = ended
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -94,7 +97,11 @@ class Job:
         return self._cancelled.is_set()
 
     def emit(self, event: Event) -> None:
-        """From the worker thread. A loop already closed (shutdown) has nobody to tell."""
+        """From the worker thread. A loop already closed (shutdown) has nobody to tell. The
+        last event calls `ended` first: a client that read it finds its place free."""
+        if not isinstance(event, Delta) and self._ended is not None:
+            ended, self._ended = self._ended, None
+            ended()
         try:
             self._loop.call_soon_threadsafe(self._events.put_nowait, event)
         except RuntimeError:

@@ -6,10 +6,11 @@ longest prefix with the prompt, when that prefix covers at least half of the pro
 last served: the request continues that conversation (turn 2 of a chat prefills only what turn
 1 did not) or redoes its last turn. A request that only shares, say, a system prompt takes a
 fresh session while there is room, so that two conversations served in turn keep their caches.
-At most `max_sessions` idle sessions are kept; past that the least recently used one is
-dropped. A session serves one generation at a time: while the batch engine runs several, each
-has its own (`acquire` skips busy ones), so the memory held is at most max(`max_sessions`,
-generations running) full contexts (plus a draft model's).
+At most `max_sessions` idle sessions are kept; past that the least recently used ones are
+dropped (when a generation ends, `release`). A session serves one generation at a time: while
+the batch engine runs several, each has its own (`acquire` skips busy ones), so the sessions
+held are at most `max_sessions` idle plus the generations running, each one context (plus a
+draft model's), and back to `max_sessions` once they end.
 
 A session only ever reuses the tokens it verified against the new prompt (`Sequence.prefill`
 truncates everything past the shared prefix), so no request sees another's tokens.
@@ -129,8 +130,17 @@ class SessionPool:
             self.policy(method)
 
     def release(self, entry: Entry) -> None:
-        """`entry`'s generation ended: another may take its session (and its cached context)."""
+        """`entry`'s generation ended: another may take its session (and its cached context);
+        past `max_sessions` idle ones, the least recently used are dropped."""
         entry.busy = False
+        idle = [e for e in self._entries if not e.busy]
+        for dropped in idle[: len(idle) - self.max_sessions]:
+            self._entries.remove(dropped)
+
+    @property
+    def busy(self) -> int:
+        """Sessions serving a generation now."""
+        return sum(e.busy for e in self._entries)
 
     def discard(self, entry: Entry) -> None:
         """Drops a session whose state can no longer be trusted (its generation failed)."""

@@ -9,6 +9,14 @@ MLX streams belong to the thread that made them (on Metal, an array built on one
 be evaluated on another), so loading and decoding share this one thread, and what crosses to
 the event loop is plain Python: text, token ids, floats.
 
+Admission: up to `max_batch` requests decode (one when requests run one at a time) and up to
+`max_queue` more wait (queued, or prefilling and waiting for a row); past that `submit` refuses.
+A job counts from `submit` until its last event, so a burst the batch can take is taken, however
+fast it arrives.
+
+What the thread holds is published after every step (`WorkerState`: sequences decoding, the
+batch cache's rows and slots, the sessions kept), for /metrics and GET /debug/state.
+
 A job is cancelled (its client went away) by a flag the thread reads after every token (every
 batch step) and between prefill chunks, so a cancelled generation stops within one decoding
 step or one prefill chunk; a cancelled job still waiting is skipped.
@@ -43,10 +51,25 @@ from .sessions import Entry, SessionPool
 
 log = logging.getLogger("mlx_speculate.server")
 GRAMMAR = "grammar_error"  # the error code of a grammar that could not go on
+MIN_QUEUE = 16  # requests that may wait by default, however small the batch
 
 
 class QueueFull(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    """What the generation thread holds, as of its last step (plain Python, read by the event
+    loop): sequences decoding (in the batch, or the one served alone), the rows and slots per
+    row of the batch's KV cache, the sessions kept (idle and busy) and MLX's active memory."""
+
+    decoding: int = 0
+    cache_rows: int = 0
+    cache_slots: int = 0
+    sessions: int = 0
+    busy_sessions: int = 0
+    active_memory: int = 0
 
 
 class NotReady(Exception):
@@ -54,26 +77,34 @@ class NotReady(Exception):
 
 
 class Worker:
-    """The generation thread and its bounded FIFO queue. `load` builds the session pool (the
-    model and its drafters) on the thread itself; until it has, `pool` is None. `fatal` says
-    why a sharded server can serve no more (a rank was lost)."""
+    """The generation thread and its FIFO queue (bounded by admission, see the module's
+    docstring; `max_queue` None: `max_batch`, so that a whole batch's worth may wait, and at
+    least `MIN_QUEUE`). `load`
+    builds the session pool (the model and its drafters) on the thread itself; until it has,
+    `pool` is None. `fatal` says why a sharded server can serve no more (a rank was lost)."""
 
     def __init__(
         self,
         load: Callable[[], SessionPool],
         metrics: Metrics,
-        max_queue: int = 16,
+        max_queue: int | None = None,
         lockstep: Lockstep | Solo | None = None,
         max_batch: int = 32,
     ):
-        if max_queue < 1:
-            raise ValueError(f"the queue must hold at least 1 request, got {max_queue}")
         if max_batch < 1:
             raise ValueError(f"a batch holds at least 1 request, got {max_batch}")
+        max_queue = max(max_batch, MIN_QUEUE) if max_queue is None else max_queue
+        if max_queue < 1:
+            raise ValueError(f"the queue must hold at least 1 request, got {max_queue}")
         self.max_batch = max_batch
+        self.max_queue = max_queue
         self._load = load
         self._metrics = metrics
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._held = 0  # jobs submitted whose last event is not out yet
+        self._decoding_at_most = max_batch  # 1 once loaded, if requests run one at a time
+        self._admission = threading.Lock()
+        self.state = WorkerState()
         self._thread = threading.Thread(target=self._run, name="mlx-generation", daemon=True)
         self.pool: SessionPool | None = None
         self.load_error: str | None = None
@@ -81,7 +112,15 @@ class Worker:
         self.fatal: str | None = None
         self._lockstep = lockstep or Solo()
         self._running: list[Job] = []
-        metrics.queue_depth.set_function(self._queue.qsize)
+        metrics.queue_depth.set_function(lambda: self.waiting)
+        metrics.batch_size.set_function(lambda: self.state.decoding)
+        metrics.cache_rows.set_function(lambda: self.state.cache_rows)
+        metrics.sessions.set_function(lambda: self.state.sessions)
+
+    @property
+    def waiting(self) -> int:
+        """Requests accepted and not decoding yet (queued, or prefilling)."""
+        return max(0, self._held - self.state.decoding)
 
     def start(self) -> None:
         self._thread.start()
@@ -103,15 +142,33 @@ class Worker:
         self._thread.join(timeout)
 
     def submit(self, request: Generation) -> Job:
-        """Queues a generation; QueueFull when the queue is full, NotReady while loading."""
+        """Queues a generation; QueueFull when the batch and the queue are full (see the
+        module's docstring), NotReady while loading."""
         if self.pool is None or self.fatal is not None:
             raise NotReady(self.fatal or self.load_error or "the model is still loading")
-        job = Job(request)
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
+        with self._admission:
+            if self._held >= self._decoding_at_most + self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests are already waiting")
+            self._held += 1
+        job = Job(request, ended=self._ended)
+        self._queue.put_nowait(job)
         return job
+
+    def _ended(self) -> None:
+        with self._admission:
+            self._held -= 1
+
+    def _publish(self, engine: BatchEngine | None = None, decoding: int = 0) -> None:
+        """Publishes what the thread holds now (`WorkerState`)."""
+        pool = self.pool
+        self.state = WorkerState(
+            decoding=decoding if engine is None else engine.size,
+            cache_rows=0 if engine is None else engine.cache.rows,
+            cache_slots=0 if engine is None else engine.cache.capacity,
+            sessions=0 if pool is None else len(pool),
+            busy_sessions=0 if pool is None else pool.busy,
+            active_memory=mx.get_active_memory(),
+        )
 
     def follow(self) -> None:
         """A follower rank's loop, on its main thread: loads its part of the model, then runs
@@ -140,7 +197,11 @@ class Worker:
                 finally:
                     self.loaded.set()
                     self._lockstep.idle()
-                if self.pool is not None and batched:
+                batched = self.pool is not None and batched
+                if not batched:
+                    self._decoding_at_most = 1
+                self._publish()
+                if batched:
                     self._run_batched()
                 else:
                     while (job := self._take()) is not None:
@@ -168,6 +229,7 @@ class Worker:
 
     def _serve(self, job: Job | Mirror) -> None:
         self._running = [job]
+        self._publish(decoding=1)
         try:
             self._generate(job)
         except GrammarError as e:  # the request's grammar, not a bug: no traceback
@@ -182,6 +244,7 @@ class Worker:
             self._running = []
             self._lockstep.idle()
             clear_cache()  # the request's buffers go back, as mlx-lm's server does
+            self._publish()
 
     def _generate(self, job: Job | Mirror) -> None:
         request, pool, metrics = job.request, self.pool, self._metrics
@@ -300,7 +363,6 @@ class Worker:
                     job.emit(Finished("cancelled", None))
                     continue
                 self._admit(engine, job, served)
-            self._metrics.batch_size.set(engine.size)
             try:
                 touched = engine.step()
             except Exception as e:  # the batch's forward, not one request's: all of them fail
@@ -311,6 +373,7 @@ class Worker:
                 self._running = []
                 engine = BatchEngine(self.pool.model, self.max_batch)
                 clear_cache()
+                self._publish(engine)
                 continue
             if engine.last_rows:
                 self._metrics.rows_per_forward.observe(engine.last_rows)
@@ -323,6 +386,7 @@ class Worker:
                     self._end(state, engine_failed=None)
             if engine.idle:
                 clear_cache()  # the requests' buffers go back, as mlx-lm's server does
+            self._publish(engine)
 
     def _admit(self, engine: BatchEngine, job: Job, served: dict[int, _Served]) -> None:
         """Starts `job` in the engine (a one-line error when its request cannot run)."""
