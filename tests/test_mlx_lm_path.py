@@ -29,6 +29,7 @@ from mlx_speculate.loading import load
 from mlx_speculate.models import MODEL_TYPES
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
+from mlx_speculate.sequence import Sequence
 
 from .families import PROMPT, REPEATING, check_sampled_marginal, save_hf
 from .helpers import TINY, assert_clear_argmax, decode, greedy_reference, tiny_model
@@ -181,10 +182,10 @@ def test_replaying_caches_roll_back_exactly_after_rejections(models, model_type)
     out = model(tokens[:, :3], cache).logits[0]
     assert mx.allclose(out, expected[:3], atol=1e-5, rtol=1e-4)
 
-    decoder = Decoder(model, DraftModelDrafter(tiny_model("llama", seed=11), VOCAB))
+    decoder = Decoder(Sequence(model, DraftModelDrafter(tiny_model("llama", seed=11), VOCAB)))
     for prompt in (REPEATING, REPEATING + [40, 41]):
         reference = greedy_reference(model, prompt, 16)
-        decoder.prefill(prompt)
+        decoder.sequence.prefill(prompt)
         steps = []
         for step in decoder.steps(SamplingParams(), FixedPolicy(4)):
             steps.append(step)
