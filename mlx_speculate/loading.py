@@ -25,7 +25,6 @@ import mlx.core as mx
 from .checkpoint import evaluate, load_into, read_weights
 from .models import MODEL_TYPES, config_checks, quantized_prefill
 from .models.base import CausalLM, Origin
-from .models.mlx_lm_model import load_mlx_lm, mlx_lm_class
 from .parallel.ranks import check_same_model, model_digest
 from .parallel.sharding import Split
 
@@ -114,6 +113,9 @@ def implementation(config: dict[str, Any]) -> str:
     model_type = config.get("model_type")
     if isinstance(model_type, str) and model_type in MODEL_TYPES:
         return "native"
+    # mlx-lm's package imports transformers (and torch): only for a type not native here.
+    from .models.mlx_lm_model import mlx_lm_class
+
     if isinstance(model_type, str) and mlx_lm_class(config) is not None:
         return "mlx-lm"
     raise ValueError(
@@ -174,6 +176,8 @@ def load_model(
                 f"{config['model_type']} runs through mlx-lm's module, which this package "
                 "does not split across machines"
             )
+        from .models.mlx_lm_model import load_mlx_lm
+
         model = load_mlx_lm(path, config, dtype)
         model.origin = Origin(path, tokenizer)
         return model, config

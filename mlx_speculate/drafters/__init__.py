@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..models import needs_native
 from ..models.base import CausalLM
-from ..models.mlx_lm_cache import needs_native
 from .assistant import AssistantSpec
 from .base import MAX_DRAFT, METHODS, Draft, Drafter, DrafterSpec, TargetFeatures
 from .dflash import DFlashSpec

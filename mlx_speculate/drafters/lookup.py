@@ -11,8 +11,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..cli import positive_int
+from ..models import needs_native
 from ..models.base import CausalLM
-from ..models.mlx_lm_cache import needs_native
 from ..sampling import SamplingParams
 from ..tree import Tree
 from .base import MAX_DRAFT, Draft, Drafter, DrafterSpec, TargetFeatures

@@ -41,3 +41,14 @@ MODEL_TYPES = {
     "qwen3_5_moe_text": qwen3_5_moe,
     "qwen3_5_moe": qwen3_5_moe,
 }
+
+
+def needs_native(what: str, model_type: str) -> str:
+    """The one-line refusal of a tree or a head method (`what`) on a model that runs through
+    mlx-lm, naming the types this package implements."""
+    return (
+        f"{what} needs a model type this package implements ({', '.join(MODEL_TYPES)}); "
+        f"{model_type} runs through mlx-lm's module, which verifies chains from the target's "
+        "logits only: use a draft model (--draft-model) or prompt lookup (--prompt-lookup, "
+        "--lookup-branches 1)"
+    )

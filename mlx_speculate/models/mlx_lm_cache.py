@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import cache as mlx_lm_cache
 
 from ..cache import KVCache
-from . import MODEL_TYPES
+from . import needs_native
 
 # Caches whose `trim` drops the last slots exactly, whatever they hold.
 TRIMMING = (mlx_lm_cache.KVCache, mlx_lm_cache.QuantizedKVCache, mlx_lm_cache.ConcatenateKVCache)
@@ -168,14 +168,3 @@ class MlxLmCache(KVCache):
 
     def set_arrays(self, arrays: Sequence) -> None:
         pass  # the view wrote into the shared state
-
-
-def needs_native(what: str, model_type: str) -> str:
-    """The one-line refusal of a tree or a head method (`what`) on a model that runs through
-    mlx-lm, naming the types this package implements."""
-    return (
-        f"{what} needs a model type this package implements ({', '.join(MODEL_TYPES)}); "
-        f"{model_type} runs through mlx-lm's module, which verifies chains from the target's "
-        "logits only: use a draft model (--draft-model) or prompt lookup (--prompt-lookup, "
-        "--lookup-branches 1)"
-    )

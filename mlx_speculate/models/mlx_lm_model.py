@@ -6,7 +6,7 @@ An mlx-lm module returns logits and masks causally from its caches' offsets, so 
 verifies chains (contiguous positions, mlx_lm_cache.py rolls its caches back) and hands the
 drafters no features: trees and the head methods (Medusa, EAGLE, DFlash, MTP, assistant) need
 a family of this package (models/__init__.py), and say so in one line
-(`mlx_lm_cache.needs_native`).
+(`models.needs_native`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
+from . import needs_native
 from .base import CausalLM, ModelOutput
-from .mlx_lm_cache import MlxLmCache, MlxLmState, needs_native, trims
+from .mlx_lm_cache import MlxLmCache, MlxLmState, trims
 
 # A context for configs that name none (state-space models have no position limit).
 DEFAULT_CONTEXT = 32768
