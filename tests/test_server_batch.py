@@ -14,10 +14,9 @@ import pytest
 
 from mlx_speculate.drafters import DraftModelSpec
 
-from .helpers import SHARED, require
+from .helpers import MODELS
 from .serving import load_cached, serve
 
-BESIDE = "it ships beside the development checkout, not in the repository"
 METHODS = ["none", "prompt_lookup", "draft_model"]
 OPENINGS = [
     "Once upon a time, there was a little girl named Lily.",
@@ -33,12 +32,12 @@ OPENINGS = [
 
 @pytest.fixture(scope="module")
 def stories():
-    return load_cached(require(SHARED / "models" / "stories260K-llama", BESIDE))
+    return load_cached(MODELS / "stories260K-llama")
 
 
 @pytest.fixture(scope="module")
 def server(stories):
-    draft, draft_tokenizer = load_cached(require(SHARED / "models" / "llama2xs281K-llama", BESIDE))
+    draft, draft_tokenizer = load_cached(MODELS / "llama2xs281K-llama")
     spec = DraftModelSpec(model=draft, tokenizer=draft_tokenizer)
     with serve(*stories, spec, max_batch=8, max_queue=32) as running:
         yield running
