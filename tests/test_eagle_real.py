@@ -28,6 +28,12 @@ SAMPLE = (0, 1, 5)  # the three shortest answers
 HEADS = {"eagle1": "smollm2-eagle1", "eagle3": "smollm2-eagle3"}
 
 
+@pytest.fixture(scope="session", autouse=True)  # session: before the session's smollm2_file
+def _heads_present() -> None:
+    """Every test here needs the heads: without them, skip before fetching or converting SmolLM2."""
+    require(EAGLE_HEADS, BESIDE)
+
+
 @pytest.fixture(scope="module")
 def official() -> dict:
     return json.loads((DATA / "eagle" / "official-dev.json").read_text())["runs"]
