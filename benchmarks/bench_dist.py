@@ -31,14 +31,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CACHE, SHARED, add_blas_argument, header, median, setup_blas  # noqa: E402
+from common import CACHE, MODELS, add_blas_argument, header, median, setup_blas  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 K = 4
 MODELS = {
     "stories": {
-        "target": SHARED / "models" / "stories260K-llama",
-        "draft": SHARED / "models" / "llama2xs281K-llama",
+        "target": MODELS / "stories260K-llama",
+        "draft": MODELS / "llama2xs281K-llama",
         "prompt": "Once upon a time, there was a little girl named Lily. She",
         "tokens": 128,
         "steps": 50,

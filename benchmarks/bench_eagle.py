@@ -1,5 +1,5 @@
 """EAGLE on SmolLM2-135M-Instruct (float32) next to plain decoding, prompt lookup and mlx_lm's
-plain decoding, in one run, on the held-out prompts of ../shared/eagle/official-dev.json.
+plain decoding, in one run, on the held-out prompts of tests/data/eagle/official-dev.json.
 
     python benchmarks/bench_eagle.py [--openblas] [--prompts 10] [--runs 2] [--heads eagle1,eagle3]
         [--dflash DRAFTER [--dflash-trees chain7 top4,24]]
@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CACHE, SHARED, add_blas_argument, header, median, setup_blas  # noqa: E402
+from common import CACHE, DATA, SHARED, add_blas_argument, header, median, setup_blas  # noqa: E402
 
 EAGLE = SHARED / "eagle"
 HEADS = {"eagle1": "smollm2-eagle1", "eagle3": "smollm2-eagle3"}
@@ -80,7 +80,7 @@ def main(argv=None) -> None:
     from mlx_speculate.policy.adaptive import FixedPolicy
     from mlx_speculate.policy.measure import default_policy
 
-    official = json.loads((EAGLE / "official-dev.json").read_text())["runs"]
+    official = json.loads((DATA / "eagle" / "official-dev.json").read_text())["runs"]
     entries = official["eagle1-dynamic-tree"]["prompts"][: args.prompts]
     prompts = [e["prompt_ids"] for e in entries]
     folder = smollm2_folder()

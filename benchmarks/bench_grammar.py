@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CACHE, SHARED, add_blas_argument, header, median, setup_blas  # noqa: E402
+from common import CACHE, MODELS, add_blas_argument, header, median, setup_blas  # noqa: E402
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "tests" / "json_schemas.json"
 STORY = "Lily and Tom went to the park."
@@ -33,8 +33,8 @@ def models(name: str):
     from mlx_speculate.loading import load
 
     if name == "stories":
-        target, tokenizer = load(SHARED / "models" / "stories260K-llama")
-        draft, _ = load(SHARED / "models" / "llama2xs281K-llama")
+        target, tokenizer = load(MODELS / "stories260K-llama")
+        draft, _ = load(MODELS / "llama2xs281K-llama")
         return target, tokenizer, draft, lambda schema: tokenizer.encode(STORY)
     if name == "smollm2":
         folder = CACHE / "smollm2-f32-mlx"  # bench_server's float32 conversion

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import SHARED, add_blas_argument, header, median, setup_blas  # noqa: E402
+from common import MODELS, add_blas_argument, header, median, setup_blas  # noqa: E402
 
 PROMPTS = (
     "Once upon a time",
@@ -59,11 +59,8 @@ def main(argv=None) -> None:
     from mlx_speculate.train.loop import TrainConfig
     from mlx_speculate.train.recipe import Recipe, train_head
 
-    models = SHARED / "models"
-    if not (models / "stories260K-llama").exists():
-        raise SystemExit(f"{models} not found: the stories models come from ../shared")
-    target, tokenizer = load(models / "stories260K-llama")
-    draft, draft_tokenizer = load(models / "llama2xs281K-llama")
+    target, tokenizer = load(MODELS / "stories260K-llama")
+    draft, draft_tokenizer = load(MODELS / "llama2xs281K-llama")
 
     recipe = Recipe("medusa", self_samples=args.samples, max_tokens=128, medusa_heads=args.heads,
                     train=TrainConfig(epochs=args.epochs, learning_rate=1e-2, warmup=10,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import SHARED, add_blas_argument, header, setup_blas  # noqa: E402
+from common import MODELS, add_blas_argument, header, setup_blas  # noqa: E402
 
 K = 4
 
@@ -36,8 +36,8 @@ def main(argv=None) -> None:
 
     from mlx_speculate import load, stream_generate
 
-    folder = SHARED / "models" / "stories260K-llama"
-    draft_folder = SHARED / "models" / "llama2xs281K-llama"
+    folder = MODELS / "stories260K-llama"
+    draft_folder = MODELS / "llama2xs281K-llama"
     model, tokenizer = load(folder)
     draft, draft_tokenizer = load(draft_folder)
     theirs, their_tokenizer = mlx_lm.load(str(folder))

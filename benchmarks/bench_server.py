@@ -10,7 +10,7 @@ conversation, so no turn 1 finds another's cache. Rows run in turn within a run,
 at a time, every server on 127.0.0.1.
 
 Setups:
-  stories   stories260K + llama2xs281K draft (../shared). Ours serves plain decoding, prompt
+  stories   stories260K + llama2xs281K draft (tests/data). Ours serves plain decoding, prompt
             lookup and the draft model from one process (the `speculative` request field);
             mlx_lm.server runs plain and with --draft-model (it has no prompt lookup).
   smollm2   SmolLM2-135M-Instruct (f32, converted from the cached GGUF) through the chat
@@ -30,7 +30,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CACHE, SHARED, add_blas_argument, median  # noqa: E402
+from common import CACHE, MODELS, add_blas_argument, median  # noqa: E402
 from servers import Server, ours, server_env, started, theirs  # noqa: E402
 
 from mlx_speculate.default_model import gguf_path  # noqa: E402
@@ -167,8 +167,8 @@ def run_setup(
 
 
 def bench_stories(env: dict[str, str], runs: int, max_tokens: int) -> None:
-    target = SHARED / "models" / "stories260K-llama"
-    draft = SHARED / "models" / "llama2xs281K-llama"
+    target = MODELS / "stories260K-llama"
+    draft = MODELS / "llama2xs281K-llama"
     commands = {
         "ours": (ours(target, "--draft-model", str(draft)), target.name),
         "mlx_lm": (theirs(target), str(target)),

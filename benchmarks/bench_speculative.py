@@ -3,7 +3,7 @@
     python benchmarks/bench_speculative.py [--openblas] [--pairs stories,self,random05b,lookup]
 
 Pairs:
-  stories     stories260K target + llama2xs281K draft (real TinyStories models, ../shared)
+  stories     stories260K target + llama2xs281K draft (real TinyStories models, tests/data)
   self        stories260K as its own draft: acceptance ~1, measures the loop's own overhead
   random05b   random Qwen2.5-0.5B-shaped float32 target + a small random draft: a useless
               draft, where the adaptive policy should keep plain-decoding speed
@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
     CACHE,
+    MODELS,
     QWEN25_05B,
-    SHARED,
     add_blas_argument,
     header,
     median,
@@ -77,9 +77,9 @@ def mlx_lm_sampler(temp: float):
 
 def methods(pair: str, k: int):
     """(label, library, model folder, kwargs) per method of a pair."""
-    stories = SHARED / "models" / "stories260K-llama"
+    stories = MODELS / "stories260K-llama"
     if pair in ("stories", "self"):
-        draft = stories if pair == "self" else SHARED / "models" / "llama2xs281K-llama"
+        draft = stories if pair == "self" else MODELS / "llama2xs281K-llama"
         return stories, draft, STORY_PROMPT
     if pair == "random05b":
         target = write_random_model(CACHE / "qwen05b-random-f32", QWEN25_05B)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import SHARED, add_blas_argument, header, setup_blas  # noqa: E402
+from common import DATA, MODELS, SHARED, add_blas_argument, header, setup_blas  # noqa: E402
 
 
 class Probe:
@@ -106,8 +106,8 @@ def methods(target: str):
     from mlx_speculate.policy.adaptive import FixedPolicy
 
     if target == "stories":
-        folder = SHARED / "models" / "stories260K-llama"
-        draft_folder = SHARED / "models" / "llama2xs281K-llama"
+        folder = MODELS / "stories260K-llama"
+        draft_folder = MODELS / "llama2xs281K-llama"
         model, tokenizer = load(folder)
         draft, draft_tokenizer = load(draft_folder)
         prompt = tokenizer.encode("Once upon a time, there was a little girl named Lily. She")
@@ -119,7 +119,7 @@ def methods(target: str):
 
         folder, draft_folder = smollm2_folder(), None
         model, tokenizer = load(folder)
-        official = json.loads((SHARED / "eagle" / "official-dev.json").read_text())["runs"]
+        official = json.loads((DATA / "eagle" / "official-dev.json").read_text())["runs"]
         prompt = official["eagle1-dynamic-tree"]["prompts"][0]["prompt_ids"]
         heads = EagleSpec(heads=SHARED / "eagle" / "smollm2-eagle1").resolve(model).heads
         rows = {

@@ -4,10 +4,10 @@ tau (tokens per verify forward) and tokens/s of the trained head against plain d
     # SmolLM2 EAGLE-1 from the 450 shared training prompts, tau on official-dev's prompts:
     python benchmarks/bench_train.py eagle1 --openblas
     # stories260K EAGLE-3 from its own samples, tau on story openings, a chain and trees:
-    python benchmarks/bench_train.py eagle3 --model ../shared/models/stories260K-llama \
+    python benchmarks/bench_train.py eagle3 --model tests/data/models/stories260K-llama \
         --self-samples 400 --max-tokens 256 --trees chain4 8,4,2 60,7,10 --eval-tokens 256
     # stories260K DFlash (block 8, one layer) from 600 of its own samples, chains and trees:
-    python benchmarks/bench_train.py dflash --model ../shared/models/stories260K-llama \
+    python benchmarks/bench_train.py dflash --model tests/data/models/stories260K-llama \
         --self-samples 600 --max-tokens 256 --batch-tokens 1024 --lr 3e-3 \
         --trees chain7 chain5 top2,12 --eval-tokens 256 --runs 3
 
@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CACHE, SHARED, add_blas_argument, header, median, setup_blas  # noqa: E402
+from common import CACHE, DATA, add_blas_argument, header, median, setup_blas  # noqa: E402
 
 
 def measure(model, tokenizer, prompts, max_tokens: int, **kwargs) -> tuple[float, float, list]:
@@ -84,7 +84,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=("eagle1", "eagle3", "medusa", "dflash"))
     parser.add_argument("--model", help="default: SmolLM2-135M-Instruct float32")
-    parser.add_argument("--prompts", default=str(SHARED / "eagle" / "prompts-train.json"))
+    parser.add_argument("--prompts", default=str(DATA / "eagle" / "prompts-train.json"))
     parser.add_argument("--self-samples", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=200)
     parser.add_argument("--epochs", type=int, default=10)
@@ -157,7 +157,7 @@ def main(argv=None) -> None:
     if args.self_samples:
         prompts = [tokenizer.encode(text) for text in STORY_OPENINGS][: args.eval_prompts]
     else:
-        official = json.loads((SHARED / "eagle" / "official-dev.json").read_text())["runs"]
+        official = json.loads((DATA / "eagle" / "official-dev.json").read_text())["runs"]
         entries = official["eagle1-dynamic-tree"]["prompts"][: args.eval_prompts]
         prompts = [e["prompt_ids"] for e in entries]
     rows = {"plain": {}}

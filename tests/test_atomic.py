@@ -15,7 +15,6 @@ import pytest
 
 from mlx_speculate import atomic
 
-from .helpers import SMOLLM2_GGUF, require
 from .test_convert import save_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +67,7 @@ def two_writers(src: Path, dst: Path, barrier: Path, *flags: str) -> dict[str, t
 def source(request, tmp_path) -> tuple[Path, tuple[str, ...]]:
     """A source and its flags: the GGUF keeps its 4-bit tensors (-q), a small folder to write."""
     if request.param == "gguf":
-        return require(SMOLLM2_GGUF, "bash benchmarks/fetch_smollm2.sh fetches it"), ("-q",)
+        return request.getfixturevalue("smollm2_file"), ("-q",)
     return save_hf_model(tmp_path / "hf"), ()
 
 

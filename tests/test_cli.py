@@ -19,7 +19,7 @@ from mlx_speculate import default_model
 from mlx_speculate.atomic import MARKER
 from mlx_speculate.generate import main
 
-from .helpers import SMOLLM2_GGUF, random_weights, require, tiny_config
+from .helpers import random_weights, tiny_config
 from .test_loading import write_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,11 +135,10 @@ def readme_first_command() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def first_runs(tmp_path_factory):
+def first_runs(tmp_path_factory, smollm2_file):
     """The README's first command, twice, on an empty cache, torch unimportable: the cold run
     converts the GGUF (from $MLX_SPECULATE_SMOLLM2_GGUF, no download), the warm one reuses it.
     A dead writer's half-written folder sits in the cache beforehand."""
-    gguf = require(SMOLLM2_GGUF, "bash benchmarks/fetch_smollm2.sh fetches it")
     tmp = tmp_path_factory.mktemp("first-run")
     cache = tmp / "cache"
     cache.mkdir()
@@ -152,7 +151,7 @@ def first_runs(tmp_path_factory):
     env = {
         **without_torch(tmp),
         "MLX_SPECULATE_CACHE": str(cache),
-        "MLX_SPECULATE_SMOLLM2_GGUF": str(gguf),
+        "MLX_SPECULATE_SMOLLM2_GGUF": str(smollm2_file),
     }
     probe = subprocess.run(
         [sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True

@@ -18,11 +18,11 @@ from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.train.__main__ import main as train_main
 from mlx_speculate.train.__main__ import parser as train_parser
 
-from .helpers import SHARED, SMOLLM2_GGUF, require, tiny_model
+from .helpers import MODELS, tiny_model
 from .markov import StubTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-STORIES = SHARED / "models" / "stories260K-llama"
+STORIES = MODELS / "stories260K-llama"
 CLIS = ("generate", "convert", "calibrate", "train", "server")
 
 
@@ -101,10 +101,9 @@ def test_benchmarks_keep_their_files_where_mlx_speculate_cache_says(tmp_path):
     assert done.stdout.strip() == str(tmp_path / "bench")
 
 
-def test_convert_knows_a_gguf_by_its_magic_whatever_its_name(tmp_path):
-    gguf = require(SMOLLM2_GGUF, "bash benchmarks/fetch_smollm2.sh fetches it")
+def test_convert_knows_a_gguf_by_its_magic_whatever_its_name(tmp_path, smollm2_file):
     nameless = tmp_path / "smollm2-q4"
-    nameless.symlink_to(gguf)
+    nameless.symlink_to(smollm2_file)
     done = cli("convert", "--hf-path", str(nameless), "--mlx-path", str(tmp_path / "out"), "-q")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1].startswith(f"wrote {tmp_path / 'out'} (4-bit")
@@ -116,7 +115,7 @@ def test_convert_knows_a_gguf_by_its_magic_whatever_its_name(tmp_path):
 @pytest.mark.parametrize("flags", [["--q-bits", "8"], ["--q-group-size", "32"],
                                    ["--q-bits", "8", "--q-group-size", "32"]])  # fmt: skip
 def test_convert_quantization_settings_need_q(tmp_path, flags):
-    src = require(STORIES, "it ships beside the development checkout")
+    src = STORIES
     line = only_line(cli("convert", "--hf-path", str(src), "--mlx-path", str(tmp_path / "o"),
                          *flags))  # fmt: skip
     need = "needs" if len(flags) == 2 else "need"
@@ -125,7 +124,7 @@ def test_convert_quantization_settings_need_q(tmp_path, flags):
 
 
 def test_a_draft_vocabulary_larger_than_the_target_s_is_an_error(tmp_path, capsys):
-    src = require(STORIES, "it ships beside the development checkout")
+    src = STORIES
     out = tmp_path / "head"
     code = train_main(["eagle3", "--model", str(src), "--self-samples", "2", "--out", str(out),
                        "--draft-vocab", "100000", "--quiet"])  # fmt: skip
@@ -154,7 +153,7 @@ def test_a_draft_vocabulary_larger_than_the_target_s_is_an_error(tmp_path, capsy
 
 
 def test_file_system_errors_are_sentences_naming_the_path(tmp_path):
-    src = require(STORIES, "it ships beside the development checkout")
+    src = STORIES
     afile = tmp_path / "afile"
     afile.write_text("")
     train = ["medusa", "--model", str(src), "--self-samples", "2", "--quiet"]

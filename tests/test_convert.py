@@ -24,7 +24,7 @@ from mlx_speculate import atomic
 from mlx_speculate.convert import convert, main
 from mlx_speculate.loading import build_model, load, load_tokenizer
 
-from .helpers import SMOLLM2_GGUF, greedy_reference, random_weights, require, tiny_config
+from .helpers import MODELS, greedy_reference, random_weights, tiny_config
 
 TOKENS = mx.array([[1, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 500, 7, 7, 9, 255, 4, 2, 100, 11]])
 SMALL = {
@@ -46,7 +46,7 @@ ARCHS = ("llama", "qwen2", "phi3")
 
 
 def save_tokenizer(out: Path, size: int = 512) -> None:
-    """A WordLevel tokenizer of `size` words, so these tests need nothing from ../shared."""
+    """A WordLevel tokenizer of `size` words, so these tests need no real model."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -457,12 +457,12 @@ def test_hub_ids_go_through_resolve_path(tmp_path, monkeypatch):
 # -- (7) a real checkpoint -------------------------------------------------------------------
 
 
-def test_stories260k(shared_models, tmp_path):
+def test_stories260k(tmp_path):
     """Float conversion reproduces the float logits bit for bit. Quantized (group 32, as dim is
     64): 8-bit reproduces 60 greedy tokens from BOS exactly; 4-bit stays on the float story for
     a long prefix (measured: 27 of 40 tokens, then "...play outside in the sunshine" instead of
     "...in the park"), so we ask for 20 and for the story's opening sentence."""
-    src = shared_models / "stories260K-llama"
+    src = MODELS / "stories260K-llama"
     reference, tokenizer = load(src)
     float_dst = convert(src, tmp_path / "f32")
     assert mx.array_equal(logits(float_dst, TOKENS), reference(TOKENS).logits).item()
@@ -581,16 +581,12 @@ class SmolLM2:
     q4_float32: Path  # -q --dtype float32
 
 
-def smollm2_path() -> Path:
-    return require(SMOLLM2_GGUF, "fetch it with benchmarks/fetch_smollm2.sh")
-
-
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> SmolLM2:
+def smollm2(tmp_path_factory, smollm2_file) -> SmolLM2:
     """Three conversions of the GGUF."""
     from mlx_speculate.gguf import reader as gguf
 
-    path = smollm2_path()
+    path = smollm2_file
     tmp = tmp_path_factory.mktemp("smollm2")
     float16 = convert(path, tmp / "f16")
     q4 = convert(path, tmp / "q4", quantize=True)
@@ -619,7 +615,7 @@ def chat_greedy(model: nn.Module, prompt: list[int], eos: set[int], n: int = 12)
     return prompt_logits, out
 
 
-def test_gguf_layout(smollm2):
+def test_gguf_layout(smollm2, smollm2_file):
     config = json.loads((smollm2.float16 / "config.json").read_text())
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 100000.0
     assert config["rope_scaling"] is None and config["tie_word_embeddings"] is True
@@ -641,7 +637,7 @@ def test_gguf_layout(smollm2):
     assert all(v.dtype in (mx.uint32, mx.float16) for v in weights.values())
     # As small as the GGUF itself (98.4 MB): float16 scales and biases, as llama.cpp stores them.
     size = sum(f.stat().st_size for f in smollm2.q4.glob("*.safetensors"))
-    assert size < 1.01 * smollm2_path().stat().st_size
+    assert size < 1.01 * smollm2_file.stat().st_size
 
 
 # Relative RMS logit error against the float32 dequantized reference, over the 37-token chat

@@ -21,8 +21,6 @@ import pytest
 from mlx_speculate import default_model
 from mlx_speculate.atomic import MARKER
 
-from .helpers import SMOLLM2_GGUF, require
-
 ROOT = Path(__file__).resolve().parents[1]
 CONTENT = b"GGUF" + bytes(range(256)) * 64
 
@@ -108,15 +106,15 @@ def test_a_dead_fetch_leaves_nothing_that_is_used_and_is_cleaned(cache, monkeypa
     assert [p.name for p in cache.iterdir()] == [default_model.GGUF_NAME]
 
 
-def test_fetch_script_and_ci_use_the_package_code():
+def test_fetch_script_and_ci_use_the_package_code(smollm2_file):
     """benchmarks/fetch_smollm2.sh runs the package's fetch: on the cached file it verifies the
     hash and prints the path, downloading nothing; .ci/run calls the same module."""
-    gguf = require(SMOLLM2_GGUF, "bash benchmarks/fetch_smollm2.sh fetches it")
     env = {**os.environ, "PYTHON": sys.executable}
     result = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "fetch_smollm2.sh"), str(gguf)],
+        ["bash", str(ROOT / "benchmarks" / "fetch_smollm2.sh"), str(smollm2_file)],
         capture_output=True, text=True, env=env, timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == str(gguf.resolve()) and "Downloading" not in result.stderr
+    assert result.stdout.strip() == str(smollm2_file.resolve())
+    assert "Downloading" not in result.stderr
     assert "python -m mlx_speculate.default_model --gguf" in (ROOT / ".ci" / "run").read_text()

@@ -30,6 +30,7 @@ from mlx_speculate.train.objectives import dflash_anchors
 from mlx_speculate.tree import Tree
 
 from .helpers import (
+    MODELS,
     assert_clear_argmax,
     decode,
     greedy_reference,
@@ -546,10 +547,10 @@ def test_bad_drafter_folders_are_refused(tmp_path):
 # The CLI.
 
 
-def test_generate_dflash_prints_its_speculation_line(tmp_path, capsys, shared_models):
+def test_generate_dflash_prints_its_speculation_line(tmp_path, capsys):
     """`generate --dflash DIR` on stories260K with a random drafter: plain greedy's text,
     and the Speculation line."""
-    model, tokenizer = load(shared_models / "stories260K-llama")
+    model, tokenizer = load(MODELS / "stories260K-llama")
     args = model.args
     target = {
         "hidden_size": args.hidden_size, "intermediate_size": 128, "num_attention_heads": 8,
@@ -561,14 +562,14 @@ def test_generate_dflash_prints_its_speculation_line(tmp_path, capsys, shared_mo
     reference = greedy_reference(model, tokenizer.encode(prompt), 30)
     code = main([
         "--ignore-chat-template", "--prompt", prompt, "--model",
-        str(shared_models / "stories260K-llama"), "--dflash", str(folder),
+        str(MODELS / "stories260K-llama"), "--dflash", str(folder),
         "--num-draft-tokens", "3", "-m", "30", "--verbose",
     ])  # fmt: skip
     out, err = capsys.readouterr()
     assert code == 0
     assert out == tokenizer.decode(reference) + "\n"
     assert "Speculation:" in err and "tokens per target forward" in err
-    code = main(["--prompt", "x", "--model", str(shared_models / "stories260K-llama"),
+    code = main(["--prompt", "x", "--model", str(MODELS / "stories260K-llama"),
                  "--dflash", str(tmp_path / "missing")])  # fmt: skip
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err.count("\n") == 1 and "does not exist" in err

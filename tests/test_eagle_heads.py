@@ -18,6 +18,9 @@ from mlx_speculate.heads.eagle_format import build_eagle, load_eagle_heads
 from mlx_speculate.loading import load_model
 
 from .helpers import (
+    BESIDE,
+    EAGLE_HEADS,
+    MODELS,
     TINY,
     eagle_config,
     random_eagle_weights,
@@ -370,8 +373,8 @@ def test_bad_checkpoints_give_one_line_errors(tmp_path, edit, error, message):
     assert "\n" not in str(raised.value)
 
 
-def test_real_eagle3_layouts_give_identical_draft_logits(shared_dir):
-    eagle = require(shared_dir / "eagle", "EAGLE heads beside the development checkout")
+def test_real_eagle3_layouts_give_identical_draft_logits():
+    eagle = require(EAGLE_HEADS, BESIDE)
     native = load_eagle_heads(eagle / "smollm2-eagle3")
     converted = load_eagle_heads(eagle / "smollm2-eagle3-speculators")
     assert native.config.taps is None and converted.config.taps == (2, 15, 27)
@@ -440,12 +443,12 @@ def test_convert_refuses_misfit_heads_and_leaves_nothing(tmp_path):
     assert {p.name for p in tmp_path.iterdir()} == {"hf", "heads"}  # no leftovers
 
 
-def test_cli_eagle_beside_a_converted_model_prints_the_plain_text(shared_models, tmp_path, capsys):
+def test_cli_eagle_beside_a_converted_model_prints_the_plain_text(tmp_path, capsys):
     """convert --eagle-path, then `generate --eagle` (and with a chain) prints plain greedy's
     text; misfit heads are a one-line error."""
     from mlx_speculate.generate import main as generate_main
 
-    folder = shared_models / "stories260K-llama"
+    folder = MODELS / "stories260K-llama"
     config = json.loads((folder / "config.json").read_text())
     heads_config = eagle_config(config, 1)
     heads = tmp_path / "heads"

@@ -1,7 +1,8 @@
-"""EAGLE with the real SmolLM2-135M-Instruct heads in ../shared/eagle against the official
-SafeAILab implementation's results (official-dev.json): the same outputs token for token, and
-the same acceptance, tau = new tokens / verify forwards. Also chains and 4-bit converted heads,
-which the official runs do not cover, against plain greedy decoding.
+"""EAGLE with the real SmolLM2-135M-Instruct heads in ../shared/eagle (skipped without it)
+against the official SafeAILab implementation's results (tests/data/eagle/official-dev.json):
+the same outputs token for token, and the same acceptance, tau = new tokens / verify forwards.
+Also chains and 4-bit converted heads, which the official runs do not cover, against plain
+greedy decoding.
 
 A sample of the prompts runs by default (CI); `-m slow` runs every one of them."""
 
@@ -21,30 +22,34 @@ from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.sequence import Sequence
 
-from .helpers import SHARED, SMOLLM2_GGUF, require
+from .helpers import BESIDE, DATA, EAGLE_HEADS, require
 
 RUNS = ("eagle1-dynamic-tree", "eagle1-static-chain", "eagle3-dynamic-tree")
 SAMPLE = (0, 1, 5)  # the three shortest answers
 HEADS = {"eagle1": "smollm2-eagle1", "eagle3": "smollm2-eagle3"}
 
 
+@pytest.fixture(scope="session", autouse=True)  # session: before the session's smollm2_file
+def _heads_present() -> None:
+    """Every test here needs the heads: without them, skip before fetching or converting SmolLM2."""
+    require(EAGLE_HEADS, BESIDE)
+
+
 @pytest.fixture(scope="module")
 def official() -> dict:
-    path = require(SHARED / "eagle" / "official-dev.json", "it ships beside the checkout")
-    return json.loads(path.read_text())["runs"]
+    return json.loads((DATA / "eagle" / "official-dev.json").read_text())["runs"]
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def smollm2(tmp_path_factory, smollm2_file):
     """The float32 conversion of the SmolLM2 GGUF: the target the official runs used."""
-    gguf = require(SMOLLM2_GGUF, "fetch it with benchmarks/fetch_smollm2.sh")
-    folder = convert(gguf, tmp_path_factory.mktemp("smollm2") / "f32", dtype="float32")
+    folder = convert(smollm2_file, tmp_path_factory.mktemp("smollm2") / "f32", dtype="float32")
     return load(folder)
 
 
 @functools.cache
 def heads_folder(name: str):
-    return require(SHARED / "eagle" / name, "it ships beside the checkout")
+    return require(EAGLE_HEADS / name, BESIDE)
 
 
 def greedy(model, drafter, prompt: list[int], settings: EagleGrowth, n: int):

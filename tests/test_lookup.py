@@ -13,7 +13,7 @@ from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.sequence import Sequence
 from mlx_speculate.tree import Tree
 
-from .helpers import greedy_reference, tiny_model
+from .helpers import MODELS, greedy_reference, tiny_model
 from .test_speculative import PROMPT, TARGET_SEED, TINY_FAMILIES, assert_clear_argmax
 
 load_cached = functools.lru_cache(load)
@@ -112,8 +112,8 @@ def test_greedy_equals_plain(family, k, branches):
     assert accepted > 0  # random models fall into loops, which lookup finds
 
 
-def test_repetitive_prompt_speeds_up_real_model(shared_models):
-    model, tokenizer = load_cached(shared_models / "stories260K-llama")
+def test_repetitive_prompt_speeds_up_real_model():
+    model, tokenizer = load_cached(MODELS / "stories260K-llama")
     text = "Tom had a red ball. Tom had a red ball. Tom had a red ball. Tom had a"
     prompt = tokenizer.encode(text)
     reference = greedy_reference(model, prompt, 64)

@@ -30,19 +30,18 @@ from mlx_speculate.train.recipe import Recipe, train_head
 from mlx_speculate.tree import Tree
 
 from .helpers import (
-    SHARED,
+    MODELS,
     assert_clear_argmax,
     assert_float32_close,
     decode,
     greedy_reference,
     random_weights,
-    require,
     tiny_config,
     tiny_model,
 )
 from .markov import MarkovLM, StubTokenizer, assert_markov, markov_statistic
 
-STORIES = SHARED / "models" / "stories260K-llama"
+STORIES = MODELS / "stories260K-llama"
 GREEDY = SamplingParams()
 FAMILIES = ("llama", "qwen2", "phi3")
 PROMPT = [1, 5, 9, 33, 7, 2, 60]
@@ -236,7 +235,7 @@ def test_stream_generate_rejects_bad_combinations(fitted):
 def stories_with_heads(tmp_path_factory):
     """The real stories260K target, and a folder with heads trained on it here in seconds
     (Medusa-1 layout)."""
-    model, tokenizer = load(require(STORIES, "it ships beside the development checkout"))
+    model, tokenizer = load(STORIES)
     folder = tmp_path_factory.mktemp("stories")
     train_heads(model, folder, samples=32, prefix=16, epochs=10)
     return model, tokenizer, folder / "heads"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 from unittest.mock import ANY
 
@@ -18,7 +17,15 @@ from mlx_speculate.loading import build_model, load, load_model
 from mlx_speculate.models import gemma3
 from mlx_speculate.models.rope import rope_both_forms
 
-from .helpers import TINY, greedy_reference, random_weights, tiny_config, tree_inputs, tree_path
+from .helpers import (
+    MODELS,
+    TINY,
+    greedy_reference,
+    random_weights,
+    tiny_config,
+    tree_inputs,
+    tree_path,
+)
 
 REL, ABS = 1e-5, 1e-4  # float32 against float64 lands near 1e-6 relative
 
@@ -621,21 +628,21 @@ def test_explicit_consecutive_positions_equal_default(model_type, shape):
     assert mx.array_equal(default, explicit)
 
 
-# Real checkpoints from ../shared/models.
+# Real checkpoints from tests/data/models.
 
 FOLDERS = ["stories260K-llama", "stories260K-qwen2", "stories260K-phi3", "llama2xs281K-llama"]
 PROMPTS = ["Once upon a time", "Lily and Tom went to the park. They saw a big dog", "The sun"]
 
 
 @pytest.mark.parametrize("folder", FOLDERS)
-def test_checkpoint_matches_transformers(shared_models, folder):
+def test_checkpoint_matches_transformers(folder):
     """Each real checkpoint gives transformers' float64 logits on a few prompts."""
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    model, tokenizer = load(shared_models / folder)
+    model, tokenizer = load(MODELS / folder)
     ref = AutoModelForCausalLM.from_pretrained(
-        shared_models / folder, dtype=torch.float64, attn_implementation="eager"
+        MODELS / folder, dtype=torch.float64, attn_implementation="eager"
     ).eval()
     for text in PROMPTS:
         tokens = np.array([tokenizer.encode(text)])
@@ -643,26 +650,26 @@ def test_checkpoint_matches_transformers(shared_models, folder):
         assert_close(model(mx.array(tokens)).logits, hf_forward(ref, tokens).logits)
 
 
-def greedy_text_ids(shared_models: Path) -> list[int]:
-    _, tokenizer = load(shared_models / "stories260K-llama")
-    text = (shared_models / "stories260K-llama" / "greedy-from-bos.txt").read_text()
+def greedy_text_ids() -> list[int]:
+    _, tokenizer = load(MODELS / "stories260K-llama")
+    text = (MODELS / "stories260K-llama" / "greedy-from-bos.txt").read_text()
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_stories_layouts_agree(shared_models):
+def test_stories_layouts_agree():
     """The Llama, Qwen2 and Phi-3 layouts of stories260K give the same logits."""
-    tokens = mx.array([[1] + greedy_text_ids(shared_models)[:63]])
+    tokens = mx.array([[1] + greedy_text_ids()[:63]])
     logits = [
-        load_model(shared_models / f"stories260K-{a}")[0](tokens).logits
+        load_model(MODELS / f"stories260K-{a}")[0](tokens).logits
         for a in ("llama", "qwen2", "phi3")
     ]
     for other in logits[1:]:
         assert mx.abs(other - logits[0]).max().item() <= 2e-5
 
 
-def test_stories_greedy_from_bos(shared_models):
+def test_stories_greedy_from_bos():
     """Greedy decoding of stories260K from BOS reproduces the published 256-token story."""
-    model, tokenizer = load(shared_models / "stories260K-llama")
+    model, tokenizer = load(MODELS / "stories260K-llama")
     ids = greedy_reference(model, [1], 256)
-    expected = (shared_models / "stories260K-llama" / "greedy-from-bos.txt").read_text()
+    expected = (MODELS / "stories260K-llama" / "greedy-from-bos.txt").read_text()
     assert tokenizer.decode(ids) + "\n" == expected  # the file ends with a newline

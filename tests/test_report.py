@@ -10,7 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from .helpers import SHARED, require
+from .helpers import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -215,7 +215,7 @@ def test_bad_arguments_are_refused_in_one_line(report, capsys, argv, message):
 def test_an_exact_run_checks_every_token_count(report, monkeypatch):
     """The families set ignores EOS and times decoding alone: every run emits its tokens (here
     stories260K's, 6 of them), and a run that emitted fewer ends the benchmark in one line."""
-    folder = require(SHARED / "models" / "stories260K-llama", "../shared holds the models")
+    folder = MODELS / "stories260K-llama"
     rows = report.measure("stories", folder, report.STORY, {}, 1, 6, exact=True)
     assert [(r.method, r.tokens) for r in rows] == [("plain", (6,)), ("mlx-lm plain", (6,))]
     assert all(r.tokens_per_s[0] > 0 for r in rows)
@@ -227,12 +227,10 @@ def test_an_exact_run_checks_every_token_count(report, monkeypatch):
 def test_family_folders_load_alike_in_both(report, tmp_path):
     """The families set's premise: each tiny folder the converter writes loads here and in
     mlx-lm with the same logits, and its tokenizer has no EOS."""
+    import family_models  # beside report.py, whose import put benchmarks/ on the path
     import mlx_lm
 
     from mlx_speculate import load
-
-    require(SHARED / "models" / "stories260K-llama", "its tokenizer comes from ../shared")
-    import family_models  # beside report.py, whose import put benchmarks/ on the path
 
     seen = set()
     for label, folder, shapes in family_models.family_cases(("tiny",), tmp_path):

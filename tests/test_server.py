@@ -14,10 +14,9 @@ from mlx_speculate.chat import apply_chat_template
 from mlx_speculate.drafters import DraftModelSpec, EagleGrowth, EagleSpec, MedusaSpec
 from mlx_speculate.generation import stream_generate
 
-from .helpers import SHARED, assert_clear_argmax, random_eagle_head, require
+from .helpers import MODELS, assert_clear_argmax, random_eagle_head
 from .serving import load_cached, serve, sse_events
 
-BESIDE = "it ships beside the development checkout, not in the repository"
 CHAT = [
     {"role": "system", "content": "Lily and Tom went to the park."},
     {"role": "user", "content": "They saw a big dog."},
@@ -27,12 +26,12 @@ METHODS = ["none", "prompt_lookup", "draft_model"]
 
 @pytest.fixture(scope="module")
 def stories():
-    return load_cached(require(SHARED / "models" / "stories260K-llama", BESIDE))
+    return load_cached(MODELS / "stories260K-llama")
 
 
 @pytest.fixture(scope="module")
 def server(stories):
-    draft, draft_tokenizer = load_cached(require(SHARED / "models" / "llama2xs281K-llama", BESIDE))
+    draft, draft_tokenizer = load_cached(MODELS / "llama2xs281K-llama")
     with serve(*stories, DraftModelSpec(model=draft, tokenizer=draft_tokenizer)) as running:
         yield running
 
@@ -291,7 +290,7 @@ def test_medusa_greedy_equals_generate(stories, tmp_path):
 
 def test_eagle_greedy_equals_generate(stories):
     model, tokenizer = stories
-    config = json.loads((SHARED / "models" / "stories260K-llama" / "config.json").read_text())
+    config = json.loads((MODELS / "stories260K-llama" / "config.json").read_text())
     head = random_eagle_head(config, 1, seed=3)  # random weights: lossless, rarely right
     spec = EagleSpec(heads=head, tree=EagleGrowth(16, 4, 4), num_draft_tokens=15)
     usage = served_greedy_usage(model, tokenizer, spec)

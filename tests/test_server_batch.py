@@ -15,10 +15,9 @@ import pytest
 from mlx_speculate.drafters import DraftModelSpec
 from mlx_speculate.loading import load
 
-from .helpers import SHARED, require
+from .helpers import MODELS
 from .serving import load_cached, serve
 
-BESIDE = "it ships beside the development checkout, not in the repository"
 METHODS = ["none", "prompt_lookup", "draft_model"]
 OPENINGS = [
     "Once upon a time, there was a little girl named Lily.",
@@ -34,12 +33,12 @@ OPENINGS = [
 
 @pytest.fixture(scope="module")
 def stories():
-    return load_cached(require(SHARED / "models" / "stories260K-llama", BESIDE))
+    return load_cached(MODELS / "stories260K-llama")
 
 
 @pytest.fixture(scope="module")
 def server(stories):
-    draft, draft_tokenizer = load_cached(require(SHARED / "models" / "llama2xs281K-llama", BESIDE))
+    draft, draft_tokenizer = load_cached(MODELS / "llama2xs281K-llama")
     spec = DraftModelSpec(model=draft, tokenizer=draft_tokenizer)
     with serve(*stories, spec, max_batch=8, max_queue=32) as running:
         yield running
@@ -156,7 +155,7 @@ def test_no_request_waits_on_a_calibration(max_batch, monkeypatch, tmp_path):
     serves before it takes a request; either way a prompt-lookup request answers as plain
     decoding does and calibrates nothing itself."""
     monkeypatch.setenv("MLX_SPECULATE_CALIBRATION", str(tmp_path))
-    model, tokenizer = load(require(SHARED / "models" / "stories260K-llama", BESIDE))
+    model, tokenizer = load(MODELS / "stories260K-llama")
 
     def calibrations() -> list[str]:
         return sorted(str(p) for p in tmp_path.rglob("*") if p.is_file())

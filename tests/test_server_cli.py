@@ -19,10 +19,8 @@ from mlx_speculate.chat import apply_chat_template
 from mlx_speculate.generation import generate
 from mlx_speculate.server.__main__ import main, model_id, model_source
 
-from .helpers import SHARED, require
+from .helpers import MODELS
 from .serving import load_cached
-
-BESIDE = "it ships beside the development checkout, not in the repository"
 
 
 def start(*args: str) -> subprocess.Popen:
@@ -60,9 +58,9 @@ def stop(process: subprocess.Popen, timeout: float = 30) -> int:
             process.kill()
 
 
-def test_serves_with_a_draft_model_and_stops_cleanly(shared_models):
-    target = require(shared_models / "stories260K-llama", BESIDE)
-    draft = shared_models / "llama2xs281K-llama"
+def test_serves_with_a_draft_model_and_stops_cleanly():
+    target = MODELS / "stories260K-llama"
+    draft = MODELS / "llama2xs281K-llama"
     process = start("--model", str(target), "--draft-model", str(draft), "--shutdown-timeout", "2")
     try:
         url = wait_for_url(process)
@@ -105,9 +103,9 @@ def test_serves_with_a_draft_model_and_stops_cleanly(shared_models):
     assert "Traceback" not in process.stderr.read()
 
 
-def test_requests_waiting_at_sigterm_get_a_503_that_says_why(shared_models):
+def test_requests_waiting_at_sigterm_get_a_503_that_says_why():
     """Once a 503 with `code: null`."""
-    target = require(shared_models / "stories260K-llama", BESIDE)
+    target = MODELS / "stories260K-llama"
     # One at a time, so that requests wait in the queue (a batch takes them all in; its
     # shutdown: test_server_serving.py's test_generations_ended_by_shutdown_say_so).
     process = start("--model", str(target), "--shutdown-timeout", "0", "--max-batch", "1")
@@ -143,8 +141,8 @@ def test_requests_waiting_at_sigterm_get_a_503_that_says_why(shared_models):
             process.kill()
 
 
-def test_idle_server_exits_0_on_sigterm(shared_models):
-    process = start("--model", str(require(shared_models / "stories260K-llama", BESIDE)))
+def test_idle_server_exits_0_on_sigterm():
+    process = start("--model", str(MODELS / "stories260K-llama"))
     wait_for_url(process)
     assert stop(process) == 0
 
@@ -163,8 +161,8 @@ def test_a_model_that_does_not_load_exits_1(tmp_path):
     ]
 
 
-def test_bad_flags_exit_2(capsys, shared_models):
-    target = str(shared_models / "stories260K-llama")
+def test_bad_flags_exit_2(capsys):
+    target = str(MODELS / "stories260K-llama")
     assert main(["--model", target, "--prompt-lookup", "--draft-model", target]) == 2
     assert "error: choose one speculative method" in capsys.readouterr().err
 
@@ -216,11 +214,11 @@ def test_a_chat_template_that_is_not_one_exits_2_before_loading(capsys, tmp_path
     assert len(err.strip().splitlines()) == 1 and why in err and "Traceback" not in err
 
 
-def test_a_chat_template_that_fails_on_a_conversation_exits_1(shared_models, tmp_path):
+def test_a_chat_template_that_fails_on_a_conversation_exits_1(tmp_path):
     """A template that parses and raises on every conversation stops the server at load."""
     path = tmp_path / "refuses.jinja"
     path.write_text('{{ raise_exception("this template takes no conversation") }}')
-    model = str(shared_models / "stories260K-llama")
+    model = str(MODELS / "stories260K-llama")
     process = start("--model", model, "--chat-template", str(path))
     try:
         assert process.wait(120) == 1
@@ -263,11 +261,11 @@ def test_without_the_server_extra_it_says_how_to_install_it(missing):
     ]
 
 
-def test_chat_template_gives_a_model_tools(shared_models):
+def test_chat_template_gives_a_model_tools():
     """The stories model has no chat template; given one that takes tools, it takes them."""
     template = Path(__file__).resolve().parent / "templates" / "hermes.jinja"
     process = start(
-        "--model", str(shared_models / "stories260K-llama"), "--chat-template", str(template)
+        "--model", str(MODELS / "stories260K-llama"), "--chat-template", str(template)
     )
     try:
         url = wait_for_url(process)
@@ -285,7 +283,7 @@ def test_chat_template_gives_a_model_tools(shared_models):
 
 
 def test_no_model_serves_the_default_model(monkeypatch):
-    folder = require(SHARED / "models" / "stories260K-llama", BESIDE)
+    folder = MODELS / "stories260K-llama"
     default = types.ModuleType("mlx_speculate.default_model")
     default.default_model_path = lambda: folder
     monkeypatch.setitem(sys.modules, "mlx_speculate.default_model", default)

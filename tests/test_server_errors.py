@@ -12,17 +12,16 @@ import pytest
 
 from mlx_speculate.sequence import Sequence
 
-from .helpers import SHARED, require
+from .helpers import MODELS
 from .serving import load_cached, serve
 
-BESIDE = "it ships beside the development checkout, not in the repository"
 CHAT = {"model": "stories", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 TEXT = {"model": "stories", "prompt": "Once", "max_tokens": 2}
 
 
 @pytest.fixture(scope="module")
 def stories():
-    return load_cached(require(SHARED / "models" / "stories260K-llama", BESIDE))
+    return load_cached(MODELS / "stories260K-llama")
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from mlx_speculate.drafters import DraftModelSpec
 from mlx_speculate.loading import build_model, load
 from mlx_speculate.server.__main__ import build_parser
 
-from .helpers import SHARED, greedy_reference, random_weights, require, tiny_config, tiny_model
+from .helpers import MODELS, greedy_reference, random_weights, tiny_config, tiny_model
 from .markov import StubTokenizer
 from .serving import load_cached, serve
 from .test_batch import DEEP, clear
@@ -31,7 +31,6 @@ from .test_hybrid import save_hf
 from .test_hybrid_methods import llama_draft
 from .test_server_batch import at_once
 
-BESIDE = "it ships beside the development checkout, not in the repository"
 OPENINGS = [
     "Once upon a time, there was a little girl named Lily.",
     "Tom had a big red ball. He liked to play with it in the park.",
@@ -46,7 +45,7 @@ OPENINGS = [
 
 @pytest.fixture(scope="module")
 def stories():
-    return load_cached(require(SHARED / "models" / "stories260K-llama", BESIDE))
+    return load_cached(MODELS / "stories260K-llama")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +53,7 @@ def endless(stories):
     """The stories model with a tokenizer that knows no EOS: every generation runs to its
     max_tokens."""
     model, _ = stories
-    _, tokenizer = load(SHARED / "models" / "stories260K-llama")
+    _, tokenizer = load(MODELS / "stories260K-llama")
     tokenizer.eos_token_ids = set()
     return model, tokenizer
 

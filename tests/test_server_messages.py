@@ -13,12 +13,11 @@ import pytest
 
 from mlx_speculate.chat import apply_chat_template
 
-from .helpers import SHARED, require
+from .helpers import MODELS
 from .scripted import scripted
 from .serving import serve, sse_lines
 from .test_server_tools import hermes_call
 
-BESIDE = "it ships beside the development checkout, not in the repository"
 KEY = "sesame"
 HI = [{"role": "user", "content": "Hi"}]
 WEATHER = {
@@ -42,7 +41,7 @@ WEATHER_FUNCTION = {
 
 @pytest.fixture(scope="module")
 def served():
-    path = require(SHARED / "models" / "stories260K-llama", BESIDE)
+    path = MODELS / "stories260K-llama"
     model, tokenizer = scripted(path, "hermes")
     with serve(model, tokenizer, model_id="scripted", api_key=KEY) as running:
         yield running, model, tokenizer

@@ -17,11 +17,10 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 
-from .helpers import SHARED, require, tiny_model
+from .helpers import MODELS, tiny_model
 from .serving import load_cached, serve
 from .test_server_hardening import assert_idle
 
-BESIDE = "it ships beside the development checkout, not in the repository"
 EXAMPLES = 10  # per route and mode
 MODEL = "stories"  # the served model's id
 CONTEXT = 48  # the served model's context: no generation runs long
@@ -40,7 +39,7 @@ AnthropicError = pydantic.TypeAdapter(anthropic.types.ErrorResponse)
 
 @pytest.fixture(scope="module")
 def running():
-    _, tokenizer = load_cached(require(SHARED / "models" / "stories260K-llama", BESIDE))
+    _, tokenizer = load_cached(MODELS / "stories260K-llama")
     model = tiny_model("llama", 0, vocab_size=512, max_position_embeddings=CONTEXT)
     with serve(model, tokenizer, max_batch=4, max_sessions=2) as served:
         yield served

@@ -17,11 +17,10 @@ import pytest
 
 from mlx_speculate.drafters import DraftModelSpec
 
-from .helpers import SHARED, SMOLLM2_GGUF, require
+from .helpers import MODELS
 from .serving import load_cached, serve
 
 SCHEMAS = json.loads((Path(__file__).parent / "json_schemas.json").read_text())
-BESIDE = "it ships beside the development checkout, not in the repository"
 SMOLLM2_SAMPLE = ("person",)
 DRAFT = 4
 RUNS = [(method, t) for method in ("prompt_lookup", "draft_model") for t in (0.0, 0.8)]
@@ -29,9 +28,9 @@ RUNS = [(method, t) for method in ("prompt_lookup", "draft_model") for t in (0.0
 
 @pytest.fixture(scope="module")
 def stories():
-    target = load_cached(require(SHARED / "models" / "stories260K-llama", BESIDE))
+    target = load_cached(MODELS / "stories260K-llama")
     draft, draft_tokenizer = load_cached(
-        require(SHARED / "models" / "llama2xs281K-llama", BESIDE)
+        MODELS / "llama2xs281K-llama"
     )
     spec = DraftModelSpec(model=draft, tokenizer=draft_tokenizer, num_draft_tokens=DRAFT)
     with serve(*target, spec, model_id="local") as running:
@@ -39,13 +38,12 @@ def stories():
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def smollm2(tmp_path_factory, smollm2_file):
     """SmolLM2 (float32) drafting for itself."""
     from mlx_speculate.convert import convert
     from mlx_speculate.loading import load
 
-    gguf = require(SMOLLM2_GGUF, "fetch it with benchmarks/fetch_smollm2.sh")
-    folder = convert(gguf, tmp_path_factory.mktemp("smollm2") / "f32", dtype="float32")
+    folder = convert(smollm2_file, tmp_path_factory.mktemp("smollm2") / "f32", dtype="float32")
     model, tokenizer = load(folder)
     spec = DraftModelSpec(model=model, num_draft_tokens=DRAFT)
     with serve(model, tokenizer, spec, model_id="local") as running:

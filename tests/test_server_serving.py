@@ -18,10 +18,9 @@ from mlx_speculate.drafters import DraftModelSpec
 from mlx_speculate.generation import stream_generate
 from mlx_speculate.loading import load
 
-from .helpers import SHARED, assert_clear_argmax, require
+from .helpers import MODELS, assert_clear_argmax
 from .serving import load_cached, serve
 
-BESIDE = "it ships beside the development checkout, not in the repository"
 PROMPTS = [
     "Lily and Tom went to the park.",
     "Once upon a time, there was a little dog",
@@ -37,7 +36,7 @@ LONG = 300  # tokens: a few seconds of plain decoding here
 
 @pytest.fixture(scope="module")
 def stories():
-    return load_cached(require(SHARED / "models" / "stories260K-llama", BESIDE))
+    return load_cached(MODELS / "stories260K-llama")
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +44,14 @@ def endless(stories):
     """The stories model with a tokenizer that knows no EOS: every generation runs to its
     max_tokens, so long ones can be cut short."""
     model, _ = stories
-    _, tokenizer = load(SHARED / "models" / "stories260K-llama")
+    _, tokenizer = load(MODELS / "stories260K-llama")
     tokenizer.eos_token_ids = set()
     return model, tokenizer
 
 
 @pytest.fixture(scope="module")
 def draft():
-    return load_cached(require(SHARED / "models" / "llama2xs281K-llama", BESIDE))
+    return load_cached(MODELS / "llama2xs281K-llama")
 
 
 def greedy(model, tokenizer, tokens: list[int], max_tokens: int) -> tuple[str, list[int]]:
@@ -478,7 +477,7 @@ def test_thousands_of_tools_hold_up_no_one(tokenizer_path):
 
 @pytest.fixture(scope="module")
 def tokenizer_path():
-    return require(SHARED / "models" / "stories260K-llama", BESIDE)
+    return MODELS / "stories260K-llama"
 
 
 class SlowPrefill:

@@ -20,11 +20,10 @@ from mlx_speculate.generation import stream_generate
 from mlx_speculate.grammar import Grammar
 from mlx_speculate.loading import load
 
-from .helpers import SHARED, SMOLLM2_GGUF, random_eagle_head, require
+from .helpers import MODELS, random_eagle_head
 from .scripted import TEMPLATES
 from .serving import load_cached, serve
 
-BESIDE = "it ships beside the development checkout, not in the repository"
 SCHEMAS = {
     "nested": {
         "type": "object",
@@ -66,12 +65,12 @@ PROMPT = [{"role": "user", "content": "Lily and Tom went to the park. They saw a
 
 @pytest.fixture(scope="module")
 def stories():
-    return load_cached(require(SHARED / "models" / "stories260K-llama", BESIDE))
+    return load_cached(MODELS / "stories260K-llama")
 
 
 @pytest.fixture(scope="module")
 def server(stories):
-    draft, draft_tokenizer = load_cached(require(SHARED / "models" / "llama2xs281K-llama", BESIDE))
+    draft, draft_tokenizer = load_cached(MODELS / "llama2xs281K-llama")
     with serve(*stories, DraftModelSpec(model=draft, tokenizer=draft_tokenizer)) as running:
         yield running
 
@@ -167,7 +166,7 @@ def test_tree_methods_work_under_a_grammar(stories):
     """EAGLE drafts trees; under response_format the grammar cuts them, and the answer is
     what constrained greedy decoding says."""
     model, tokenizer = stories
-    config = json.loads((SHARED / "models" / "stories260K-llama" / "config.json").read_text())
+    config = json.loads((MODELS / "stories260K-llama" / "config.json").read_text())
     head = random_eagle_head(config, 1, seed=3)
     spec = EagleSpec(heads=head, tree=EagleGrowth(16, 4, 4), num_draft_tokens=15)
     with serve(model, tokenizer, spec) as running:
@@ -215,11 +214,10 @@ SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHE
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
+def smollm2(tmp_path_factory, smollm2_file):
     """SmolLM2 (its 4-bit GGUF tensors, as the default model) under the Hermes-style test
     template: a real small model that was never asked to follow it."""
-    gguf = require(SMOLLM2_GGUF, "fetch it with benchmarks/fetch_smollm2.sh")
-    folder = convert(gguf, tmp_path_factory.mktemp("smollm2") / "q4", quantize=True)
+    folder = convert(smollm2_file, tmp_path_factory.mktemp("smollm2") / "q4", quantize=True)
     model, own = load(folder)
     _, tokenizer = load(folder)
     tokenizer.chat_template = (TEMPLATES / "hermes.jinja").read_text()

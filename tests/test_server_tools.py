@@ -14,11 +14,10 @@ from mlx_speculate.chat import apply_chat_template
 from mlx_speculate.server.schemas import Message
 from mlx_speculate.server.tool_parser import ToolParser
 
-from .helpers import SHARED, require
+from .helpers import MODELS
 from .scripted import scripted
 from .serving import serve
 
-BESIDE = "it ships beside the development checkout, not in the repository"
 WEATHER = {
     "type": "function",
     "function": {
@@ -48,7 +47,7 @@ def hermes_call(name: str, arguments: dict) -> str:
 
 @pytest.fixture(scope="module")
 def tokenizer_path():
-    return require(SHARED / "models" / "stories260K-llama", BESIDE)
+    return MODELS / "stories260K-llama"
 
 
 @pytest.fixture(scope="module")

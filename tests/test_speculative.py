@@ -15,12 +15,12 @@ from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams, log_probs
 from mlx_speculate.sequence import Sequence
 
-from .helpers import assert_clear_argmax, decode, greedy_reference, tiny_model
+from .helpers import MODELS, assert_clear_argmax, decode, greedy_reference, tiny_model
 from .markov import MarkovLM, assert_markov
 
 GREEDY = SamplingParams()
 PROMPT = [1, 5, 9, 33, 7, 2, 60]
-FAMILIES = ("llama", "qwen2", "phi3")  # also as real checkpoints in ../shared
+FAMILIES = ("llama", "qwen2", "phi3")  # also as real checkpoints in tests/data
 TINY_FAMILIES = (*FAMILIES, "qwen3", "gemma3_text", "mistral", "ministral3", "gemma2")
 # Batched (verify) and one-token float32 forwards differ by well under 1e-5 in the logits; a
 # top-2 gap of 1e-3 at every reference step means both paths must pick the same argmax, so
@@ -81,9 +81,9 @@ def test_draft_with_smaller_vocabulary_is_lossless():
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("k", [1, 2, 4, 7])
-def test_real_pair_greedy_equals_plain(shared_models, family, k):
-    target, tokenizer = load_cached(shared_models / f"stories260K-{family}")
-    draft, _ = load_cached(shared_models / "llama2xs281K-llama")
+def test_real_pair_greedy_equals_plain(family, k):
+    target, tokenizer = load_cached(MODELS / f"stories260K-{family}")
+    draft, _ = load_cached(MODELS / "llama2xs281K-llama")
     prompt = tokenizer.encode("Lily and Tom went to the park.")
     reference = greedy_reference(target, prompt, 100)
     assert_clear_argmax(target, prompt, reference)
@@ -254,8 +254,8 @@ def test_sampling_check_has_power(mix):
 # Vocabulary agreement.
 
 
-def test_vocabularies_padded_and_mismatched(shared_models):
-    _, tokenizer = load(shared_models / "stories260K-llama")
+def test_vocabularies_padded_and_mismatched():
+    _, tokenizer = load(MODELS / "stories260K-llama")
     assert check_vocabularies(512, 512, tokenizer, tokenizer) == 512
     assert check_vocabularies(512, 640, tokenizer, tokenizer) == 512  # padding beyond 512 ids
     assert check_vocabularies(576, 512, tokenizer) == 512
@@ -280,8 +280,8 @@ class ShiftedTokenizer:
         return self.base.get_vocab()
 
 
-def test_vocabularies_disagreeing_tokenizers(shared_models):
-    _, tokenizer = load(shared_models / "stories260K-llama")
+def test_vocabularies_disagreeing_tokenizers():
+    _, tokenizer = load(MODELS / "stories260K-llama")
     assert check_vocabularies(512, 512, tokenizer, ShiftedTokenizer(tokenizer)) == 512
     with pytest.raises(
         ValueError, match=r"draft tokenizer \(vocabulary 512\) does not encode 'Hello, world!'"

@@ -24,7 +24,9 @@ from mlx_speculate.train.loop import TrainConfig
 from mlx_speculate.train.recipe import Recipe, train_head
 
 from .helpers import (
-    SHARED,
+    BESIDE,
+    EAGLE_HEADS,
+    MODELS,
     assert_clear_argmax,
     assert_float32_close,
     greedy_reference,
@@ -32,7 +34,7 @@ from .helpers import (
     tiny_model,
 )
 
-STORIES = SHARED / "models" / "stories260K-llama"
+STORIES = MODELS / "stories260K-llama"
 SAMPLES = dict(self_samples=24, max_tokens=64)
 
 
@@ -46,7 +48,7 @@ def recipe(kind: str, **train) -> Recipe:
 @pytest.fixture(scope="module")
 def data_cache(tmp_path_factory):
     """The data stage once (24 samples from BOS), shared by every head kind."""
-    model = require(STORIES, "it ships beside the development checkout")
+    model = STORIES
     folder = tmp_path_factory.mktemp("cache")
     train_head("eagle1", model, folder / "probe", cache=folder, progress=False,
                recipe=recipe("eagle1", max_steps=1))  # fmt: skip
@@ -197,7 +199,7 @@ def test_features_keep_the_targets_top_k_from_the_token_before_the_answer(tmp_pa
     from mlx_speculate.train.data import Conversation
     from mlx_speculate.train.features import make_features
 
-    model, _ = load(str(require(STORIES, "it ships beside the development checkout")))
+    model, _ = load(str(STORIES))
     rng = np.random.default_rng(0)
     conversations = [
         Conversation(tuple(int(t) for t in rng.integers(1, 512, n)), answer)
@@ -390,7 +392,7 @@ def test_saved_heads_have_the_official_keys_shapes_and_dtypes(tmp_path):
     from mlx_speculate.heads.eagle_format import save_official
     from mlx_speculate.train.recipe import _layer
 
-    eagle = require(SHARED / "eagle", "the shared official EAGLE heads")
+    eagle = require(EAGLE_HEADS, BESIDE)
     torch = pytest.importorskip("torch")  # the official heads are torch pickles
     config = json.loads((eagle / "smollm2-eagle1" / "config.json").read_text())
     target = SimpleNamespace(args=SimpleNamespace(**config))  # the target's sizes and rope

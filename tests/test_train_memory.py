@@ -17,10 +17,10 @@ from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.train import recipe as recipe_module
 from mlx_speculate.train.memory import measured
 
-from .helpers import SHARED, require, tiny_model
+from .helpers import MODELS, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
-STORIES = SHARED / "models" / "stories260K-llama"
+STORIES = MODELS / "stories260K-llama"
 
 
 def test_measured_reports_each_stage_s_own_peak():
@@ -72,7 +72,7 @@ def test_the_data_stage_never_evaluates_the_prompt_s_full_logits():
 
 
 def test_the_cli_prints_each_stage_s_peak_memory(tmp_path):
-    model = require(STORIES, "it ships beside the development checkout")
+    model = STORIES
     done = subprocess.run(
         [sys.executable, "-m", "mlx_speculate.train", "medusa", "--model", str(model),
          "--self-samples", "4", "--max-tokens", "16", "--epochs", "1", "--out",
@@ -92,7 +92,7 @@ def test_the_recipe_releases_a_target_it_loaded_before_training(tmp_path, monkey
     """Training reads the embedding and lm_head only: the target's layers are gone by then."""
     import weakref
 
-    model = require(STORIES, "it ships beside the development checkout")
+    model = STORIES
     seen = {}
     load = recipe_module.load
 

@@ -20,9 +20,9 @@ from mlx_speculate.train.payoff import BREAK_EVEN, payoff, tokens_per_step
 from mlx_speculate.train.recipe import dflash_layers, train_head
 from mlx_speculate.train.settings import TRAINING, Recipe, default_training
 
-from .helpers import SHARED, require, tiny_model
+from .helpers import MODELS, tiny_model
 
-STORIES = SHARED / "models" / "stories260K-llama"
+STORIES = MODELS / "stories260K-llama"
 ONE_STEP = TrainConfig(epochs=1, max_steps=1, batch_tokens=128, holdout=0.25)
 
 
@@ -114,7 +114,7 @@ def test_the_payoff_estimate_and_its_warning():
 
 def test_the_cli_ends_with_the_payoff_of_a_tiny_run(tmp_path, capsys, monkeypatch):
     """A tiny medusa run whose held-out accuracy is pinned low: the last line warns."""
-    model = require(STORIES, "it ships beside the development checkout")
+    model = STORIES
     monkeypatch.setattr(loop, "evaluate", lambda *args: 0.25)
     args = ["medusa", "--model", str(model), "--self-samples", "4", "--max-tokens", "16",
             "--epochs", "1", "--quiet", "--out", str(tmp_path / "heads")]  # fmt: skip
@@ -184,7 +184,7 @@ def test_a_bad_jsonl_line_is_named_by_its_number(tmp_path):
 
 
 def test_a_block_larger_than_the_context_is_one_line(tmp_path, capsys):
-    model = require(STORIES, "it ships beside the development checkout")  # context 512
+    model = STORIES  # context 512
     args = ["dflash", "--model", str(model), "--self-samples", "2", "--block-size", "600",
             "--quiet", "--out", str(tmp_path / "d")]  # fmt: skip
     assert train_cli.main(args) == 2

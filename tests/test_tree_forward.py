@@ -10,7 +10,7 @@ from mlx_speculate.heads.medusa import MEDUSA_TREES
 from mlx_speculate.loading import load_model
 from mlx_speculate.tree import Tree
 
-from .helpers import assert_float32_close, tiny_model
+from .helpers import MODELS, assert_float32_close, tiny_model
 
 # Depth 4, branching up to 3 at the root and 2 below.
 CHOICES = [
@@ -94,9 +94,9 @@ def test_compaction_equals_fresh_forward_over_the_path(model_type):
 
 
 @pytest.mark.parametrize("folder", ["stories260K-llama", "stories260K-qwen2", "stories260K-phi3"])
-def test_published_tree_on_real_checkpoints(shared_models, folder):
+def test_published_tree_on_real_checkpoints(folder):
     """mc_sim_7b_63 (64 nodes, depth 4) on the real stories260K target, all three layouts."""
-    model, _ = load_model(shared_models / folder)
+    model, _ = load_model(MODELS / folder)
     tree = Tree.from_paths(MEDUSA_TREES["mc_sim_7b_63"])
     prefix = [1, 403, 407, 261, 54, 29]
     check_tree_against_paths(model, tree, prefix, random_tokens(tree.num_nodes, 512, 5))
