@@ -160,6 +160,7 @@ class Decoder:
             seconds=seconds,
             traced=traced,
             finite=ok.item(),
+            verified=step.features is not None,  # else the prompt's forward chose it
         )
 
 

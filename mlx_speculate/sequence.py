@@ -320,13 +320,14 @@ class Sequence:
         seconds: float = 0.0,
         traced: bool = False,
         finite: bool = True,
+        verified: bool = True,
     ) -> Step:
         """Commits a step's accepted path, whose keys the scheduler has put in place: `tokens`
         (the accepted drafts, then the target's token) at tree nodes `path`, chosen by `logits`
         (one row per node). The drafter learns them: `settled`, it followed the step already
         (a pipelined or fused one) and is told the count; else it takes the path's rows of
-        `features` (None: the first token, whose features came with the prompt). The grammar
-        consumes them. A step without `features` that did not settle had no verify forward.
+        `features` (None: the first token, whose features came with the prompt; or no drafter).
+        The grammar consumes them. `verified`: a verify forward chose them (not the prompt's).
         `finite`: whether its logits were (`finite`); else ValueError, and nothing is committed:
         NaN weights would otherwise emit token 0 again and again."""
         if not finite:
@@ -348,7 +349,6 @@ class Sequence:
         forced = () if guide is None else tuple(guide.forced[i] for i in path)
         if self.constraint is not None:
             self.constraint.commit(tokens)
-        verified = settled or features is not None
         return Step(tuple(tokens), drafted, logprobs, seconds, verified, forced, traced)
 
     def ending(self, seconds: float = 0.0) -> Step | None:

@@ -27,6 +27,8 @@ def token_cache() -> KVCache:
 class ScriptedLM:
     traceable = False  # it reads its context on the host
     recurrent = False  # its cache rolls back to any length
+    implementation = "native"  # the package's forward contract, trees included
+    verifies_trees = True
 
     def __init__(self, tokenizer, max_context: int = 4096):
         self.tokenizer = tokenizer

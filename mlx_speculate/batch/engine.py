@@ -273,7 +273,9 @@ class BatchEngine:
         token = acceptance.tokens.tolist()[0]
         if seeded:
             _unseed()
-        step = sequence.commit([token], [0], logits, ROOT, guide, None, finite=ok.item())
+        step = sequence.commit(
+            [token], [0], logits, ROOT, guide, None, finite=ok.item(), verified=False
+        )
         if self._emit(running, step):
             return
         running.row = len(self._running)
