@@ -227,6 +227,17 @@ def test_step_times_correct_a_calibration_that_underprices_drafting():
     assert speed >= 0.95 * best_rate(PAID, lambda k: chain_tokens(0.95, k), candidate_lengths(8))
 
 
+@pytest.mark.parametrize("calibrated, paid", [(0.5, 0.1), (0.2, 0.05)])
+def test_rows_cheaper_than_calibrated_are_found(calibrated, paid):
+    # Calibrated while multi-row forwards ran slower than they do now: the best size is several
+    # sizes above the one the calibration points to. Priced as the calibration plus a shift,
+    # the sizes above the tried ones kept the calibration's dear rows (0.93-0.94 of the best).
+    calibration = curve(lambda r: 0.01 * (1 + calibrated * r))
+    costs = curve(lambda r: 0.01 * (1 + paid * r))
+    _, speed = run(AdaptivePolicy(calibration, 24), costs, 0.9, 1500)
+    assert speed >= 0.95 * best_rate(costs, lambda k: chain_tokens(0.9, k), candidate_lengths(24))
+
+
 def test_a_slow_step_is_one_outlier():
     # A graph traced for a new shape costs 50 steps once; the choice stays.
     policy = AdaptivePolicy(METAL, 32)

@@ -9,7 +9,6 @@ from statistics import median
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-
     from .costs import StepCosts
 
 log = logging.getLogger(__name__)
@@ -67,8 +66,10 @@ class Prices:
     is more than the calibration sees (a fused EAGLE step also runs the head over the accepted
     path and grows the next tree; a drafter back from plain steps catches up first) or less (a
     plain step overlaps the one before). A size with
-    `TRUSTED` recent steps costs their median; any other drafting size its calibrated cost
-    plus the median amount by which recent drafting steps exceeded theirs. The first drafting
+    `TRUSTED` recent steps costs their median; any other drafting size is read off the line
+    through the paid prices against the calibrated ones (`_untried`; before two sizes are
+    paid, its calibrated cost plus the median amount by which recent drafting steps exceeded
+    theirs). The first drafting
     step after plain ones prices the catch-up instead (its time over its size's price, a
     median). Otherwise only a step between two steps of its own size is priced: a step's wall
     time also holds the building of the step queued after it, which a step before another
@@ -142,11 +143,35 @@ class Prices:
         if not drafted:
             return
         self._excess.append(seconds - self.calibrated[drafted])
+        self._untried()
+
+    def _untried(self) -> None:
+        """Prices the drafting sizes without steps of their own from those with: on the line
+        through the paid prices against the calibrated ones once two sizes have theirs (else
+        the calibrated price plus the median excess), never below a smaller size's price nor
+        half the calibrated one. A shift alone priced sizes far from the tried ones as if
+        rows cost what they did when calibrating: where they cost less the best size, a few
+        sizes up, looked no better than the held one and neighbour-by-neighbour exploration
+        took hundreds of steps per size to reach it (where they cost more, the reverse)."""
+        paid = {k: self.step[k] for k in self.calibrated if k and self.trusted(k)}
+        line = _fit([self.calibrated[k] for k in paid], list(paid.values()))
         excess = median(self._excess)
         for k, calibrated in self.calibrated.items():
-            if k and not self.trusted(k):
-                # A calibration that overprices stays a floor at half its cost.
-                self.step[k] = max(calibrated + excess, calibrated / 2)
+            if k and k not in paid:
+                price = calibrated + excess if line is None else line[0] + line[1] * calibrated
+                below = max((p for j, p in paid.items() if j < k), default=0.0)
+                self.step[k] = max(price, below, calibrated / 2)
+
+
+def _fit(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
+    """(intercept, slope >= 0) of the least-squares line through the points, or None while
+    fewer than two distinct xs make one."""
+    if len(set(xs)) < 2:
+        return None
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread)
+    return mean_y - slope * mean_x, slope
 
 
 class AdaptivePolicy:
