@@ -227,6 +227,38 @@ def test_step_times_correct_a_calibration_that_underprices_drafting():
     assert speed >= 0.95 * best_rate(PAID, lambda k: chain_tokens(0.95, k), candidate_lengths(8))
 
 
+@pytest.mark.parametrize("calibrated, paid", [(0.5, 0.1), (0.2, 0.05)])
+def test_rows_cheaper_than_calibrated_are_found(calibrated, paid):
+    # Calibrated while multi-row forwards ran slower than they do now: the best size is several
+    # sizes above the one the calibration points to. Priced as the calibration plus a shift,
+    # the sizes above the tried ones kept the calibration's dear rows (0.93-0.94 of the best).
+    calibration = curve(lambda r: 0.01 * (1 + calibrated * r))
+    costs = curve(lambda r: 0.01 * (1 + paid * r))
+    _, speed = run(AdaptivePolicy(calibration, 24), costs, 0.9, 1500)
+    assert speed >= 0.95 * best_rate(costs, lambda k: chain_tokens(0.9, k), candidate_lengths(24))
+
+
+def test_a_dear_long_draft_prices_shorter_ones_between_it_and_plain():
+    # Calibrated where rows were cheap, the first draft is the longest, and it is paid at
+    # rows three times dearer. The shorter sizes cost their calibrated price plus its whole
+    # excess before, each above what plain decoding yields, so drafting went off for good
+    # (0.47 of the best fixed size under the noise tests' load, seed 18).
+    calibration = curve(lambda r: 0.01 * (1 + 0.1 * r))
+    paid = curve(lambda r: 0.01 * (1 + 0.3 * r))
+    sizes = candidate_lengths(24)
+    prices = Prices(calibration, sizes)
+    for k in [0] * 5:
+        prices.observe(k, paid.step(k))
+    prices.observe(24, paid.step(24), after_plain=True)  # the catch-up, priced apart
+    for k in [24] * 4:
+        prices.observe(k, paid.step(k))
+    assert prices.trusted(0) and prices.trusted(24) and not prices.trusted(7)
+    for k in sizes[1:-1]:
+        assert prices.step[k] / prices.step[0] == pytest.approx(paid.step(k) / paid.step(0))
+    exact = max(sizes, key=lambda k: chain_tokens(0.9, k) / paid.step(k))
+    assert AdaptivePolicy(calibration, 24, prices=prices).best(0.9) == exact
+
+
 def test_a_slow_step_is_one_outlier():
     # A graph traced for a new shape costs 50 steps once; the choice stays.
     policy = AdaptivePolicy(METAL, 32)

@@ -9,7 +9,6 @@ from statistics import median
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-
     from .costs import StepCosts
 
 log = logging.getLogger(__name__)
@@ -63,21 +62,23 @@ CARRIED = 8.0  # steps' weight of a drafter's last generation in the next one's 
 
 class Prices:
     """Seconds a step drafting k costs at the calibration's load (`seconds`: at the load now),
-    for each of `sizes`: first as calibrated (`StepCosts`), then as decoding pays them, which
-    is more than the calibration sees (a fused EAGLE step also runs the head over the accepted
-    path and grows the next tree; a drafter back from plain steps catches up first) or less (a
-    plain step overlaps the one before). A size with
-    `TRUSTED` recent steps costs their median; any other drafting size its calibrated cost
-    plus the median amount by which recent drafting steps exceeded theirs. The first drafting
-    step after plain ones prices the catch-up instead (its time over its size's price, a
-    median). Otherwise only a step between two steps of its own size is priced: a step's wall
-    time also holds the building of the step queued after it, which a step before another
-    size does not queue (it reads at once), and the first step at another size builds its
-    own draft (a fused EAGLE step grows only the next tree of its own size, so a switch costs
-    a step several times a steady one). A generation's first step is beside nothing. A step
-    that traced a graph comes with no time (`decode.Step.traced`). A property of the machine,
-    model and drafter, unlike acceptance: `default_policy` shares one between the generations
-    of a drafter, and between drafters over the same weights.
+    for each of `sizes`: first as calibrated (`StepCosts`), then as decoding pays them, which is
+    more than the calibration sees (a fused EAGLE step also runs the head over the accepted path
+    and grows the next tree; a drafter back from plain steps catches up first) or less (a plain
+    step overlaps the one before). A size with `TRUSTED` recent steps costs their median; any
+    other drafting size is priced from those (`_untried`: between plain decoding and the
+    smallest paid size, or on the line through the paid prices against the calibrated ones;
+    before two sizes are paid, its calibrated cost plus the median amount by which recent
+    drafting steps exceeded theirs). The first drafting step after plain ones prices the
+    catch-up instead (its time over its size's price, a median). Otherwise only a step between
+    two steps of its own size is priced: a step's wall time also holds the building of the step
+    queued after it, which a step before another size does not queue (it reads at once), and the
+    first step at another size builds its own draft (a fused EAGLE step grows only the next tree
+    of its own size, so a switch costs a step several times a steady one). A generation's first
+    step is beside nothing. A step that traced a graph comes with no time
+    (`decode.Step.traced`). A property of the machine, model and drafter, unlike acceptance:
+    `default_policy` shares one between the generations of a drafter, and between drafters over
+    the same weights.
 
     Prices are held at the calibration's load: other processes slow every size alike, for
     tens of steps at a time, so each priced step's time is first divided by the `level`, the
@@ -142,11 +143,47 @@ class Prices:
         if not drafted:
             return
         self._excess.append(seconds - self.calibrated[drafted])
+        self._untried()
+
+    def _untried(self) -> None:
+        """Prices the drafting sizes without steps of their own from those with: below the
+        smallest paid size, between plain decoding's price and its, in proportion to their
+        calibrated costs; otherwise on the line through the paid prices against the calibrated
+        ones once two sizes have theirs (else the calibrated price plus the median excess);
+        never below a smaller size's price nor half the calibrated one. A shift alone priced
+        sizes far from the tried ones as if rows cost what they did when calibrating: where
+        they cost less, the best size, a few sizes up, looked no better than the held one and
+        neighbour-by-neighbour exploration took hundreds of steps a size to reach it; where
+        they cost more, one long draft tried first priced every shorter one above plain
+        decoding, and drafting went off for good."""
+        paid = {k: self.step[k] for k in self.calibrated if k and self.trusted(k)}
+        line = _fit([self.calibrated[k] for k in paid], list(paid.values()))
         excess = median(self._excess)
+        low = min(paid, default=0)
         for k, calibrated in self.calibrated.items():
-            if k and not self.trusted(k):
-                # A calibration that overprices stays a floor at half its cost.
-                self.step[k] = max(calibrated + excess, calibrated / 2)
+            if not k or k in paid:
+                continue
+            if k < low and self.trusted(0):
+                start, end = self.calibrated[0], self.calibrated[low]
+                share = (calibrated - start) / (end - start) if end > start else 1.0
+                price = self.step[0] + share * (self.step[low] - self.step[0])
+            elif line is not None:
+                price = line[0] + line[1] * calibrated
+            else:
+                price = calibrated + excess
+            below = max((p for j, p in paid.items() if j < k), default=0.0)
+            self.step[k] = max(price, below, calibrated / 2)
+
+
+def _fit(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
+    """(intercept, slope >= 0) of the least-squares line through the points, or None while
+    fewer than two distinct xs make one."""
+    if len(set(xs)) < 2:
+        return None
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    slope = max(0.0, sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread)
+    return mean_y - slope * mean_x, slope
 
 
 class AdaptivePolicy:
