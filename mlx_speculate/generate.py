@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Metal; a draft model keeps that default)",
     )
     parser.add_argument("--verbose", action="store_true", help="print speed and statistics")
+    cli.add_cache_arguments(parser)
     distributed.add_arguments(parser)
     drafter_cli.add_arguments(parser)
     return parser
@@ -132,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 logging.getLogger("mlx_speculate.policy.adaptive").setLevel(logging.INFO)
             for response in stream_generate(
                 model, tokenizer, tokens, max_tokens=args.max_tokens, sampling=sampling,
-                stop=stops, **options,
+                stop=stops, **options, **cli.cache_options(args),
             ):
                 print(response.text, end="", flush=True)
                 if watchdog is not None:
@@ -151,9 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print()
         return cli.fail(e)
     if response.finish_reason == "context":
-        n = response.generation_tokens
-        print(f"note: stopped after {n} token{'' if n == 1 else 's'}: the model's context "
-              f"of {model.args.max_position_embeddings} tokens is full", file=sys.stderr)
+        n, most = response.generation_tokens, model.args.max_position_embeddings
+        bound = (f"model's context of {most} tokens" if (args.max_kv_size or most) >= most
+                 else f"context of {args.max_kv_size} tokens (--max-kv-size)")
+        print(f"note: stopped after {n} token{'' if n == 1 else 's'}: the {bound} is full",
+              file=sys.stderr)
     if args.verbose and (group is None or group.rank() == 0):
         _print_stats(response, model.compute_dtype, spec)
     return 0

@@ -24,6 +24,7 @@ from .drafters import (
 from .grammar import Grammar
 from .grammar.constraint import Constraint
 from .models.base import CausalLM
+from .models.quantized_kv import DEFAULT_START, KVQuantization, kv_quantization
 from .policy.adaptive import FixedPolicy, Policy
 from .policy.measure import default_policy
 from .prefill import PrefillCancelled
@@ -92,9 +93,19 @@ def stream_generate(
     drafter: DrafterSpec | Drafter | None = None,
     policy: Policy | None = None,
     grammar: Grammar | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_START,
+    max_kv_size: int | None = None,
     **options: Any,
 ) -> Iterator[GenerationResponse]:
     """Yields one response per emitted token.
+
+    `kv_bits`, `kv_group_size`, `quantized_kv_start` (mlx-lm's): keys and values cached at
+    that many bits once the context reaches `quantized_kv_start` tokens, speculation exact
+    for that cache (models/quantized_kv.py); `max_kv_size`: at most that many tokens of
+    context, the prompt included (a longer prompt is refused, generation stops at it with
+    finish_reason "context"; nothing is dropped, unlike mlx-lm's rotating cache).
 
     `grammar` (`Grammar.json_schema(...)`, `.json_object()`, `.lark(...)`) constrains the
     output, with speculation still exact for the constrained distribution (grammar/constraint.py):
@@ -128,7 +139,10 @@ def stream_generate(
             num_draft_tokens, typical = spec.num_draft_tokens, spec.typical_acceptance
     elif set(keywords) - {"num_draft_tokens", "typical_acceptance"}:
         raise ValueError(f"a ready drafter takes no {', '.join(keywords)}")
-    session = Session(model, tokenizer, drafter, typical_acceptance=typical)
+    kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
+    session = Session(
+        model, tokenizer, drafter, typical_acceptance=typical, kv=kv, max_kv_size=max_kv_size
+    )
     yield from session.stream(
         prompt,
         sampling=sampling,
@@ -169,12 +183,15 @@ class Session:
         drafter: Drafter | None = None,
         *,
         typical_acceptance: bool = False,
+        kv: KVQuantization | None = None,
+        max_kv_size: int | None = None,
     ):
+        """`kv`: the cache's quantization; `max_kv_size`: the context's bound (Decoder)."""
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.typical_acceptance = typical_acceptance
-        self.decoder = Decoder(model, drafter)
+        self.decoder = Decoder(model, drafter, max_kv_size, kv)
         self._policy: Policy | None = None  # the default one, built while the drafter is fresh
 
     def stream(
