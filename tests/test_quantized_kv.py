@@ -15,12 +15,16 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from mlx_speculate.batch import batch_generate
 from mlx_speculate.decode import Decoder
-from mlx_speculate.drafters import EagleGrowth, EagleSpec, make_drafter
+from mlx_speculate.drafters import DFlashSpec, EagleGrowth, EagleSpec, MtpSpec, make_drafter
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
 from mlx_speculate.drafters.lookup import LookupDrafter
+from mlx_speculate.drafters.medusa import MedusaDrafter
 from mlx_speculate.generate import main as generate_main
 from mlx_speculate.generation import Session, stream_generate
+from mlx_speculate.heads.mtp import MtpHead
+from mlx_speculate.loading import build_model
 from mlx_speculate.models.quantized_kv import KVQuantization
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
@@ -28,10 +32,15 @@ from mlx_speculate.server.__main__ import build_parser as server_parser
 from mlx_speculate.server.__main__ import main as server_main
 from mlx_speculate.server.sessions import SessionPool
 
-from .families import REPEATING, related_draft
+from .families import PROMPT, REPEATING, related_draft
 from .helpers import random_eagle_head, random_weights, tiny_config, tiny_model
 from .markov import StubTokenizer
+from .test_dflash import dflash_config
+from .test_dflash import random_head as random_dflash_head
 from .test_loading import write_folder
+from .test_medusa import random_heads
+from .test_mtp import PROMPT as MTP_PROMPT
+from .test_mtp import copying_weights, markov_weights, mtp_config
 
 # Head sizes of whole groups (32): Gemma 3's tiny config has it already.
 FAMILIES = {
@@ -44,12 +53,15 @@ N = 28  # tokens generated: the prompt is 17, so the context passes 40
 
 def generated(model, drafter, kv: KVQuantization | None, prompt=REPEATING, n: int = N):
     """The first n greedy tokens of the loop with `drafter` (k = 4) over a cache of `kv`, and
-    the decoder."""
+    the decoder (its `accepted` and `drafted` counts set on it, for the tests to read)."""
     decoder = Decoder(model, drafter, kv=kv)
     decoder.prefill(prompt)
     tokens = []
+    decoder.drafted = decoder.accepted = 0
     for step in decoder.steps(SamplingParams(), FixedPolicy(4 if drafter else 0)):
         tokens.extend(step.tokens)
+        decoder.drafted += step.drafted
+        decoder.accepted += step.accepted
         if len(tokens) >= n:
             break
     return tokens[:n], decoder
@@ -69,6 +81,8 @@ def drafters(model_type: str, target) -> dict:
     }
     if not target.recurrent:
         methods["lookup tree"] = lambda: LookupDrafter(max_ngram=3, branches=3)
+        heads = random_heads(target.args.hidden_size, target.args.vocab_size, seed=3)
+        methods["medusa"] = lambda: MedusaDrafter(heads)
         methods["eagle tree"] = lambda: make_drafter(
             EagleSpec(heads=head, tree=EagleGrowth(16, 4, 4)), target
         )
@@ -87,8 +101,43 @@ def test_greedy_speculation_equals_plain_decoding_over_a_quantized_cache(model_t
     assert decoder.cache.codec == kv  # it did switch (from 26: within the generation)
     assert all(k is None or k.dtype == mx.uint32 for k in decoder.cache.keys)
     for name, drafter in drafters(model_type, target).items():
-        tokens, _ = generated(target, drafter(), kv)
+        tokens, decoder = generated(target, drafter(), kv)
         assert tokens == reference, name
+        assert decoder.drafted > 0, name
+        if name == "draft model":  # a related model: both acceptances and rejections
+            assert 0 < decoder.accepted < decoder.drafted, name
+
+
+KV = [KVQuantization(8, 32, 0), KVQuantization(4, 32, 24)]
+
+
+@pytest.mark.parametrize("kv", KV, ids=["8-bit", "4-bit-from-24"])
+def test_dflash_chains_and_trees_are_exact_over_a_quantized_cache(kv):
+    """DFlash's block drafts (chain and DDTree) on a 6-layer Llama."""
+    deep = {**FAMILIES["llama"], "num_hidden_layers": 6}
+    target = tiny_model("llama", **deep)
+    head = random_dflash_head(dflash_config(tiny_config("llama", **deep)), 1)
+    reference, _ = generated(target, None, kv, PROMPT)
+    for top_k in (1, 3):
+        drafter = make_drafter(DFlashSpec(drafter=head, top_k=top_k), target)
+        tokens, decoder = generated(target, drafter, kv, PROMPT)
+        assert tokens == reference, top_k
+        assert decoder.drafted > 0
+
+
+@pytest.mark.parametrize("kv", KV, ids=["8-bit", "4-bit-from-24"])
+def test_native_mtp_is_exact_over_a_quantized_cache(kv):
+    """Qwen3.5's own MTP head: its attention layer's keys quantized, the recurrent ones not."""
+    cfg = mtp_config("qwen3_5_text", head_dim=32)
+    target = build_model(cfg, markov_weights(cfg))
+    head = MtpHead(target.args)
+    head.load_weights(list(copying_weights(target.args).items()))
+    reference, _ = generated(target, None, kv, MTP_PROMPT)
+    drafter = make_drafter(MtpSpec(head=head), target)
+    tokens, decoder = generated(target, drafter, kv, MTP_PROMPT)
+    assert tokens == reference
+    assert 0 < decoder.accepted < decoder.drafted
+    assert decoder.cache.codec == kv
 
 
 def test_quantized_cache_changes_the_model_and_the_switch_happens_at_its_start():
@@ -153,8 +202,6 @@ def test_kv_bits_8_stores_a_long_context_in_under_a_third_of_float32():
         head_dim=128, num_attention_heads=2, num_key_value_heads=1,
         max_position_embeddings=8192,
     )  # fmt: skip
-    from mlx_speculate.loading import build_model
-
     model = build_model(config, random_weights(config, 0))
     prompt = [(7 * i) % 97 for i in range(4096)]
     sizes = {}
@@ -202,6 +249,18 @@ def test_max_kv_size_refuses_a_longer_prompt_and_stops_exactly_at_it():
     session = Session(target, StubTokenizer(), LookupDrafter(max_ngram=3), max_kv_size=24)
     list(session.stream(REPEATING, sampling=SamplingParams(), max_tokens=50))
     assert session.decoder.cache.offset <= 24
+
+
+def test_batch_generate_stops_each_sequence_at_max_kv_size():
+    target = tiny_model("llama")
+    prompts = [REPEATING, REPEATING[:9]]
+    result = batch_generate(
+        target, StubTokenizer(), prompts, max_tokens=50, max_kv_size=24, prompt_lookup=True
+    )
+    for prompt, tokens, reason in zip(prompts, result.tokens, result.finish_reasons, strict=True):
+        alone = stream_generate(target, StubTokenizer(), prompt, max_tokens=50, max_kv_size=24)
+        assert tokens == [r.token for r in alone]
+        assert len(tokens) == 24 + 1 - len(prompt) and reason == "context"
 
 
 def test_server_takes_the_cache_flags():
