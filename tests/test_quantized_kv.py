@@ -25,6 +25,7 @@ from mlx_speculate.generate import main as generate_main
 from mlx_speculate.generation import Session, stream_generate
 from mlx_speculate.heads.mtp import MtpHead
 from mlx_speculate.loading import build_model
+from mlx_speculate.models.attention import scaled_dot_product_attention
 from mlx_speculate.models.quantized_kv import KVQuantization
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
@@ -106,6 +107,55 @@ def test_greedy_speculation_equals_plain_decoding_over_a_quantized_cache(model_t
         assert decoder.drafted > 0, name
         if name == "draft model":  # a related model: both acceptances and rejections
             assert 0 < decoder.accepted < decoder.drafted, name
+
+
+# Head sizes of whole groups for the other families: Gemma 4's sliding layers read shared
+# keys from earlier ones (packed too), gpt-oss adds sink logits and a sliding layer.
+OTHERS = {
+    "gemma4_text": {"head_dim": 32, "global_head_dim": 64},
+    "gpt_oss": {"head_dim": 32},
+    "qwen3_moe": {},
+    "phi3": {"head_dim": 32},
+    "qwen2": {"head_dim": 32},
+}
+
+
+@pytest.mark.parametrize("model_type", list(OTHERS))
+def test_every_family_is_exact_over_a_quantized_cache(model_type):
+    """Prompt lookup's chains and trees at 4 bits from slot 22, on the remaining families."""
+    target = tiny_model(model_type, **OTHERS[model_type])
+    kv = KVQuantization(4, 32, 22)
+    reference, decoder = generated(target, None, kv)
+    assert decoder.cache.codec == kv
+    for branches in (1, 3):
+        tokens, decoder = generated(target, LookupDrafter(max_ngram=3, branches=branches), kv)
+        assert tokens == reference, branches
+        assert decoder.drafted > 0
+
+
+@pytest.mark.parametrize("bits", [8, 4, 3])
+def test_quantized_attention_is_attention_over_the_dequantized_cache(bits):
+    """The codec's attention (grouped query heads, an additive mask, gpt-oss sinks) equals
+    float attention over the keys and values its packed rows decode to."""
+    codec = KVQuantization(bits, 32, 0)
+    keys = mx.random.normal((1, 2, 40, 64), key=mx.random.key(1))
+    values = mx.random.normal((1, 2, 40, 64), key=mx.random.key(2))
+    q = mx.random.normal((1, 4, 3, 64), key=mx.random.key(3))
+    mask = mx.where(mx.random.uniform(shape=(3, 40), key=mx.random.key(4)) < 0.3, -1e9, 0.0)
+    sinks = mx.array([0.5, -1.0, 2.0, 0.0])
+    k, v = codec.encode(keys), codec.encode(values)
+    assert k.dtype == mx.uint32 and k.shape == (1, 2, 40, 64 * bits // 32 + 2 * 64 // 32)
+
+    def dequantized(words):
+        return mx.dequantize(*codec.decode(words, mx.float32), group_size=32, bits=bits)
+
+    assert mx.abs(dequantized(k) - keys).max().item() < 2.0 ** (2 - bits) * 4
+    for sink in (None, sinks):
+        out = codec.attention(q, k, v, 0.125, mask, sink)
+        expected = scaled_dot_product_attention(
+            q, dequantized(k), dequantized(v), 0.125, mask, sink
+        )
+        assert mx.allclose(out, expected, atol=1e-4).item()
 
 
 KV = [KVQuantization(8, 32, 0), KVQuantization(4, 32, 24)]
