@@ -92,7 +92,8 @@ class Decoder:
         self.model = model
         self.drafter = drafter
         most = model.args.max_position_embeddings
-        if max_context is not None and (type(max_context) is not int or max_context < 1):
+        bad = isinstance(max_context, bool) or not isinstance(max_context, int | None)
+        if bad or (max_context is not None and max_context < 1):
             raise ValueError(f"max_kv_size must be a positive integer, got {max_context!r}")
         self.max_context = min(max_context or most, most)
         self.cache: KVCache = model.make_cache()

@@ -125,6 +125,7 @@ def stream_generate(
     arguments.check_prompt(prompt)
     arguments.check_max_tokens(max_tokens)
     stop = arguments.check_stop(stop)
+    kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     sampling, keywords = split_options(options, sampling, _NAMED)
     num_draft_tokens = keywords.get("num_draft_tokens")
     typical = bool(keywords.get("typical_acceptance", False))
@@ -139,7 +140,6 @@ def stream_generate(
             num_draft_tokens, typical = spec.num_draft_tokens, spec.typical_acceptance
     elif set(keywords) - {"num_draft_tokens", "typical_acceptance"}:
         raise ValueError(f"a ready drafter takes no {', '.join(keywords)}")
-    kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     session = Session(
         model, tokenizer, drafter, typical_acceptance=typical, kv=kv, max_kv_size=max_kv_size
     )
