@@ -162,17 +162,24 @@ KV = [KVQuantization(8, 32, 0), KVQuantization(4, 32, 24)]
 
 
 @pytest.mark.parametrize("kv", KV, ids=["8-bit", "4-bit-from-24"])
-def test_dflash_chains_and_trees_are_exact_over_a_quantized_cache(kv):
-    """DFlash's block drafts (chain and DDTree) on a 6-layer Llama."""
+def test_deep_target_drafters_are_exact_over_a_quantized_cache(kv):
+    """DFlash's block drafts (chain and DDTree) and EAGLE-3 (tapping three layers) on a
+    6-layer Llama."""
     deep = {**FAMILIES["llama"], "num_hidden_layers": 6}
     target = tiny_model("llama", **deep)
     head = random_dflash_head(dflash_config(tiny_config("llama", **deep)), 1)
+    config = {k: v for k, v in vars(target.args).items() if not k.startswith("_")}
+    eagle3 = random_eagle_head(config, 3, 5, draft_vocab=None, taps=(0, 3, 5))
     reference, _ = generated(target, None, kv, PROMPT)
-    for top_k in (1, 3):
-        drafter = make_drafter(DFlashSpec(drafter=head, top_k=top_k), target)
+    methods = {
+        f"dflash top-{top_k}": make_drafter(DFlashSpec(drafter=head, top_k=top_k), target)
+        for top_k in (1, 3)
+    }
+    methods["eagle-3"] = make_drafter(EagleSpec(heads=eagle3, tree=EagleGrowth(16, 4, 4)), target)
+    for name, drafter in methods.items():
         tokens, decoder = generated(target, drafter, kv, PROMPT)
-        assert tokens == reference, top_k
-        assert decoder.drafted > 0
+        assert tokens == reference, name
+        assert decoder.drafted > 0, name
 
 
 @pytest.mark.parametrize("kv", KV, ids=["8-bit", "4-bit-from-24"])
