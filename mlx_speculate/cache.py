@@ -10,13 +10,44 @@ Fixed shapes: `write` puts keys at an array start (`mx.slice_update`) and return
 storage, so a forward's graph depends on the capacity alone, not on the offset; attention reads
 the leading `span` slots under a mask of the valid ones (models/context.py). A compiled step
 reuses its graph until the capacity grows (`reserve`).
+
+Quantized keys and values (models/quantized_kv.py): with a planned `KVCodec` the storage turns
+into packed rows once a forward starts at the codec's `start` slot, and every later write is
+packed as it is written; the arrays keep their (B, H_kv, capacity, W) layout, so everything
+above moves them unchanged.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from typing import Protocol
 
 import mlx.core as mx
+
+
+class KVCodec(Protocol):
+    """What a cache and attention read of a quantization (models/quantized_kv.py)."""
+
+    @property
+    def start(self) -> int: ...  # the slot from which the cache is stored quantized
+
+    def check_sizes(self, sizes: list[int]) -> None: ...  # a ValueError for a head size it cannot
+
+    def width(self, size: int, dtype: mx.Dtype) -> int: ...  # words per slot of `size` values
+
+    def encode(self, x: mx.array) -> mx.array: ...  # (..., D) float -> (..., W) uint32
+
+    def attention(
+        self,
+        q: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        scale: float,
+        mask: mx.array | None,
+        sinks: mx.array | None = None,
+        softcap: float | None = None,
+    ) -> mx.array: ...  # (B, H, L, D) queries over packed (B, Hk, S, W) keys and values
 
 
 class KVCache:
@@ -40,6 +71,11 @@ class KVCache:
         self.attended: int | None = None
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
+        # What the storage holds (None: float keys), and the quantization it switches to once
+        # a forward starts at that one's `start` (`quantize_from`).
+        self.codec: KVCodec | None = None
+        self.planned: KVCodec | None = None
+        self._float_likes = self.likes
 
     @property
     def capacity(self) -> int:
@@ -62,7 +98,10 @@ class KVCache:
 
     def reserve(self, length: int) -> None:
         """Room for `length` slots in every layer, copying what it holds (layers not yet
-        written take their `like`; without one they stay unallocated)."""
+        written take their `like`; without one they stay unallocated). A planned quantization
+        whose start the offset has reached switches first: a compiled step reserves before it
+        runs."""
+        self._switch()
         for layer, (k, like) in enumerate(zip(self.keys, self.likes, strict=True)):
             if k is not None:
                 self._reserve(layer, k, self.values[layer], length)
@@ -93,6 +132,10 @@ class KVCache:
         does not depend on it) and returns the whole (B, H_kv, capacity, D) storage. `end`, the
         host's start + L, makes room first; None when the caller reserved it (compiled steps)."""
         if end is not None:
+            self._switch()
+        if self.codec is not None:
+            keys, values = self.codec.encode(keys), self.codec.encode(values)
+        if end is not None:
             self._reserve(layer, keys, values, end)
         k = mx.slice_update(self.keys[layer], keys, start[None], axes=(2,))
         v = mx.slice_update(self.values[layer], values, start[None], axes=(2,))
@@ -112,7 +155,51 @@ class KVCache:
         """Drops every slot from `length` on (the storage stays; O(1))."""
         if not 0 <= length <= self.offset:
             raise ValueError(f"cannot truncate a cache of {self.offset} slots to {length}")
+        if self.codec is not None and length < self.codec.start:
+            # Slots below the start were float once: only a fresh cache is exact again.
+            if length:
+                raise ValueError(
+                    f"cannot truncate a quantized cache to {length} slots, below its "
+                    f"quantized_kv_start of {self.codec.start} (only to 0)"
+                )
+            self.codec, self.likes = None, self._float_likes
+            self.keys, self.values = [None] * len(self.keys), [None] * len(self.values)
         self.offset = length
+
+    def quantize_from(self, codec: KVCodec | None) -> None:
+        """Plans `codec`: keys and values are stored quantized once a forward starts at or past
+        its `start` slot (at once for 0); None keeps them float. A one-line ValueError where
+        a layer's head size does not fit it."""
+        if codec is not None:
+            codec.check_sizes([like.shape[-1] for like in self.likes if like is not None])
+        self.planned = codec
+        self._switch()
+
+    def before_switch(self, root: int) -> int:
+        """How many slots after `root` a forward from `root` may write before the planned
+        quantization's start: a step's draft stays below it, so that each of its rows reads
+        the representation plain decoding would give it (unbounded without a switch ahead)."""
+        codec = self.planned
+        if codec is None or self.codec is not None or root >= codec.start:
+            return sys.maxsize
+        return codec.start - root - 1
+
+    def _switch(self) -> None:
+        """Quantizes the storage (every slot: a row quantizes alone) once the offset reaches
+        the planned quantization's start."""
+        codec = self.planned
+        if codec is None or self.codec is not None or self.offset < codec.start:
+            return
+        self.codec = codec
+        words = [
+            None if like is None else codec.width(like.shape[3], like.dtype) for like in self.likes
+        ]
+        self.likes = [  # (B, H_kv, 0, W)
+            None if like is None else mx.zeros((*like.shape[:3], w), mx.uint32)
+            for like, w in zip(self.likes, words, strict=True)
+        ]
+        self.keys = [None if k is None else codec.encode(k) for k in self.keys]
+        self.values = [None if v is None else codec.encode(v) for v in self.values]
 
     def compact(self, start: int | mx.array, path: mx.array) -> None:
         """Moves the keys and values at slots start + path[i] to start + i in every layer: a
@@ -165,7 +252,7 @@ class KVCache:
 
     def restorable(self, length: int) -> int:
         """The longest prefix of at most `length` slots that `truncate` can return to."""
-        return length
+        return length if self.codec is None or length >= self.codec.start else 0
 
     def set_arrays(self, arrays: Sequence[mx.array]) -> None:
         """Takes a compiled step's cache outputs back (the order of `state`)."""

@@ -156,3 +156,50 @@ def stdout_gone() -> int:
     by SIGPIPE. stdout now points at /dev/null, so Python's final flush cannot fail either."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 141
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
+    """mlx-lm's KV cache flags: quantized keys and values, and the context's bound."""
+    from .models.quantized_kv import BITS, DEFAULT_START, GROUP_SIZES
+
+    group = parser.add_argument_group("KV cache (docs/long-context.md)")
+    group.add_argument(
+        "--kv-bits",
+        type=int,
+        choices=BITS,
+        default=None,
+        help="store keys and values at this many bits (default: float); speculation stays "
+        "exact for the quantized cache",
+    )
+    group.add_argument(
+        "--kv-group-size",
+        type=int,
+        choices=GROUP_SIZES,
+        default=64,
+        help="values per quantization scale along the head dim (default: 64)",
+    )
+    group.add_argument(
+        "--quantized-kv-start",
+        type=non_negative_int,
+        default=DEFAULT_START,
+        metavar="N",
+        help="with --kv-bits, quantize once the context holds N tokens (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-kv-size",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="hold at most N tokens of context (prompt included): a longer prompt is refused, "
+        "generation stops there; nothing is dropped",
+    )
+
+
+def cache_options(args: argparse.Namespace) -> dict[str, int | None]:
+    """`stream_generate`'s keywords for the flags `add_cache_arguments` added."""
+    return {
+        "kv_bits": args.kv_bits,
+        "kv_group_size": args.kv_group_size,
+        "quantized_kv_start": args.quantized_kv_start,
+        "max_kv_size": args.max_kv_size,
+    }

@@ -110,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
         "it; --model and --dtype default to the ones it was made with",
     )
     parser.add_argument("--verbose", action="store_true", help="print speed and statistics")
+    cli.add_cache_arguments(parser)
     distributed.add_arguments(parser)
     drafter_cli.add_arguments(parser)
     return parser
@@ -192,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sampling=sampling,
                 stop=stops,
                 **options,
+                **cli.cache_options(args),
             ):
                 print(response.text, end="", flush=True)
                 if watchdog is not None:
@@ -210,10 +212,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print()
         return cli.fail(e)
     if response.finish_reason == "context":
-        n = response.generation_tokens
+        n, most = response.generation_tokens, model.args.max_position_embeddings
+        bound = (
+            f"model's context of {most} tokens"
+            if (args.max_kv_size or most) >= most
+            else f"context of {args.max_kv_size} tokens (--max-kv-size)"
+        )
         print(
-            f"note: stopped after {n} token{'' if n == 1 else 's'}: the model's context "
-            f"of {model.args.max_position_embeddings} tokens is full",
+            f"note: stopped after {n} token{'' if n == 1 else 's'}: the {bound} is full",
             file=sys.stderr,
         )
     if args.verbose and (group is None or group.rank() == 0):

@@ -26,6 +26,7 @@ from .drafters import (
 from .grammar import Grammar
 from .grammar.constraint import Constraint
 from .models.base import CausalLM
+from .models.quantized_kv import DEFAULT_START, KVQuantization, kv_quantization
 from .policy.adaptive import FixedPolicy, Policy
 from .policy.measure import default_policy
 from .prompt_cache import resume
@@ -96,6 +97,10 @@ def stream_generate(
     policy: Policy | None = None,
     grammar: Grammar | None = None,
     prompt_cache_file: str | Path | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_START,
+    max_kv_size: int | None = None,
     **options: Any,
 ) -> Iterator[GenerationResponse]:
     """Yields one response per emitted token.
@@ -103,6 +108,12 @@ def stream_generate(
     `prompt_cache_file` (made by `python -m mlx_speculate.cache_prompt` or `prompt_cache`)
     starts from its cached prompt: `prompt` continues it, as with mlx-lm's `prompt_cache`, and
     only `prompt` is prefilled (prompt_cache/).
+
+    `kv_bits`, `kv_group_size`, `quantized_kv_start` (mlx-lm's): keys and values cached at
+    that many bits once the context reaches `quantized_kv_start` tokens, speculation exact
+    for that cache (models/quantized_kv.py); `max_kv_size`: at most that many tokens of
+    context, the prompt included (a longer prompt is refused, generation stops at it with
+    finish_reason "context"; nothing is dropped, unlike mlx-lm's rotating cache).
 
     `grammar` (`Grammar.json_schema(...)`, `.json_object()`, `.lark(...)`) constrains the
     output, with speculation still exact for the constrained distribution (grammar/constraint.py):
@@ -122,6 +133,7 @@ def stream_generate(
     arguments.check_prompt(prompt)
     arguments.check_max_tokens(max_tokens)
     stop = arguments.check_stop(stop)
+    kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     sampling, keywords = split_options(options, sampling, _NAMED)
     num_draft_tokens = keywords.get("num_draft_tokens")
     typical = bool(keywords.get("typical_acceptance", False))
@@ -136,7 +148,9 @@ def stream_generate(
             num_draft_tokens, typical = spec.num_draft_tokens, spec.typical_acceptance
     elif set(keywords) - {"num_draft_tokens", "typical_acceptance"}:
         raise ValueError(f"a ready drafter takes no {', '.join(keywords)}")
-    session = Session(model, tokenizer, drafter, typical_acceptance=typical)
+    session = Session(
+        model, tokenizer, drafter, typical_acceptance=typical, kv=kv, max_kv_size=max_kv_size
+    )
     if prompt_cache_file is not None:
         prompt = resume(session.sequence, prompt_cache_file, prompt, tokenizer)
     yield from session.stream(
@@ -179,12 +193,16 @@ class Session:
         drafter: Drafter | None = None,
         *,
         typical_acceptance: bool = False,
+        kv: KVQuantization | None = None,
+        max_kv_size: int | None = None,
     ):
+        """`kv`: the cache's quantization; `max_kv_size`: the context's bound (Decoder)."""
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.typical_acceptance = typical_acceptance
-        self.sequence = Sequence(model, drafter)  # its context and cache carry over
+        # its context and cache carry over
+        self.sequence = Sequence(model, drafter, max_kv_size, kv)
         self.decoder = Decoder(self.sequence)
         self._policy: Policy | None = None  # the default one, built while the drafter is fresh
 

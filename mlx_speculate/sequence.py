@@ -36,6 +36,7 @@ from .device import GENERATION_STREAM
 from .drafters.base import Draft, Drafter, FusedDrafter, PipelinedDrafter, TargetFeatures
 from .grammar.constraint import Constraint, Guide, masked, points
 from .models.base import CausalLM
+from .models.quantized_kv import KVQuantization
 from .models.quantized_prefill import prefilling
 from .sampling import SamplingParams
 from .tree import ROOT, Tree
@@ -127,12 +128,23 @@ class Sequence:
     cache and drafter state, and what the generation under way asked for."""
 
     def __init__(
-        self, model: CausalLM, drafter: Drafter | None = None, max_context: int | None = None
+        self,
+        model: CausalLM,
+        drafter: Drafter | None = None,
+        max_context: int | None = None,
+        kv: KVQuantization | None = None,
     ):
+        """`max_context`: the context's bound (a cache's max_kv_size), at most the model's;
+        `kv`: the cache's quantization (models/quantized_kv.py), None for float keys."""
         self.model = model
         self.drafter = drafter
-        self.max_context = max_context or model.args.max_position_embeddings
+        most = model.args.max_position_embeddings
+        bad = isinstance(max_context, bool) or not isinstance(max_context, int | None)
+        if bad or (max_context is not None and max_context < 1):
+            raise ValueError(f"max_kv_size must be a positive integer, got {max_context!r}")
+        self.max_context = min(max_context or most, most)
         self.cache: KVCache = model.make_cache()
+        self.cache.quantize_from(kv)
         self.taps = drafter.taps if drafter is not None else ()
         # What the drafter offers beyond proposing (drafters/base.py), read once.
         self.pipelined = isinstance(drafter, PipelinedDrafter)
@@ -174,9 +186,10 @@ class Sequence:
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
         if len(prompt) > self.max_context:
+            model = self.max_context >= self.model.args.max_position_embeddings
             raise ValueError(
-                f"the prompt has {len(prompt)} tokens, more than the model's context of "
-                f"{self.max_context}"
+                f"the prompt has {len(prompt)} tokens, more than the "
+                f"{'model' if model else 'cache'}'s context of {self.max_context}"
             )
         prompt = self._check_ids(prompt)
         kept = self.reusable(prompt)
@@ -259,7 +272,9 @@ class Sequence:
         its root and draft nodes from cache slot len(context) - 1 on (the context limit bounds
         their number) and emits its accepted drafts and one more (the tokens wanted bound how
         many drafts it may accept: the draft's depth)."""
-        return min(self.context_room(), self._limit - len(self.context))
+        # A step stops short of a planned quantization's start (KVCache.before_switch).
+        switch = self.cache.before_switch(len(self.context) - 1)
+        return min(self.context_room(), self._limit - len(self.context), switch)
 
     def context_room(self) -> int:
         """How many draft nodes the next step's verify forward can hold in the context."""

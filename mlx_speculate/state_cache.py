@@ -141,7 +141,7 @@ class HybridCache(KVCache):
         super().advance(length)
 
     def restorable(self, length: int) -> int:
-        return length if length >= self._kept[0] or length == 0 else 0
+        return super().restorable(length) if length >= self._kept[0] or length == 0 else 0
 
     def truncate(self, length: int) -> None:
         """As `KVCache.truncate`, where the recurrent state can be restored: within the last

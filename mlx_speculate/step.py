@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from .cache import KVCache
+from .cache import KVCache, KVCodec
 from .graphs import compiled
 from .models.base import CausalLM
 from .sampling import SamplingParams, pick
@@ -115,12 +115,13 @@ def verify(
     masked = allowed is not None
     shape = (rows, padded.is_chain, padded.depth, padded.width)
     span = _reserve(model, cache, (cache.offset if at is None else at[1]) + rows)
-    key = ("verify", shape, sampled_q, masked, rule, taps, span)
+    codec = cache.codec  # after `_reserve`, which may have switched it
+    key = ("verify", shape, sampled_q, masked, rule, taps, codec, span)
     key += () if then is None else (then.key,)
     fn = compiled(
         model,
         key,
-        lambda: _verify_fn(model, padded, rule, taps, sampled_q, masked, span, then),
+        lambda: _verify_fn(model, padded, rule, taps, sampled_q, masked, span, then, codec),
         traced=model.traceable,
     )
     start = mx.array(cache.offset, dtype=mx.int32) if at is None else at[0]
@@ -158,6 +159,7 @@ def _verify_fn(
     masked: bool,
     span: int,
     then: Then | None,
+    codec: KVCodec | None = None,
 ) -> Callable:
     def step(start, inputs, drafted, parent_index, depth_index, ancestors, *rest):
         q, rest = (rest[0], rest[1:]) if sampled_q else (None, rest)
@@ -173,7 +175,7 @@ def _verify_fn(
             depth_index,
             ancestors,
         )
-        view = cache_view(model, arrays, start, span)
+        view = cache_view(model, arrays, start, span, codec)
         positions = mask = None
         if not shape.is_chain:  # a chain (and its padding) needs the causal default
             positions, mask = start + depth_index, ancestors
@@ -210,12 +212,12 @@ def _reserve(model, cache: KVCache, length: int) -> int:
     return cache.span(length)
 
 
-def cache_view(model, arrays, start, span: int) -> KVCache | None:
+def cache_view(model, arrays, start, span: int, codec: KVCodec | None = None) -> KVCache | None:
     """The cache a traced forward writes into: a view over the step's cache inputs, whose
-    attention reads the leading `span` slots."""
+    attention reads the leading `span` slots; `codec`: the live cache's quantization."""
     cache = model.make_cache()
     cache.adopt(arrays)
-    cache.start, cache.attended = start, span
+    cache.start, cache.attended, cache.codec = start, span, codec
     return cache
 
 
@@ -263,8 +265,9 @@ def decode_at(
     rows = inputs.shape[0]
     sampling = replace(sampling, seed=None)
     span = _reserve(model, cache, at[1] + rows + k)
-    key = ("decode", k, sampling, shared, vocab, span)
-    build = lambda: _decode_fn(model, k, sampling, shared, vocab, span)  # noqa: E731
+    codec = cache.codec
+    key = ("decode", k, sampling, shared, vocab, codec, span)
+    build = lambda: _decode_fn(model, k, sampling, shared, vocab, span, codec)  # noqa: E731
     fn = compiled(model, key, build, traced=model.traceable)
     last = mx.array(last, dtype=mx.int32)
     picked, logprobs, *arrays = fn(at[0], last, inputs[None], *cache.state)
@@ -273,10 +276,16 @@ def decode_at(
 
 
 def _decode_fn(
-    model, k: int, sampling: SamplingParams, shared: int, vocab: int, span: int
+    model,
+    k: int,
+    sampling: SamplingParams,
+    shared: int,
+    vocab: int,
+    span: int,
+    codec: KVCodec | None,
 ) -> Callable:
     def step(start, last, inputs, *arrays):
-        view = cache_view(model, arrays, start, span)
+        view = cache_view(model, arrays, start, span, codec)
         logits = mx.take(model(inputs, view).logits.squeeze(0), last, axis=0)  # the last real row
         picked, rows = [], []
         for i in range(k):

@@ -48,12 +48,15 @@ def batch_generate(
     stop: Sequence[str] = (),
     drafter: DrafterSpec | None = None,
     max_batch: int = 32,
+    max_kv_size: int | None = None,
     **options: Any,
 ) -> BatchResponse:
     """Generates for every prompt, up to `max_batch` at once in one forward per step, each as
     `stream_generate` would alone (greedy: the same tokens; sampled: the same distribution).
     `drafter` (a method's spec) or the method keywords of `stream_generate` (`prompt_lookup=True`,
-    `draft_model=...`, `eagle=...`, ...) give every prompt its own drafter of that method."""
+    `draft_model=...`, `eagle=...`, ...) give every prompt its own drafter of that method.
+    `max_kv_size` bounds each context as in `stream_generate` (the batch keeps a float cache:
+    no `kv_bits`)."""
     arguments.check_max_tokens(max_tokens)
     stop = arguments.check_stop(stop)
     for prompt in prompts:
@@ -70,7 +73,9 @@ def batch_generate(
         tokens = plain_tokens(tokenizer, [prompt]) if isinstance(prompt, str) else list(prompt)
         draft = None if spec is None else make_drafter(spec, model, tokenizer)
         typical = spec is not None and spec.typical_acceptance
-        session = Session(model, tokenizer, draft, typical_acceptance=typical)
+        session = Session(
+            model, tokenizer, draft, typical_acceptance=typical, max_kv_size=max_kv_size
+        )
         asked = None if spec is None else spec.num_draft_tokens
         handles.append(Handle(session, tokens, sampling, max_tokens, stop, num_draft_tokens=asked))
     texts: list[list[str]] = [[] for _ in prompts]

@@ -172,10 +172,15 @@ def attention(
     softcap: float | None = None,
 ) -> mx.array:
     """SDPA of rotated (B, H, L, D) queries over what `store` returned, under `layer`'s mask
-    (the window's on sliding layers); (B, L, H * D)."""
+    (the window's on sliding layers); (B, L, H * D). Over a quantized cache's packed keys and
+    values, its codec's attention (models/quantized_kv.py)."""
     B, _, L, _ = queries.shape
     mask = ctx.window_mask if ctx.window_mask is not None and ctx.sliding[layer] else ctx.mask
-    out = scaled_dot_product_attention(queries, keys, values, scale, mask, sinks, softcap)
+    codec = None if ctx.cache is None else ctx.cache.codec
+    if codec is not None:
+        out = codec.attention(queries, keys, values, scale, mask, sinks, softcap)
+    else:
+        out = scaled_dot_product_attention(queries, keys, values, scale, mask, sinks, softcap)
     return out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, H * D)
 
 

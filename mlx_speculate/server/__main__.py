@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from .. import cli
 from ..drafters import cli as drafter_cli
 from ..models.base import implementation_line
+from ..models.quantized_kv import kv_quantization
 from ..parallel import group as distributed
 from ..parallel.group import init_group
 from ..parallel.sharding import Split
@@ -127,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         help="uvicorn's log level",
     )
+    cli.add_cache_arguments(parser)
     distributed.add_arguments(parser)
     drafter_cli.add_arguments(parser)
     return parser
@@ -148,7 +150,10 @@ def model_id(source: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.kv_bits is not None and args.max_batch > 1:
+        parser.error("--kv-bits needs --max-batch 1: the batch engine keeps a float cache")
     try:  # the [server] extra; without it, say how to get it rather than a traceback
         import fastapi  # noqa: F401
         import uvicorn
@@ -168,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .worker import Worker
 
     try:
+        kv = kv_quantization(args.kv_bits, args.kv_group_size, args.quantized_kv_start)
         spec = drafter_cli.spec_from_args(args)
         template = None if args.chat_template is None else chat_template(args.chat_template)
         source = model_source(args.model)
@@ -192,7 +198,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 apply_chat_template(tokenizer, [{"role": "user", "content": "Hi"}])
             except (jinja2.TemplateError, ValueError, TypeError) as e:
                 raise ValueError(f"the chat template {args.chat_template} fails: {e}") from None
-        return SessionPool(model, tokenizer, spec, args.prompt_cache_size, group)
+        return SessionPool(
+            model, tokenizer, spec, args.prompt_cache_size, group, kv, args.max_kv_size
+        )
 
     metrics = Metrics()
     worker = Worker(load, metrics, args.max_queue, lockstep, args.max_batch)

@@ -25,8 +25,10 @@ import mlx.core as mx
 from ..drafters import DrafterSpec, LookupSpec, make_drafter
 from ..generation import Session
 from ..models.base import CausalLM
+from ..models.quantized_kv import KVQuantization
 from ..parallel.group import shared_policy, shared_spec
 from ..policy.adaptive import Policy
+from ..sequence import Sequence
 
 NONE = "none"  # the method name that turns speculation off
 
@@ -51,13 +53,18 @@ class SessionPool:
         spec: DrafterSpec | None = None,
         max_sessions: int = 4,
         group: mx.distributed.Group | None = None,
+        kv: KVQuantization | None = None,
+        max_kv_size: int | None = None,
     ):
+        """`kv`, `max_kv_size`: every session's cache quantization and context bound."""
         if max_sessions < 1:
             raise ValueError(f"the prompt cache must hold at least 1 session, got {max_sessions}")
         self.model = model
         self.tokenizer = tokenizer
         self.max_sessions = max_sessions
-        self.max_context = model.args.max_position_embeddings
+        self.kv, self.max_kv_size = kv, max_kv_size
+        # Checked now: a setting that does not fit the model fails at start, not per request.
+        self.max_context = Sequence(model, None, max_kv_size, kv).max_context
         self.group = group
         # Prompt lookup needs nothing loaded, so it is always on offer.
         self.methods: dict[str, DrafterSpec | None] = {NONE: None, LookupSpec.method: LookupSpec()}
@@ -153,10 +160,15 @@ class SessionPool:
 
     def _new(self, method: str) -> Entry:
         spec = self.methods[method]
+        cache = {"kv": self.kv, "max_kv_size": self.max_kv_size}
         if spec is None:
-            return Entry(method, Session(self.model, self.tokenizer))
+            return Entry(method, Session(self.model, self.tokenizer, **cache))
         drafter = make_drafter(spec, self.model, self.tokenizer)
         session = Session(
-            self.model, self.tokenizer, drafter, typical_acceptance=spec.typical_acceptance
+            self.model,
+            self.tokenizer,
+            drafter,
+            typical_acceptance=spec.typical_acceptance,
+            **cache,
         )
         return Entry(method, session)
