@@ -209,7 +209,10 @@ def test_quantized_cache_changes_the_model_and_the_switch_happens_at_its_start()
     same = start - len(REPEATING) + 1
     assert tokens[:same] == float_tokens[:same]
     assert tokens != float_tokens
-    assert decoder.sequence.cache.codec is not None and decoder.sequence.cache.keys[0].dtype == mx.uint32
+    assert (
+        decoder.sequence.cache.codec is not None
+        and decoder.sequence.cache.keys[0].dtype == mx.uint32
+    )
     # Packed rows: 32 values at 4 bits in 4 words, a float32 scale and bias in 2 more.
     assert decoder.sequence.cache.keys[0].shape[-1] == 32 * 4 // 32 + 2
 
@@ -219,9 +222,9 @@ def test_a_step_stops_short_of_the_switch():
     it drafts at most up to the slot before it."""
     target = tiny_model("llama", **FAMILIES["llama"])
     start = len(REPEATING) + 5
-    decoder = Decoder(Sequence(
-        target, LookupDrafter(max_ngram=3, branches=1), kv=KVQuantization(8, 32, start)
-    ))
+    decoder = Decoder(
+        Sequence(target, LookupDrafter(max_ngram=3, branches=1), kv=KVQuantization(8, 32, start))
+    )
     decoder.sequence.prefill(REPEATING)
     for step in decoder.steps(SamplingParams(), FixedPolicy(6), max_tokens=N):
         root = len(decoder.sequence.context) - len(step.tokens) - 1  # the step's first slot
