@@ -233,13 +233,18 @@ def test_first_use_is_quick_says_so_and_calibrate_measures_again(
     assert counting.calls == 2 and not caplog.records  # the thorough plan says nothing
 
 
-def test_the_server_calibrates_its_method_before_requests(monkeypatch):
+def test_the_server_calibrates_before_requests_or_not_at_all(monkeypatch):
+    """A pool calibrates nothing by itself (a batched server's planner needs no policy), nor
+    does acquiring a session; `calibrate`, which a server decoding one request at a time runs
+    before its first, calibrates each method it serves once (prompt lookup's too)."""
     from mlx_speculate.server.sessions import SessionPool
 
     counting = Counting(monkeypatch)
     pool = SessionPool(tiny_model(), None, LookupSpec())
-    assert counting.calls == 1 and set(pool.policies) == {LookupSpec.method}
     pool.acquire(LookupSpec.method, [1, 2, 3])
-    assert counting.calls == 1
-    SessionPool(tiny_model(), None)  # plain by default: prompt lookup calibrates on first use
+    assert counting.calls == 0 and pool.policies == {}
+    pool.calibrate()
+    assert counting.calls == 1 and set(pool.policies) == {LookupSpec.method}
+    pool.acquire(LookupSpec.method, [1, 2, 3, 4])
+    assert pool.policy(LookupSpec.method) is pool.policies[LookupSpec.method]
     assert counting.calls == 1
