@@ -335,8 +335,8 @@ def test_server_takes_the_cache_flags():
     kv = KVQuantization(args.kv_bits, args.kv_group_size, args.quantized_kv_start)
     pool = SessionPool(target, StubTokenizer(), None, 1, None, kv, args.max_kv_size)
     assert pool.max_context == 20
-    decoder = pool.acquire("none", [1, 2, 3]).session.decoder
-    assert decoder.sequence.cache.planned == kv and decoder.max_context == 20
+    sequence = pool.acquire("none", [1, 2, 3]).session.sequence
+    assert sequence.cache.planned == kv and sequence.max_context == 20
     with pytest.raises(ValueError, match="does not divide the head size 16"):
         SessionPool(tiny_model("llama"), StubTokenizer(), None, 1, None, kv)
 
