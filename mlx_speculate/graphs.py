@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from .memo import Table, per_model
 
@@ -24,19 +25,30 @@ def built() -> int:
 
 def compiled(model, key: tuple, build: Callable[[], Callable], traced: bool = True) -> Callable:
     """The function `build()` makes for `model` and `key`, under `mx.compile` (the random state
-    passed through) unless `traced` is False (a model that cannot be traced); built once."""
+    passed through) unless `traced` is False (a model that
+    cannot be traced); built once. Weights are the graph's constants, but a model with scalar
+    weights passes its arrays as inputs (`_scalar_weights`)."""
 
     def make() -> Callable:
         fn = build()
         if traced:
-            # The graph captures the weights as they are: a lazy one (random, quantized or
-            # cast in memory, loaded lazily) would be computed again inside every call.
+            # Weights are evaluated first: a lazy one (random, quantized or cast in memory,
+            # loaded lazily) would be computed again inside every call.
             mx.eval(model.parameters())
             state = mx.random.state
-            fn = _counted(mx.compile(fn, inputs=state, outputs=state))
+            inputs = [state, model] if _scalar_weights(model) else state
+            fn = _counted(mx.compile(fn, inputs=inputs, outputs=state))
         return fn
 
     return per_model(_COMPILED, model, key, make)
+
+
+def _scalar_weights(model) -> bool:
+    """Whether `model` has a weight of one element (Gemma 4's per-layer `layer_scalar`). A graph
+    inlines its scalar constants into its kernels, so such weights held as constants make a
+    kernel per layer, each compiled by the backend's JIT on a model's first request; as inputs
+    they share one (the module read on each call, which costs a traversal of its arrays)."""
+    return any(w.size == 1 for _, w in tree_flatten(model.parameters()))
 
 
 def _counted(fn: Callable) -> Callable:

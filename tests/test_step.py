@@ -14,6 +14,7 @@ from mlx_speculate.sequence import Sequence
 from mlx_speculate.tree import Tree
 from mlx_speculate.verify import AcceptanceRule, greedy_accept, rejection_accept
 
+from .gemma4_models import tiny_gemma4
 from .helpers import decode, greedy_reference, leading_tokens, tiny_model
 from .markov import assert_follows_marginal, chi_square_limit
 
@@ -270,3 +271,22 @@ def test_a_step_that_traced_a_graph_prices_nothing():
     assert sum(not s.traced for s in verified) > len(verified) // 2
     assert observed == [0.0 if s.traced else s.seconds for s in verified]
     assert all(s.seconds > 0 for s in verified)
+
+
+def test_compiled_graphs_read_the_weights_as_inputs():
+    """A compiled graph takes a model's weights as inputs where one is a scalar: a graph inlines
+    its scalar constants, so Gemma 4's per-layer `layer_scalar` made a kernel per layer, each
+    compiled by the backend's JIT on a model's first request. A weight set after the first
+    call (here a layer's scalar) is what the next call reads, and no trace is added."""
+    model = tiny_gemma4(seed=0)
+    fn = graphs.compiled(model, ("weights",), lambda: lambda x: (model(x).logits,))
+    tokens = mx.array([[1, 5, 9]])
+    first = fn(tokens)[0]
+    before = graphs.built()
+    layer = model.model.layers[0]
+    layer.layer_scalar = 2 * layer.layer_scalar
+    want = model(tokens).logits
+    got = fn(tokens)[0]
+    assert graphs.built() == before
+    assert not mx.allclose(first, want).item()
+    assert mx.allclose(got, want, atol=1e-5).item()
