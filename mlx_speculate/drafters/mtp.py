@@ -174,9 +174,8 @@ class MtpDrafter(FusedDrafter):
         the head cannot be traced. Fixed shapes: every row of the verified chain's path (its
         row bucket at most), then the chain; the path's first slot is an input."""
         start = self._fused.path_start()
-        if not self.head.traceable or self._features.waiting or self._choice is None:
-            return None
-        if start is None:
+        known = start is not None and self._choice is not None and not self._features.waiting
+        if not known or not self.head.traceable:
             return None
         head, embed, project = self.head, self._embed, self._project
         k, sampling = self._choice
