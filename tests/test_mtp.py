@@ -15,9 +15,11 @@ from mlx.utils import tree_flatten
 from mlx_speculate.convert import convert
 from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters import MtpSpec, make_drafter
-from mlx_speculate.drafters.base import TargetFeatures
+from mlx_speculate.drafters import mtp as mtp_module
+from mlx_speculate.drafters.base import FusedDrafter, TargetFeatures
 from mlx_speculate.generate import main
 from mlx_speculate.generation import generate
+from mlx_speculate.graphs import compiled
 from mlx_speculate.heads.mtp import MtpHead
 from mlx_speculate.loading import build_model, load
 from mlx_speculate.policy.adaptive import FixedPolicy
@@ -27,6 +29,7 @@ from mlx_speculate.sequence import Sequence
 from .helpers import decode, greedy_reference, random_weights, tiny_model
 from .markov import StubTokenizer, assert_follows_marginal
 from .test_convert import save_tokenizer
+from .test_dflash import CyclingPolicy
 from .test_hybrid import FAMILIES, VOCAB, assert_close, config, hf_model
 
 GREEDY = SamplingParams()
@@ -227,6 +230,57 @@ def test_sampled_tokens_follow_the_targets_marginal(folders):
         seconds.append(tokens[1])
     assert accepted > 75  # the drafts were often right
     assert_follows_marginal(target, PROMPT, 0.5, 1, seconds)
+
+
+@pytest.mark.parametrize("ks", [(3,), (3, 2)], ids=["fixed", "cycling"])
+def test_steps_after_the_first_are_fused(monkeypatch, folders, ks):
+    """On a compiled hybrid target each verify step's graph drafts the next chain: the drafter
+    runs a graph of its own for the first step, and again only when the chain grows (a
+    shorter one is cut from the fused chain), and the output stays plain greedy's."""
+    target, _ = load(folders["qwen3_5_text"])
+    drafter = make_drafter(MtpSpec(), target)
+    assert isinstance(drafter, FusedDrafter) and target.traceable
+    own_graphs = []
+    counted = lambda *args, **kw: own_graphs.append(args[1]) or compiled(*args, **kw)  # noqa: E731
+    monkeypatch.setattr(mtp_module, "compiled", counted)
+    policy = CyclingPolicy(ks, every=4)
+    tokens, steps, _ = decode(target, PROMPT, 60, drafter, policy)
+    assert tokens == greedy_reference(target, PROMPT, 60)
+    assert len(steps) > 12 and 0 < sum(s.accepted for s in steps) < sum(s.drafted for s in steps)
+    growths = -(-len(steps) // 8) if len(ks) > 1 else 0  # from 2 back to 3, every 8 steps
+    assert 1 <= len(own_graphs) <= 1 + growths, own_graphs
+
+
+def test_fused_sampled_drafts_follow_the_targets_marginal(folders):
+    """The third token of many seeded generations with chains of one draft follows the target's
+    exact marginal. The head's fc is noisy (its drafts often wrong), so the first step often
+    rejects its draft and the third token is the second step's draft, which the first
+    step's verify graph drew (fused, and queued on its lazy count), or its resample."""
+    target, _ = load(folders["qwen3_5_text"])
+    weights = copying_weights(target.args)
+    noise = mx.random.normal(weights["fc.weight"].shape, key=mx.random.key(3))
+    weights["fc.weight"] = weights["fc.weight"] + 0.3 * noise
+    head = MtpHead(target.args).load_weights(list(weights.items()))
+    drafter = mtp_module.MtpDrafter(head, target)
+    followed = []
+    follow = drafter.follow
+    drafter.follow = lambda *args: followed.append(draft := follow(*args)) or draft
+    decoder = Decoder(Sequence(target, drafter))
+    sampling = SamplingParams(temperature=0.5)
+    mx.random.seed(1)
+    thirds, from_fused = [], 0
+    for _ in range(400):
+        decoder.sequence.prefill(PROMPT)
+        emitted = []  # tokens per step: the first token's, then each verify step's
+        for step in decoder.steps(sampling, FixedPolicy(1), max_tokens=8):
+            emitted.append(step.tokens)
+            if sum(map(len, emitted)) >= 3:
+                break
+        from_fused += len(emitted) == 3  # the first step rejected its draft
+        thirds.append([t for tokens in emitted for t in tokens][2])
+    queued = sum(d is not None for d in followed)
+    assert from_fused > 80 and queued > 100, (from_fused, queued)
+    assert_follows_marginal(target, PROMPT, 0.5, 2, thirds)
 
 
 # -- (3) conversion ---------------------------------------------------------------------------

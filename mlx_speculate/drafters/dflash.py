@@ -51,7 +51,7 @@ from ..step import Then, bucket, cache_view
 from ..tree import DeviceTree, Tree
 from .base import Draft, DrafterSpec, FusedDrafter, TargetFeatures
 from .eagle_grow import select
-from .features import FeatureQueue
+from .features import FeatureQueue, FusedSteps
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -147,13 +147,7 @@ class DFlashDrafter(FusedDrafter):
         self.cache = head.make_cache(head.norm.weight.dtype)  # it computes in its own dtype
         self._features = FeatureQueue(self.cache)  # rows: the context rows of `features`
         self._choice: tuple | None = None  # the last proposal's (`_choice`)
-        # Fused steps not yet settled, oldest first: their lazy drafts and choices. After
-        # `settle`, those of the last one, for the next proposal after the known committed
-        # positions.
-        self._queued: list[tuple[tuple, Draft]] = []
-        self._ready: tuple[tuple, Draft] | None = None
-        # After `follow`: the slot the next `then`'s path starts at (lazy), and a host bound.
-        self._start: tuple[mx.array, int] | None = None
+        self._fused = FusedSteps(self._features)  # entries: (choice, the block's draft)
         mx.eval(head.parameters())
 
     def weights(self) -> tuple[nn.Module, ...]:
@@ -163,15 +157,12 @@ class DFlashDrafter(FusedDrafter):
         self._features.add(features(features_.taps))
 
     def rewind(self, length: int) -> None:
-        self._queued, self._start = [], None  # unsettled fused steps wrote past the fed slots
-        if length < self._features.known:
-            self._ready = None
-        self._features.rewind(length)
+        self._fused.rewind(length)
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft | None:
         committed = len(context) - 1
         k = min(k, self.max_draft)
-        ready, self._ready = self._ready, None
+        ready = self._fused.take_ready()
         if k <= 0 or self._features.known != committed:
             return None
         choice = self._choice_of(k, sampling)
@@ -199,7 +190,7 @@ class DFlashDrafter(FusedDrafter):
         out = fn(rows, fed, mx.array(committed, mx.int32), pending, *self.cache.state)
         layers = len(self.cache.state)
         draft = self._cut(self._draft(choice, out[: len(out) - layers]), k)
-        if self._queued:  # a queued fused step wrote past `fed`: leave its slots alone
+        if self._fused.queued:  # a queued fused step wrote past `fed`: leave its slots alone
             return draft
         self.cache.set_arrays(out[len(out) - layers :])
         self.cache.advance(committed - self.cache.offset)
@@ -212,13 +203,10 @@ class DFlashDrafter(FusedDrafter):
         last one (or, after `follow`, of the step queued on its count); None when the head
         cannot be traced. Fixed shapes: the verified tree's path rows (at most B: a draft
         has at most B - 1 tokens) from the path's first slot (an input), then the block."""
-        start, self._start = self._start, None
-        if not self.head.traceable or self._features.waiting or self._choice is None:
+        start = self._fused.path_start()
+        known = start is not None and self._choice is not None and not self._features.waiting
+        if not known or not self.head.traceable:
             return None
-        if start is None:
-            if self._queued:
-                return None
-            start = (mx.array(self._features.fed, mx.int32), self._features.fed)
         head, target, choice, block = self.head, self.target, self._choice, self.block
         end = start[1] + 2 * block  # the path's rows, then the block after them
         self.cache.reserve(end)
@@ -244,7 +232,7 @@ class DFlashDrafter(FusedDrafter):
         layers = len(self.cache.state)
         self.cache.set_arrays(outputs[len(outputs) - layers :])
         draft = self._draft(self._choice, outputs[: len(outputs) - layers])
-        self._queued.append((self._choice, draft))
+        self._fused.received(self._choice, draft)
 
     def follow(
         self,
@@ -259,25 +247,18 @@ class DFlashDrafter(FusedDrafter):
         writes the path from the slot after them. None unless exactly that step is
         unsettled and the next is of the same choice."""
         choice = self._choice_of(min(k, self.max_draft), sampling)
-        if len(self._queued) != 1 or self._queued[0][0] != choice:
+        sole = self._fused.sole()
+        if sole is None or sole[0] != choice or not self.head.traceable:
             return None
-        if not self.head.traceable or self._features.waiting:
-            return None
-        fed = self._features.fed
-        self._start = (fed + 1 + accepted, fed + self.block)  # accepted <= B - 1
+        self._fused.follow(accepted, self.block - 1)  # a block drafts at most B - 1
         self._choice = choice
-        return self._cut(self._queued[0][1], k)
+        return self._cut(sole[1], k)
 
     def settle(self, accepted: int) -> None:
         """The oldest fused step accepted `accepted` drafts: its path's rows are in the
         cache, and its block follows them (unless a step queued on this one's count took
         it already)."""
-        queued = self._queued.pop(0)
-        fed = self._features.fed + accepted + 1
-        self._features.mark_fed(fed)
-        self._ready = None if self._queued else queued
-        self.cache.truncate(min(self.cache.offset, fed))
-        self.cache.advance(fed - self.cache.offset)
+        self._fused.settle(accepted)
 
     def _choice_of(self, k: int, sampling: SamplingParams) -> tuple:
         """What shapes the block's graph besides its sizes: ("greedy",), ("sampled",

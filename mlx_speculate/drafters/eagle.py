@@ -39,7 +39,7 @@ from ..step import Then, bucket, cache_view
 from ..tree import DeviceTree, Tree
 from .base import Draft, DrafterSpec, FusedDrafter, TargetFeatures
 from .eagle_grow import catch_up_and_grow, grow
-from .features import FeatureQueue
+from .features import FeatureQueue, FusedSteps
 
 
 @dataclass(frozen=True)
@@ -183,13 +183,7 @@ class EagleDrafter(FusedDrafter):
         self._features = FeatureQueue(self.cache)  # rows: the head's inputs from the target
         self._last: mx.array | None = None  # (h,) the head's output at position fed - 1
         self._k = 0  # the size of the last proposal
-        # Fused steps not yet settled, oldest first: their lazy outputs (last, draft). After
-        # `settle`, the draft of the last one, for the next proposal of `_k` nodes after the
-        # known committed positions.
-        self._queued: list[tuple[mx.array, Draft]] = []
-        self._ready: Draft | None = None
-        # After `follow`: the slot the next `then`'s path starts at (lazy), and a host bound.
-        self._start: tuple[mx.array, int] | None = None
+        self._fused = FusedSteps(self._features)  # entries: (the head's last output, tree)
         store_transposed(head)  # one-row products multiply the weights untransposed
         mx.eval(head.parameters())  # traced graphs capture them as they are
 
@@ -200,21 +194,17 @@ class EagleDrafter(FusedDrafter):
         self._features.add(self.head.inputs(features.hidden, features.taps))
 
     def rewind(self, length: int) -> None:
-        self._queued, self._start = [], None  # unsettled fused steps wrote past the fed slots
-        if length >= self._features.known:
-            return
-        self._ready = None
-        if self._features.rewind(length):
+        if self._fused.rewind(length):
             self._last = None
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft | None:
         committed = len(context) - 1
         k = min(k, self.max_draft)
-        ready, self._ready = self._ready, None
+        ready = self._fused.take_ready()
         if k <= 0 or self._features.known != committed:
             return None
         if ready is not None and k == self._k and not self._features.waiting:
-            return ready
+            return ready[1]
         fed = self._features.fed
         self.cache.truncate(fed)  # the last proposal's tree slots
         features = self._features.rows()  # (m, F)
@@ -235,13 +225,11 @@ class EagleDrafter(FusedDrafter):
         last one (or, after `follow`, of the step queued on its count); None when the head
         cannot be traced. Fixed shapes: the accepted path's rows (the verified tree's depth
         bound + 1), and the tree as `_grow` makes it; the path's first slot is an input."""
-        start, self._start = self._start, None
-        if not self.head.traceable or self._features.waiting:
+        start = self._fused.path_start()
+        if not self.head.traceable or self._features.waiting or start is None:
             return None
-        if start is None:
-            if self._last is None or self._queued:
-                return None
-            start = (mx.array(self._features.fed, mx.int32), self._features.fed)
+        if self._last is None and not self._fused.queued:  # no proposal since a rewind
+            return None
         head, embed, project, k = self.head, self._embed, self._project, self._k
         top_k, depth = self._shape(k)
         end = start[1] + bucket(k + 1) + depth * top_k  # the path has at most bucket rows
@@ -263,7 +251,7 @@ class EagleDrafter(FusedDrafter):
         layers = len(self.cache.state)
         self.cache.set_arrays(outputs[len(outputs) - layers :])
         last, *tree = outputs[: len(outputs) - layers]
-        self._queued.append((last, self._draft(*tree)))
+        self._fused.received(last, self._draft(*tree))
 
     def follow(
         self,
@@ -277,26 +265,17 @@ class EagleDrafter(FusedDrafter):
         drafts it `accepted` (an int32 scalar) before that count is read: the next `then`
         runs the head over a path from the slot after them. None unless exactly that step
         is unsettled and the next is fused and of its size."""
-        if min(k, self.max_draft) != self._k or len(self._queued) != 1:
+        sole = self._fused.sole()
+        if min(k, self.max_draft) != self._k or sole is None or not self.head.traceable:
             return None
-        if not self.head.traceable or self._features.waiting:
-            return None
-        # Every step before that one is settled: its path starts at the fed positions' end,
-        # and the next after its accepted drafts and root (at most k + 1 slots).
-        fed = self._features.fed
-        self._start = (fed + 1 + accepted, fed + self._k + 1)
-        return self._queued[0][1]
+        self._fused.follow(accepted, self._k)
+        return sole[1]
 
     def settle(self, accepted: int) -> None:
         """The oldest fused step accepted `accepted` drafts: the head has run over those
         positions and the root's, and its draft follows them (unless a step queued on this
         one's count took it already)."""
-        last, draft = self._queued.pop(0)
-        fed = self._features.fed + accepted + 1
-        self._features.mark_fed(fed)
-        self._last, self._ready = last, None if self._queued else draft
-        self.cache.truncate(min(self.cache.offset, fed))
-        self.cache.advance(fed - self.cache.offset)
+        self._last, _ = self._fused.settle(accepted)
 
     def _shape(self, k: int) -> tuple[int, int]:
         """(top-k, levels) of a proposal of k nodes: deeper levels could not be among k."""

@@ -14,6 +14,11 @@ head's logits, and those distributions come back as `Draft.logprobs`, so rejecti
 stays exact. Catching up and drafting are one compiled graph per (catch-up row bucket, k,
 sampling, attended span), with no host sync; a prompt's rows (more than the last bucket) run
 through the head once, uncompiled, before it.
+
+A step can be fused (`then`, as EAGLE's and DFlash's): the verify step's graph runs the head
+over the accepted path and drafts the next chain below the token the rule chose, so a step is
+one compiled call and one host sync, and the next step can be queued on the lazy accepted count
+(`follow`) before this one is read.
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ from ..memo import from_folder
 from ..models.base import CausalLM
 from ..models.context import build_context
 from ..sampling import SamplingParams, pick
-from ..step import BUCKETS, bucket, cache_view
+from ..step import BUCKETS, Then, bucket, cache_view
 from ..tree import Tree
-from .base import MAX_DRAFT, Draft, Drafter, DrafterSpec, TargetFeatures
-from .features import FeatureQueue
+from ..verify import Acceptance
+from .base import MAX_DRAFT, Draft, DrafterSpec, FusedDrafter, TargetFeatures
+from .features import FeatureQueue, FusedSteps
 
 FAMILIES = "qwen3_next, qwen3_5, qwen3_5_moe"  # what `has_mtp` accepts, for errors
 
@@ -99,8 +105,16 @@ class MtpSpec(DrafterSpec):
         return MtpDrafter(head, target, self.num_draft_tokens or MAX_DRAFT)
 
 
-class MtpDrafter(Drafter):
-    """Drafts chains with the MTP head from its output at the last committed position."""
+class MtpDrafter(FusedDrafter):
+    """Drafts chains with the MTP head from its output at the last committed position.
+
+    A step can be fused (`then`, as EAGLE's): the verify step's graph runs the head over the
+    accepted path and drafts the next chain below the token the rule chose, so a step is one
+    compiled call and one host sync; `settle` then takes the accepted count, and the next
+    `propose` of at most that chain's length returns it (cut). The next fused step can also be
+    queued before that count is read (`follow`). Otherwise (the first step, a plain step
+    between, a longer chain, other sampling settings) `propose` catches up and drafts in a
+    compiled graph of its own."""
 
     taps: tuple[int, ...] = ()
     follows_context = False
@@ -111,7 +125,10 @@ class MtpDrafter(Drafter):
         self.max_draft = max_draft
         self.cache = head.make_cache()
         self._features = FeatureQueue(self.cache)  # the target's states: rows are `hidden`
+        self._fused = FusedSteps(self._features)  # entries: (the head's last output, draft)
         self._last: mx.array | None = None  # (h,) the head's output at position fed - 1
+        # The last proposal's length and sampling (seedless): the next fused chain's.
+        self._choice: tuple[int, SamplingParams] | None = None
 
     def weights(self) -> tuple[nn.Module, ...]:
         return (self.head,)
@@ -120,26 +137,110 @@ class MtpDrafter(Drafter):
         self._features.add(features.hidden)
 
     def rewind(self, length: int) -> None:
-        if self._features.rewind(length):
+        if self._fused.rewind(length):
             self._last = None
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams) -> Draft | None:
         committed = len(context) - 1
         k = min(k, self.max_draft)
+        ready = self._fused.take_ready()
         if k <= 0 or self._features.known != committed:
             return None
+        sampling = replace(sampling, seed=None)  # the seed went into the generator already
+        if ready is not None and not self._features.waiting:
+            draft = self._cut(ready[1], k, sampling)
+            if draft is not None:
+                return draft
         fed = self._features.fed
-        self.cache.truncate(fed)  # the last chain's slots
+        queued = bool(self._fused.queued)  # a queued fused step wrote past `fed`: keep its slots
+        if not queued:
+            self.cache.truncate(fed)  # the last chain's slots
         m = self._features.waiting  # positions to catch up on
         features = self._features.rows()  # (m, h)
         tokens = mx.array(context[fed + 1 : committed + 1], dtype=mx.int32)  # (m,)
         if m > BUCKETS[-1]:  # a prompt's rows: one forward, whose shape seldom comes again
+            if queued:
+                return None
             out = self.head(self._embed(tokens)[None], features[None], self.cache)
             self._last, m = out[0, -1], 0
             self._features.mark_fed(committed)
         if m == 0 and self._last is None:
             return None
-        return self._chain(m, features, tokens, k, sampling)
+        return self._chain(m, features, tokens, k, sampling, keep=not queued)
+
+    def then(self) -> Then | None:
+        """The next chain, of the last proposal's length and sampling, traced into the verify
+        step of the last one (or, after `follow`, of the step queued on its count); None when
+        the head cannot be traced. Fixed shapes: every row of the verified chain's path (its
+        row bucket at most), then the chain; the path's first slot is an input."""
+        start = self._fused.path_start()
+        known = start is not None and self._choice is not None and not self._features.waiting
+        if not known or not self.head.traceable:
+            return None
+        head, embed, project = self.head, self._embed, self._project
+        k, sampling = self._choice
+        end = start[1] + bucket(k + 1) + k  # the path's rows, then the chain after them
+        self.cache.reserve(end)
+        span = self.cache.span(end)
+
+        def trace(acceptance, hidden, taps, fed, *arrays):
+            view = cache_view(head, arrays, fed, span)
+            out = catch_up_and_chain(
+                head, embed, project, acceptance, hidden, view, fed, k, sampling
+            )
+            return (*out, *view.state)
+
+        key = ("mtp", id(head), k, sampling, span)
+        return Then(key, (start[0], *self.cache.state), trace)
+
+    def received(self, outputs: Sequence[mx.array]) -> None:
+        """The fused step's lazy outputs (`Verified.then`)."""
+        layers = len(self.cache.state)
+        self.cache.set_arrays(outputs[len(outputs) - layers :])
+        last, *drafted = outputs[: len(outputs) - layers]
+        self._fused.received(last, self._draft(*drafted))
+
+    def follow(
+        self,
+        drafted: mx.array,
+        accepted: mx.array,
+        pending: mx.array,
+        k: int,
+        sampling: SamplingParams,
+    ) -> Draft | None:
+        """The chain the fused step being verified drafted, for the step queued on the count
+        of drafts it `accepted` (an int32 scalar) before that count is read: the next `then`
+        runs the head over a path from the slot after them. None unless exactly that step is
+        unsettled and the next chain is no longer and samples alike."""
+        sole = self._fused.sole()
+        if sole is None or not self.head.traceable or self._choice is None:
+            return None
+        most = self._choice[0]  # the followed step's draft length
+        draft = self._cut(sole[1], min(k, self.max_draft), replace(sampling, seed=None))
+        if draft is None:
+            return None
+        self._fused.follow(accepted, most)
+        return draft
+
+    def settle(self, accepted: int) -> None:
+        """The oldest fused step accepted `accepted` drafts: the head has run over those
+        positions and the root's, and its chain follows them (unless a step queued on this
+        one's count took it already)."""
+        self._last, _ = self._fused.settle(accepted)
+
+    def _cut(self, draft: Draft, k: int, sampling: SamplingParams) -> Draft | None:
+        """A fused chain's first k tokens when it holds as many and was drawn with `sampling`
+        (seedless); the next fused chain is then of k. None when it cannot serve."""
+        if self._choice is None or k > draft.size or self._choice[1] != sampling:
+            return None
+        self._choice = (k, sampling)
+        if k == draft.size:
+            return draft
+        logprobs = None if draft.logprobs is None else draft.logprobs[:k]
+        return Draft(draft.tokens[:k], Tree.chain(k), logprobs)
+
+    def _draft(self, tokens: mx.array, logprobs: mx.array | None = None) -> Draft:
+        return Draft(tokens, Tree.chain(tokens.shape[0]), logprobs)
 
     def _chain(
         self,
@@ -148,17 +249,19 @@ class MtpDrafter(Drafter):
         tokens: mx.array,
         k: int,
         sampling: SamplingParams,
+        keep: bool = True,
     ) -> Draft:
         """Catches up on the m positions from the fed ones (padded to their row bucket; none: from
         `_last`) and drafts k tokens from the last of them, in one compiled graph whose inputs
-        are the first slot (an array), the rows and the head's cache, read over its span."""
+        are the first slot (an array), the rows and the head's cache, read over its span.
+        `keep`: the cache and the fed count take its writes (not while a fused step is queued,
+        whose writes they hold)."""
         rows = bucket(m) if m else 0
         start = self._features.fed
         committed = start + m
         end = max(start + rows, committed + k - 1)  # past every slot it writes
         self.cache.reserve(end)
         span = self.cache.span(end)
-        sampling = replace(sampling, seed=None)  # the seed went into the generator already
         key = ("mtp", id(self.target), rows, k, sampling, span)
         head, embed, project = self.head, self._embed, self._project
 
@@ -175,12 +278,14 @@ class MtpDrafter(Drafter):
             inputs = (self._last,)
         out = fn(mx.array(start, mx.int32), *inputs, *self.cache.state)
         outputs = 2 if sampling.greedy else 3
-        self.cache.set_arrays(out[outputs:])
-        self.cache.advance(committed + k - 1 - self.cache.offset)
-        self._last = out[0]
-        self._features.mark_fed(committed)
-        logprobs = None if sampling.greedy else out[2]
-        return Draft(out[1], Tree.chain(k), logprobs)
+        draft = self._draft(*out[1:outputs])
+        if keep:
+            self.cache.set_arrays(out[outputs:])
+            self.cache.advance(committed + k - 1 - self.cache.offset)
+            self._last = out[0]
+            self._features.mark_fed(committed)
+            self._choice = (k, sampling)
+        return draft
 
     def _embed(self, tokens: mx.array) -> mx.array:
         return self.target.model.embed_tokens(tokens)
@@ -248,3 +353,29 @@ def chain(
         rows.append(logprobs)
     drafted = mx.concatenate(tokens)
     return (drafted,) if sampling.greedy else (drafted, mx.stack(rows))
+
+
+def catch_up_and_chain(
+    head: MtpHead,
+    embed: Callable[[mx.array], mx.array],
+    project: Callable[[mx.array], mx.array],
+    acceptance: Acceptance,
+    hidden: mx.array,
+    cache,
+    fed: mx.array,
+    k: int,
+    sampling: SamplingParams,
+) -> tuple[mx.array, ...]:
+    """After a verify step's rule (traced in its graph): the head runs over the verified
+    chain's path, which sits from slot `fed` on, and drafts the next k tokens from its
+    output at the last accepted row. Fixed shapes: every path row runs; rows past the
+    accepted count write slots the chain overwrites or never attends, and the count selects
+    the last real row. Position `fed + i` reads the target's state of path row i and the
+    embedding of the token emitted after it. Returns (that output (h,), `chain`'s arrays)."""
+    n = acceptance.num_accepted
+    rows = hidden[: acceptance.path.shape[0]]  # (D + 1, h): a chain's path is its first rows
+    tokens = mx.maximum(acceptance.tokens, 0)  # a rejected sampled path may hold -1 padding
+    cache.start = fed
+    out = head(embed(tokens)[None], rows[None], cache).squeeze(0)  # (D + 1, h)
+    last = mx.take(out, n, axis=0)  # (h,)
+    return last, *chain(head, embed, project, last, cache, fed + n + 1, k, sampling)
