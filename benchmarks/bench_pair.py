@@ -29,7 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# This checkout's package (not an installed one) and the benchmarks' helpers beside this file.
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 from common import SHARED, add_blas_argument, describe_versions, header, setup_blas  # noqa: E402
 
@@ -66,6 +67,7 @@ def main(argv=None) -> None:
     import mlx_lm
     from mlx_lm.sample_utils import make_sampler
 
+    import mlx_speculate
     from mlx_speculate import load, stream_generate
 
     if args.make_mistral:
@@ -79,6 +81,7 @@ def main(argv=None) -> None:
         if not (f / "config.json").exists():
             raise SystemExit(f"{f} is not a model folder (no config.json)")
     header(f"ours against mlx-lm, interleaved ({folder.name}, draft {draft_folder.name})", blas)
+    print(f"mlx_speculate from {Path(mlx_speculate.__file__).parent}")
     print(f"load average at start: {load_start:.2f} on {os.cpu_count()} cores")
 
     model, tokenizer = load(folder)
@@ -158,6 +161,7 @@ def main(argv=None) -> None:
         "pair",
         {
             "draft": draft_folder.name,
+            "package": str(Path(mlx_speculate.__file__).parent),
             "folders": {"target": str(folder), "draft": str(draft_folder)},
             "num_draft_tokens": K,
             "temperature": t,

@@ -58,22 +58,29 @@ MIX = 0.05  # their scale against the other layers' N(0, 0.02)
 SEED = 0
 
 
-def write_mistral_pair(root: Path, mix: float = MIX) -> tuple[Path, Path]:
+def write_mistral_pair(
+    root: Path, mix: float = MIX, target_config: dict = TARGET, draft_config: dict = DRAFT
+) -> tuple[Path, Path]:
     """Writes (once) `root`/mistral-target and `root`/mistral-draft; returns their folders.
     `mix` scales what the layers write into the residual stream (smaller: the next token
-    follows more from the last one alone, and drafts are accepted more often)."""
+    follows more from the last one alone, and drafts are accepted more often). The configs
+    (TARGET and DRAFT by default) share a vocabulary, the draft no wider than the target."""
     target, draft = root / "mistral-target", root / "mistral-draft"
     if (target / "config.json").exists() and (draft / "config.json").exists():
         return target, draft
     rng = np.random.default_rng(SEED)
-    small, wide = DRAFT["hidden_size"], TARGET["hidden_size"]
-    embed = rng.standard_normal((VOCAB, small), dtype=np.float32)
-    head = 0.02 * rng.standard_normal((VOCAB, small), dtype=np.float32)
+    small, wide = draft_config["hidden_size"], target_config["hidden_size"]
+    vocab = target_config["vocab_size"]
+    if draft_config["vocab_size"] != vocab or small > wide:
+        raise ValueError("the draft needs the target's vocabulary and no wider a hidden size")
+    embed = rng.standard_normal((vocab, small), dtype=np.float32)
+    head = 0.02 * rng.standard_normal((vocab, small), dtype=np.float32)
     q, _ = np.linalg.qr(rng.standard_normal((wide, small)))  # orthonormal columns
     lift = q.T.astype(np.float32)  # (small, wide): orthonormal rows
     ends = {"model.embed_tokens.weight": embed, "lm_head.weight": head}
-    _write(target, TARGET, {k: mx.array(v @ lift) for k, v in ends.items()}, mix, SEED + 1)
-    _write(draft, DRAFT, {k: mx.array(v) for k, v in ends.items()}, mix, SEED + 2)
+    lifted = {k: mx.array(v @ lift) for k, v in ends.items()}
+    _write(target, target_config, lifted, mix, SEED + 1)
+    _write(draft, draft_config, {k: mx.array(v) for k, v in ends.items()}, mix, SEED + 2)
     return target, draft
 
 
