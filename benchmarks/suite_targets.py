@@ -136,15 +136,21 @@ def write_random_folder(
     del weights
     saved = config | ({"quantization": {"group_size": GROUP, "bits": bits}} if bits else {})
     (folder / "config.json").write_text(json.dumps(saved, indent=2))
+    write_grown_tokenizer(folder, config["vocab_size"])
+    return folder
+
+
+def write_grown_tokenizer(folder: Path, vocab_size: int) -> None:
+    """stories260K's tokenizer grown to `vocab_size` with placeholder pieces and no EOS (both
+    loaders read it; any token detokenizes, and a random model runs to `max_tokens`)."""
     tokenizer = json.loads((STORIES / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
-    vocab |= {f"\u2581w{i}": i for i in range(len(vocab), config["vocab_size"])}
+    vocab |= {f"\u2581w{i}": i for i in range(len(vocab), vocab_size)}
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
     settings = json.loads((STORIES / "tokenizer_config.json").read_text())
     settings["eos_token"] = None
     settings["added_tokens_decoder"].pop("2")
     (folder / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
-    return folder
 
 
 def random_eagle_head(model, config: dict, draft_vocab: int | None):

@@ -333,3 +333,33 @@ def test_render_shows_the_families_and_the_serving_sections(report, tmp_path, mo
     # The saved runs carry neither the serving run nor the recorded measurements.
     assert report.load_saved(out.with_suffix(".json")) == made_up(report)
     assert report.load_families(report.families_file(out)) == made_up_families(report)
+
+
+def test_mistral_pair_loads_alike_and_shares_the_last_token_map(report, tmp_path):
+    """bench_pair.py --make-mistral's premise, at small shapes: both folders load here and in
+    mlx-lm with the same logits and no EOS, and with the mixers silent the draft's next token
+    after any token is the target's (the draft is partly right once they speak)."""
+    import mistral_pair  # beside report.py, whose import put benchmarks/ on the path
+    import mlx_lm
+
+    from mlx_speculate import load
+
+    small = {"vocab_size": 512, "intermediate_size": 128, "num_hidden_layers": 2}
+    heads = {"num_attention_heads": 2, "num_key_value_heads": 1}
+    target = mistral_pair.TARGET | small | heads | {"hidden_size": 128}
+    draft = mistral_pair.DRAFT | small | {"hidden_size": 64, "num_attention_heads": 1}
+    tokens = mx.arange(512)[:, None]  # every token alone
+    for mix, agree in ((0.0, 0.99), (mistral_pair.MIX, 0.5)):
+        pair = mistral_pair.write_mistral_pair(tmp_path / str(mix), mix, target, draft)
+        predicted = []
+        for folder in pair:
+            ours, tokenizer = load(folder)
+            theirs, their_tokenizer = mlx_lm.load(str(folder))
+            assert not tokenizer.eos_token_ids and not their_tokenizer.eos_token_ids
+            ids = mx.array([tokenizer.encode(report.STORY.text)])
+            expected = theirs(ids)
+            scale = max(mx.abs(expected).max().item(), 1.0)
+            assert mx.abs(ours(ids).logits - expected).max().item() < 1e-4 * scale, folder
+            predicted.append(theirs(tokens)[:, -1].argmax(-1))
+        assert mx.mean(predicted[0] == predicted[1]).item() >= agree, mix
+        assert len(set(predicted[0].tolist())) > 100  # not one token over and over
