@@ -25,22 +25,11 @@ from mlx_speculate.server.__main__ import build_parser
 
 from .helpers import MODELS, greedy_reference, random_weights, tiny_config, tiny_model
 from .markov import StubTokenizer
-from .serving import load_cached, serve
+from .serving import serve
 from .test_batch import DEEP, clear
 from .test_hybrid import save_hf
 from .test_hybrid_methods import llama_draft
-from .test_server_batch import at_once
-
-OPENINGS = [
-    "Once upon a time, there was a little girl named Lily.",
-    "Tom had a big red ball. He liked to play with it in the park.",
-    "The sun was hot. Sue and her mom went to the beach.",
-    "One day, a little bird was sad. It could not fly.",
-    "Ben and Mia found a box. The box was very big.",
-    "There was a cat named Tim. Tim liked to nap in the sun.",
-    "Lucy wanted to bake a cake for her friend.",
-    "A dog named Max ran to the tree. He saw a squirrel.",
-]
+from .test_server_batch import OPENINGS, at_once
 
 
 @pytest.fixture(scope="module")
