@@ -25,7 +25,7 @@ from mlx_speculate.server.__main__ import build_parser
 
 from .helpers import MODELS, greedy_reference, random_weights, tiny_config, tiny_model
 from .markov import StubTokenizer
-from .serving import serve
+from .serving import load_cached, serve
 from .test_batch import DEEP, clear
 from .test_hybrid import save_hf
 from .test_hybrid_methods import llama_draft
