@@ -348,45 +348,60 @@ class Worker:
         hands each job its tokens; waits on the queue only when nothing runs."""
         engine = BatchEngine(self.pool.model, self.max_batch)
         served: dict[int, _Served] = {}
-        while True:
-            while engine.load <= self.max_batch:
-                try:
-                    job = self._queue.get(block=engine.idle)
-                except queue.Empty:
-                    break
-                if job is None:
-                    for state in served.values():
-                        state.job.cancel()
-                        self._end(state, engine_failed=None)
-                    return
-                if job.cancelled:
-                    job.emit(Finished("cancelled", None))
-                    continue
-                self._admit(engine, job, served)
-            try:
-                touched = engine.step()
-            except Exception as e:  # the batch's forward, not one request's: all of them fail
-                log.exception("a batch step failed")
-                for state in served.values():
-                    self._end(state, engine_failed=e)
-                served.clear()
-                self._running = []
-                engine = BatchEngine(self.pool.model, self.max_batch)
-                clear_cache()
-                self._publish(engine)
-                continue
-            if engine.last_rows:
-                self._metrics.rows_per_forward.observe(engine.last_rows)
-            for handle in touched:
-                state = served[id(handle)]
-                self._deliver(state)
-                if handle.done:
-                    del served[id(handle)]
-                    self._running.remove(state.job)
-                    self._end(state, engine_failed=None)
-            if engine.idle:
-                clear_cache()  # the requests' buffers go back, as mlx-lm's server does
+        while self._take_jobs(engine, served):
+            engine = self._advance(engine, served)
+            # Published once the step's handles are gone: the memory it reports is what the
+            # server holds, not a session a handle of the step still named.
             self._publish(engine)
+
+    def _take_jobs(self, engine: BatchEngine, served: dict[int, _Served]) -> bool:
+        """Admits queued jobs while the engine has room, waiting only when it is idle; False
+        at shutdown (every running job cancelled). Its own frame: a job or handle it names
+        is not kept alive while the loop waits on the queue."""
+        while engine.load <= self.max_batch:
+            try:
+                job = self._queue.get(block=engine.idle)
+            except queue.Empty:
+                break
+            if job is None:
+                for state in served.values():
+                    state.job.cancel()
+                    self._end(state, engine_failed=None)
+                return False
+            if job.cancelled:
+                job.emit(Finished("cancelled", None))
+                continue
+            self._admit(engine, job, served)
+        return True
+
+    def _advance(self, engine: BatchEngine, served: dict[int, _Served]) -> BatchEngine:
+        """One engine step, its tokens handed to their jobs and the jobs that ended ended;
+        the engine to go on with (a fresh one after a failed step, whose jobs all failed).
+        Its own frame: the last handle (and so its session's cache) is not kept alive while
+        the loop waits for the next request."""
+        try:
+            touched = engine.step()
+        except Exception as e:  # the batch's forward, not one request's: all of them fail
+            log.exception("a batch step failed")
+            for state in served.values():
+                self._end(state, engine_failed=e)
+            served.clear()
+            self._running = []
+            engine = BatchEngine(self.pool.model, self.max_batch)
+            clear_cache()
+            return engine
+        if engine.last_rows:
+            self._metrics.rows_per_forward.observe(engine.last_rows)
+        for handle in touched:
+            state = served[id(handle)]
+            self._deliver(state)
+            if handle.done:
+                del served[id(handle)]
+                self._running.remove(state.job)
+                self._end(state, engine_failed=None)
+        if engine.idle:
+            clear_cache()  # the requests' buffers go back, as mlx-lm's server does
+        return engine
 
     def _admit(self, engine: BatchEngine, job: Job, served: dict[int, _Served]) -> None:
         """Starts `job` in the engine (a one-line error when its request cannot run)."""
