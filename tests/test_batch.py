@@ -390,6 +390,19 @@ def test_the_planner_spends_rows_where_they_pay():
     assert expected_tokens(0.5, 2) == 1.75
 
 
+def test_a_step_that_traced_prices_nothing(monkeypatch):
+    """The planner learns a step's cost only from steps that traced no graph: a new shape's
+    first step pays for compiling it, which would price that width out for good."""
+    target = tiny_model("llama", 0)
+    engine = BatchEngine(target, 4)
+    seen: list[tuple[int, int]] = []
+    monkeypatch.setattr(engine.planner, "observe", lambda b, n, s: seen.append((b, n)))
+    run(target, [PROMPT], lambda: None, 8, engine=engine)
+    assert len(seen) == 6  # 7 decoding steps after the first token; the first one traced
+    run(target, [PROMPT], lambda: None, 8, engine=engine)
+    assert len(seen) == 6 + 7  # the same shapes again: every step priced
+
+
 def test_the_planner_prices_rows_by_the_calibration_until_it_measures():
     """Before it has measured two row counts, the planner prices a step by the target's
     calibrated verify curve (the single-stream policy's costs): rows nearly free there, long

@@ -40,6 +40,7 @@ from ..drafters.base import Draft, TargetFeatures
 from ..generation import GenerationResponse, Responder, Session
 from ..grammar import Grammar
 from ..grammar.constraint import Constraint, Guide, masked
+from ..graphs import built
 from ..models.base import CausalLM
 from ..policy.batch import Acceptance as Rate
 from ..policy.batch import BatchPlanner
@@ -285,7 +286,7 @@ class BatchEngine:
 
     def _decode(self) -> Iterator[Handle]:
         """One verify forward of every running sequence's draft."""
-        began = time.perf_counter()
+        began, traces = time.perf_counter(), built()
         running = list(self._running)
         caps = [r.cap if r.sequence.room() > 0 else 0 for r in running]
         least = 1 + max((r.fixed for r in running), default=0)
@@ -349,7 +350,8 @@ class BatchEngine:
         mx.eval([a for v, _ in verdicts for a in (v.tokens, v.num_accepted, v.path)], oks)
         oks = oks.tolist()
         seconds = time.perf_counter() - began
-        self.planner.observe(rows, n, seconds)
+        if built() == traces:  # a step that traced a graph prices nothing (decode.py too)
+            self.planner.observe(rows, n, seconds)
         self.last_rows = rows * n
         paths = np.tile(np.arange(n, dtype=np.int32), (rows, 1))
         compacting = False
