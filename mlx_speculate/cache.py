@@ -254,6 +254,13 @@ class KVCache:
         """The longest prefix of at most `length` slots that `truncate` can return to."""
         return length if self.codec is None or length >= self.codec.start else 0
 
+    def take_outputs(self, outputs: Sequence[mx.array]) -> list[mx.array]:
+        """A compiled graph's outputs that end with this cache's `state`: takes those arrays
+        back (`set_arrays`) and returns the graph's own results, the leading ones."""
+        own = len(outputs) - len(self.state)
+        self.set_arrays(outputs[own:])
+        return list(outputs[:own])
+
     def set_arrays(self, arrays: Sequence[mx.array]) -> None:
         """Takes a compiled step's cache outputs back (the order of `state`)."""
         it = iter(arrays)

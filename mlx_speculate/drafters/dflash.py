@@ -229,9 +229,7 @@ class DFlashDrafter(FusedDrafter):
 
     def received(self, outputs: Sequence[mx.array]) -> None:
         """The fused step's lazy outputs (`Verified.then`)."""
-        layers = len(self.cache.state)
-        self.cache.set_arrays(outputs[len(outputs) - layers :])
-        draft = self._draft(self._choice, outputs[: len(outputs) - layers])
+        draft = self._draft(self._choice, self.cache.take_outputs(outputs))
         self._fused.received(self._choice, draft)
 
     def follow(

@@ -248,9 +248,7 @@ class EagleDrafter(FusedDrafter):
 
     def received(self, outputs: Sequence[mx.array]) -> None:
         """The fused step's lazy outputs (`Verified.then`)."""
-        layers = len(self.cache.state)
-        self.cache.set_arrays(outputs[len(outputs) - layers :])
-        last, *tree = outputs[: len(outputs) - layers]
+        last, *tree = self.cache.take_outputs(outputs)
         self._fused.received(last, self._draft(*tree))
 
     def follow(

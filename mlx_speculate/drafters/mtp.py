@@ -195,9 +195,7 @@ class MtpDrafter(FusedDrafter):
 
     def received(self, outputs: Sequence[mx.array]) -> None:
         """The fused step's lazy outputs (`Verified.then`)."""
-        layers = len(self.cache.state)
-        self.cache.set_arrays(outputs[len(outputs) - layers :])
-        last, *drafted = outputs[: len(outputs) - layers]
+        last, *drafted = self.cache.take_outputs(outputs)
         self._fused.received(last, self._draft(*drafted))
 
     def follow(
