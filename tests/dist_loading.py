@@ -33,6 +33,10 @@ def main() -> None:
     record: dict = {}
     try:
         with guarded(group, spec.get("timeout", 300)) as watchdog:
+            if rank == 1 and spec.get("fault") == "hang":
+                # Hangs where its own watchdog cannot see, from the start: a slow load on this
+                # rank must not let its watchdog fire before rank 0's (the two would race).
+                watchdog.pause()
             split = Split(group, spec.get("parallel", "tensor"))
             model, tokenizer = load(spec["folders"][rank], split=split)
             record |= {"bytes": weight_bytes(model), "peak": mx.get_peak_memory()}
@@ -43,8 +47,6 @@ def main() -> None:
             if rank == 1 and spec.get("fault") == "exit":
                 os._exit(0)  # a rank that stops without a word: its sockets close
             if rank == 1 and spec.get("fault") == "hang":
-                # Hung where its own watchdog cannot see (else the two watchdogs race).
-                watchdog.pause()
                 time.sleep(600)
             tokens = []
             for response in stream_generate(model, tokenizer, [1, 2, 3], max_tokens=8):
