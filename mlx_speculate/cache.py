@@ -11,6 +11,16 @@ storage, so a forward's graph depends on the capacity alone, not on the offset; 
 the leading `span` slots under a mask of the valid ones (models/context.py). A compiled step
 reuses its graph until the capacity grows (`reserve`).
 
+Sliding-window layers as rings (`rings`): such a layer keeps only its window plus RING_ROWS
+slots, slot j at column j mod R, so its memory and attention stay O(window) at any context
+length, as mlx-lm's rotating cache does. Its storage grows as the others' until it reaches R,
+then wraps. A forward's attention on such a layer reads the columns as they were before it
+(each holds the latest slot below the forward's start that maps to it, `ring_slots`) followed
+by its new keys, so its own writes never hide keys its rows still see; rejected drafts and
+queued steps write at most RING_ROWS slots past the committed end, which therefore never
+reach a key the window still needs, and `truncate` returns exactly (`restorable` says how
+far).
+
 Quantized keys and values (models/quantized_kv.py): with a planned `KVCodec` the storage turns
 into packed rows once a forward starts at the codec's `start` slot, and every later write is
 packed as it is written; the arrays keep their (B, H_kv, capacity, W) layout, so everything
@@ -24,6 +34,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import mlx.core as mx
+
+# Slots past the committed end that forwards which may be rolled back write at most (a verify
+# of the widest row bucket and a step queued behind it): a ring holds its window plus these.
+RING_ROWS = 128
 
 
 class KVCodec(Protocol):
@@ -56,12 +70,21 @@ class KVCache:
         num_layers: int,
         step: int = 256,
         like: mx.array | Sequence[mx.array] | None = None,
+        window: int | None = None,
+        sliding: Sequence[bool] = (),
     ):
         """`like`: (B, H_kv, 0, D), the shape and dtype of layers not yet written, one for
         all layers or one per layer (Gemma 4's global layers have other head counts and sizes);
-        without it layers stay unallocated until written."""
+        without it layers stay unallocated until written. `sliding[i]`: layer i attends only
+        within `window` positions, so it is kept as a ring of window + RING_ROWS slots."""
         if isinstance(like, Sequence) and len(like) != num_layers:
             raise ValueError(f"a {num_layers}-layer cache got {len(like)} layer shapes")
+        if sliding and len(sliding) != num_layers:
+            raise ValueError(f"a {num_layers}-layer cache got {len(sliding)} sliding flags")
+        self.window = window if window is not None and any(sliding) else None
+        size = None if self.window is None else self.window + RING_ROWS
+        self.rings: list[int | None] = [size if s else None for s in sliding] or [None] * num_layers
+        self.high = 0  # host: the end of the furthest slots any forward wrote (or reserved)
         self.step = step
         self.likes = list(like) if isinstance(like, Sequence) else [like] * num_layers
         self.offset = 0
@@ -79,8 +102,20 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        # No layers: a pipeline rank whose block has no attention layer (state_cache.py).
-        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[2]
+        """The slots the storage holds (a ring's at most its size; rings fill first, so the
+        largest layer's); 0 before any is written or for a pipeline rank whose block has no
+        attention layer (state_cache.py)."""
+        return max((k.shape[2] for k in self.keys if k is not None), default=0)
+
+    @property
+    def ring_size(self) -> int | None:
+        """The size of the sliding layers' rings (None: no ring)."""
+        return None if self.window is None else self.window + RING_ROWS
+
+    def ring_span(self, span: int) -> int:
+        """The ring columns a forward attending to the leading `span` slots reads before its
+        new keys: all of them once the ring is full."""
+        return span if self.ring_size is None else min(span, self.ring_size)
 
     def capacity_for(self, length: int) -> int:
         """The capacity once `length` slots are reserved: storage only grows, a chunk at a time."""
@@ -102,6 +137,7 @@ class KVCache:
         whose start the offset has reached switches first: a compiled step reserves before it
         runs."""
         self._switch()
+        self.high = max(self.high, length)
         for layer, (k, like) in enumerate(zip(self.keys, self.likes, strict=True)):
             if k is not None:
                 self._reserve(layer, k, self.values[layer], length)
@@ -112,6 +148,8 @@ class KVCache:
         """Makes room for `length` slots in `layer` (keys/values give the shape and dtype)."""
         current_k, current_v = self.keys[layer], self.values[layer]
         capacity = self.capacity_for(length)
+        if self.rings[layer] is not None:
+            capacity = min(capacity, self.rings[layer])
         if current_k is not None and current_k.shape[2] >= capacity:
             return
         B, H, _, Dk = keys.shape
@@ -133,14 +171,71 @@ class KVCache:
         host's start + L, makes room first; None when the caller reserved it (compiled steps)."""
         if end is not None:
             self._switch()
+            self.high = max(self.high, end)
         if self.codec is not None:
             keys, values = self.codec.encode(keys), self.codec.encode(values)
         if end is not None:
             self._reserve(layer, keys, values, end)
-        k = mx.slice_update(self.keys[layer], keys, start[None], axes=(2,))
-        v = mx.slice_update(self.values[layer], values, start[None], axes=(2,))
+        return self._put(layer, keys, values, start)
+
+    def _put(
+        self, layer: int, keys: mx.array, values: mx.array, start: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """`write` into storage with room, of keys and values as stored (encoded)."""
+        k, v = self.keys[layer], self.values[layer]
+        ring = self.rings[layer]
+        if ring is not None and k.shape[2] == ring:  # a full ring: slot j at column j mod R
+            L = keys.shape[2]
+            if L > ring:  # only the last R slots stay (the earlier ones left every window)
+                keys, values = keys[..., -ring:, :], values[..., -ring:, :]
+                start, L = start + L - ring, ring
+            columns = self.ring_columns(start, L)
+            k = mx.put_along_axis(k, mx.broadcast_to(columns, keys.shape), keys, axis=2)
+            v = mx.put_along_axis(v, mx.broadcast_to(columns, values.shape), values, axis=2)
+        else:
+            k = mx.slice_update(k, keys, start[None], axes=(2,))
+            v = mx.slice_update(v, values, start[None], axes=(2,))
         self.keys[layer], self.values[layer] = k, v
         return k, v
+
+    def ring_columns(self, start: mx.array, length: int) -> mx.array:
+        """The ring columns of slots start .. start + length - 1: (1, 1, L, 1), or (B, 1, L, 1)
+        for a batch's (B,) starts."""
+        slots = mx.remainder(start[..., None] + mx.arange(length, dtype=mx.int32), self.ring_size)
+        return slots.reshape(-1, 1, length, 1)
+
+    def store(
+        self,
+        layer: int,
+        keys: mx.array,
+        values: mx.array,
+        start: mx.array,
+        end: int | None,
+        span: int | None,
+    ) -> tuple[mx.array, mx.array]:
+        """Writes `layer`'s new (B, H_kv, L, D) keys and values (`write`) and returns what its
+        attention reads: the leading `span` slots, or on a ring layer its `ring_span(span)`
+        columns as they were before this write followed by the L new keys."""
+        # (`layer` is the model's index, which caches of hybrids, ringless, map in `write`.)
+        if self.ring_size is None or self.rings[layer] is None:
+            k, v = self.write(layer, keys, values, start, end)
+            if span is not None and span < k.shape[2]:
+                k, v = k[..., :span, :], v[..., :span, :]
+            return k, v
+        if end is not None:
+            self._switch()
+            self.high = max(self.high, end)
+        if self.codec is not None:
+            keys, values = self.codec.encode(keys), self.codec.encode(values)
+        if end is not None:  # room first, so that the columns read are the grown storage's
+            self._reserve(layer, keys, values, end)
+        before_k, before_v = self.keys[layer], self.values[layer]
+        self._put(layer, keys, values, start)
+        n = self.ring_span(span if span is not None else self.capacity)
+        return (
+            mx.concatenate([before_k[..., :n, :], keys], axis=2),
+            mx.concatenate([before_v[..., :n, :], values], axis=2),
+        )
 
     def update(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Writes (B, H_kv, L, D) keys/values at `offset`; returns all slots up to offset + L."""
@@ -155,6 +250,14 @@ class KVCache:
         """Drops every slot from `length` on (the storage stays; O(1))."""
         if not 0 <= length <= self.offset:
             raise ValueError(f"cannot truncate a cache of {self.offset} slots to {length}")
+        if self.ring_size is not None and self._ring_restorable(length) != length:
+            raise ValueError(
+                f"cannot truncate a cache whose sliding layers wrote {self.high} slots to "
+                f"{length}: their rings no longer hold that window (only to 0 or from "
+                f"{self.high - RING_ROWS - 1})"
+            )
+        if length == 0:
+            self.high = 0
         if self.codec is not None and length < self.codec.start:
             # Slots below the start were float once: only a fresh cache is exact again.
             if length:
@@ -217,22 +320,32 @@ class KVCache:
         for layer, (k, v) in enumerate(zip(self.keys, self.values, strict=True)):
             if k is None:
                 continue
+            if self.rings[layer] is not None and k.shape[2] == self.rings[layer]:
+                self._rows_of(layer, start[None], path[None])
+                continue
             self.keys[layer] = mx.slice_update(k, mx.take(k, slots, axis=2), at, axes=(2,))
             self.values[layer] = mx.slice_update(v, mx.take(v, slots, axis=2), at, axes=(2,))
 
     def _rows(self, start: mx.array, paths: mx.array) -> None:
         """`compact` of row b's slots start[b] + paths[b, i] to start[b] + i ((B,) starts,
         (B, P) paths, each padded with the identity past its accepted path)."""
+        for layer in range(len(self.keys)):
+            if self.keys[layer] is not None:
+                self._rows_of(layer, start, paths)
+
+    def _rows_of(self, layer: int, start: mx.array, paths: mx.array) -> None:
+        """`_rows` in one layer (a full ring's slots at their columns)."""
         B, P = paths.shape
         src = (start[:, None] + paths)[:, None, :, None]  # (B, 1, P, 1)
         dst = (start[:, None] + mx.arange(P, dtype=mx.int32))[:, None, :, None]
+        ring = self.rings[layer]
+        if ring is not None and self.keys[layer].shape[2] == ring:
+            src, dst = mx.remainder(src, ring), mx.remainder(dst, ring)
         for store in (self.keys, self.values):
-            for layer, a in enumerate(store):
-                if a is None:
-                    continue
-                shape = (B, a.shape[1], P, a.shape[3])
-                moved = mx.take_along_axis(a, mx.broadcast_to(src, shape), axis=2)
-                store[layer] = mx.put_along_axis(a, mx.broadcast_to(dst, shape), moved, axis=2)
+            a = store[layer]
+            shape = (B, a.shape[1], P, a.shape[3])
+            moved = mx.take_along_axis(a, mx.broadcast_to(src, shape), axis=2)
+            store[layer] = mx.put_along_axis(a, mx.broadcast_to(dst, shape), moved, axis=2)
 
     @property
     def state(self) -> list[mx.array]:
@@ -248,11 +361,31 @@ class KVCache:
 
     def check_verify(self, rows: int, is_chain: bool) -> None:
         """Raises a one-line ValueError when the cache cannot follow a verify of `rows` (padded)
-        rows of that shape; keys and values follow any tree. Asked before a step is traced."""
+        rows of that shape; keys and values follow any tree, rings up to RING_ROWS // 2 rows (a
+        step may be queued behind it). Asked before a step is traced."""
+        if self.ring_size is not None and rows > RING_ROWS // 2:
+            raise ValueError(
+                f"a verify of {rows} rows is wider than a sliding-window cache follows "
+                f"({RING_ROWS // 2}): draft fewer tokens a step"
+            )
 
     def restorable(self, length: int) -> int:
         """The longest prefix of at most `length` slots that `truncate` can return to."""
-        return length if self.codec is None or length >= self.codec.start else 0
+        if self.codec is not None and length < self.codec.start:
+            return 0
+        return length if self.ring_size is None else self._ring_restorable(length)
+
+    def _ring_restorable(self, length: int) -> int:
+        """`restorable` of the rings: a length whose window no slot written since has reached
+        (none overwrote a key it sees, and none past it aliases into one), else 0."""
+        return length if length == 0 or self.high <= length + RING_ROWS + 1 else 0
+
+    def ring_slots(self, start: mx.array, columns: int) -> mx.array:
+        """The slot each of a ring's leading `columns` holds for a forward from `start` ((B,)
+        or ()): the latest below `start` that maps to it (negative: none yet); (..., columns)."""
+        s = mx.arange(columns, dtype=mx.int32)
+        last = start[..., None] - 1
+        return last - mx.remainder(last - s, self.ring_size)
 
     def take_outputs(self, outputs: Sequence[mx.array]) -> list[mx.array]:
         """A compiled graph's outputs that end with this cache's `state`: takes those arrays

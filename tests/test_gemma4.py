@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_speculate.cache import RING_ROWS
 from mlx_speculate.loading import build_model, load_model
 
 from .families import (
@@ -155,11 +156,13 @@ def test_features_matter(tmp_path):
 
 
 def test_cache_holds_only_the_layers_that_write():
-    """Shared layers have no cache layer; global layers' cache layers take their shape."""
+    """Shared layers have no cache layer; global layers' cache layers take their shape; the
+    sliding ones are rings of the window and RING_ROWS slots."""
     model = tiny_gemma4(0, **DEEP)
     cache = model.make_cache()
     cache.reserve(4)
-    assert [k.shape for k in cache.keys] == [(1, 2, 256, 16), (1, 1, 256, 32), (1, 2, 256, 16)]
+    ring = model.args.sliding_window + RING_ROWS
+    assert [k.shape for k in cache.keys] == [(1, 2, ring, 16), (1, 1, 256, 32), (1, 2, ring, 16)]
     model(mx.array([[1, 2, 3]]), cache)
     assert cache.offset == 3 and len(cache.state) == 6
 

@@ -27,27 +27,44 @@ from ..state_cache import HybridCache
 
 
 class BatchKVCache(KVCache):
-    def __init__(self, shapes: Sequence[tuple[int, int]], dtype: mx.Dtype, rows: int):
-        """`shapes`: (key/value heads, head size) of each layer (`CausalLM.kv_shapes`)."""
+    def __init__(
+        self,
+        shapes: Sequence[tuple[int, int]],
+        dtype: mx.Dtype,
+        rows: int,
+        window: int | None = None,
+        sliding: Sequence[bool] = (),
+    ):
+        """`shapes`: (key/value heads, head size) of each layer (`CausalLM.kv_shapes`);
+        `window`, `sliding`: its sliding layers, kept as rings (`CausalLM.kv_window`)."""
         likes = [mx.zeros((rows, heads, 0, size), dtype) for heads, size in shapes]
-        super().__init__(len(likes), like=likes)
+        super().__init__(len(likes), like=likes, window=window, sliding=sliding)
         self.shapes, self.dtype = list(shapes), dtype
+        self.sliding = tuple(sliding)
         self.rows = rows
         self.offsets = [0] * rows
+
+    @classmethod
+    def of(cls, model, rows: int) -> BatchKVCache:
+        """The batch cache of `model`'s layers (a `CausalLM`)."""
+        return cls(model.kv_shapes(), model.compute_dtype, rows, **model.kv_window())
 
     def fresh(self) -> BatchKVCache:
         """An empty cache of the same layers and rows: a compiled forward's view adopts the
         cache's arrays into one (batch/step.py)."""
-        return BatchKVCache(self.shapes, self.dtype, self.rows)
+        return BatchKVCache(self.shapes, self.dtype, self.rows, self.window, self.sliding)
 
-    def write(
-        self, layer: int, keys: mx.array, values: mx.array, start: mx.array, end: int | None
+    def _put(
+        self, layer: int, keys: mx.array, values: mx.array, start: mx.array
     ) -> tuple[mx.array, mx.array]:
         """Writes row b's (H_kv, L, D) keys/values at its slot start[b]; returns the whole
         storage. The engine reserved the room (`prepare`)."""
         B, H, L, D = keys.shape
-        slots = (start[:, None] + mx.arange(L, dtype=mx.int32))[:, None, :, None]  # (B, 1, L, 1)
         k, v = self.keys[layer], self.values[layer]
+        if self.rings[layer] is not None and k.shape[2] == self.rings[layer]:
+            slots = self.ring_columns(start, L)  # a full ring: slot j at column j mod R
+        else:
+            slots = (start[:, None] + mx.arange(L, dtype=mx.int32))[:, None, :, None]
         k = mx.put_along_axis(k, mx.broadcast_to(slots, keys.shape), keys, axis=2)
         v = mx.put_along_axis(v, mx.broadcast_to(slots, values.shape), values, axis=2)
         self.keys[layer], self.values[layer] = k, v

@@ -64,7 +64,7 @@ def batch_cache(model: CausalLM, rows: int) -> BatchKVCache:
     """The batch's cache for `model`: key/value rows, and a hybrid's recurrent state per row."""
     if model.recurrent:
         return BatchHybridCache(model.make_cache(), rows)
-    return BatchKVCache(model.kv_shapes(), model.compute_dtype, rows)
+    return BatchKVCache.of(model, rows)
 
 
 def check_batchable(model: CausalLM) -> None:
@@ -225,7 +225,9 @@ class BatchEngine:
     def _prefill(self) -> Iterator[Handle]:
         """The waiting sequences' next chunks in one forward, then the prefilled ones join."""
         group = self._prefills
-        if self.model.recurrent:  # a padded row would run its padding through its state
+        # A padded row would run its padding through its recurrent state, or write it past
+        # its end into a ring's window (rings hold RING_ROWS slots past the end): one by one.
+        if self.model.recurrent or self.cache.ring_size is not None:
             running = next((r for r in self._waiting if not r.prefill.done), None)
             try:
                 if running is not None:

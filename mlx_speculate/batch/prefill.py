@@ -46,7 +46,7 @@ class PrefillGroup:
         """Takes `prefill` in: its sequence's cached prefix becomes its row."""
         row = len(self.members)
         if self.cache is None:
-            self.cache = BatchKVCache(self.model.kv_shapes(), self.model.compute_dtype, 1)
+            self.cache = BatchKVCache.of(self.model, 1)
         if row >= self.cache.rows:
             self.cache.resize(_bucket(row + 1))
         self.members.append(prefill)

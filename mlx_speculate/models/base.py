@@ -153,11 +153,9 @@ def store(
     ctx: ForwardContext, layer: int, keys: mx.array, values: mx.array
 ) -> tuple[mx.array, mx.array]:
     """Writes `layer`'s new (B, H_kv, L, D) keys and values into the cache; returns what its
-    attention reads: the cache's leading `span` slots (the new ones alone without a cache)."""
+    attention reads (`KVCache.store`; the new ones alone without a cache)."""
     if ctx.cache is not None:
-        keys, values = ctx.cache.write(layer, keys, values, ctx.start, ctx.end)
-        if ctx.span is not None and ctx.span < keys.shape[2]:
-            keys, values = keys[..., : ctx.span, :], values[..., : ctx.span, :]
+        keys, values = ctx.cache.store(layer, keys, values, ctx.start, ctx.end, ctx.span)
     return keys, values
 
 
@@ -175,7 +173,7 @@ def attention(
     (the window's on sliding layers); (B, L, H * D). Over a quantized cache's packed keys and
     values, its codec's attention (models/quantized_kv.py)."""
     B, _, L, _ = queries.shape
-    mask = ctx.window_mask if ctx.window_mask is not None and ctx.sliding[layer] else ctx.mask
+    mask = ctx.layer_mask(layer)
     codec = None if ctx.cache is None else ctx.cache.codec
     if codec is not None:
         out = codec.attention(queries, keys, values, scale, mask, sinks, softcap)
@@ -227,6 +225,11 @@ class DecoderStack(nn.Module):
         self._sliding = args.sliding_layers()
         self._embed_scale = embed_scale
         self.stage: Stage = WHOLE  # all layers; `keep` sets a pipeline block
+
+    @property
+    def sliding(self) -> tuple[bool, ...]:
+        """Whether each layer this process runs attends within the sliding window."""
+        return self._sliding
 
     def keep(self, stage: Stage, block: slice) -> None:
         """Drops every layer but `block`, this process's (pipeline.py; from stage.start on)."""
@@ -357,7 +360,12 @@ class CausalLM(nn.Module):
     def make_cache(self) -> KVCache:
         dtype = self.compute_dtype
         likes = [mx.zeros((1, heads, 0, size), dtype) for heads, size in self.kv_shapes()]
-        return KVCache(len(likes), like=likes)
+        return KVCache(len(likes), like=likes, **self.kv_window())
+
+    def kv_window(self) -> dict[str, Any]:
+        """The sliding window and which cache layers (`kv_shapes`' order) attend within it:
+        the `KVCache` keeps those as rings."""
+        return {"window": self.args.sliding_window, "sliding": self.model.sliding}
 
     def kv_shapes(self) -> list[tuple[int, int]]:
         """(key/value heads, head size) of each cache layer: one per layer this process runs,

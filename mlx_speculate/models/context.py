@@ -1,7 +1,7 @@
 """The per-forward context every layer reads: slot start, rotary positions, one rotation
 table per forward, and the attention mask over the cache's attended span (causal, tree or
-sliding window), built on the device from the slot start so that shapes depend on
-(L, span) alone."""
+sliding window; over a ring's columns and the new keys on sliding layers kept as rings,
+cache.py), built on the device from the slot start so that shapes depend on (L, span) alone."""
 
 from __future__ import annotations
 
@@ -39,6 +39,18 @@ class ForwardContext:
     # The keys and values a layer attended to in this forward, by this process's layer index,
     # recorded for the layers that read them instead of writing their own (Gemma 4)
     kv: dict[int, tuple[mx.array, mx.array]] = field(default_factory=dict, compare=False)
+    # Sliding layers kept as rings: the mask over the ring's columns then the new keys
+    # (..., L, ring_span + L), what `KVCache.store` returns for those layers
+    ring_mask: mx.array | None = None
+
+    def layer_mask(self, layer: int) -> mx.array | str | None:
+        """The mask `layer`'s attention applies: its ring's or window's on a sliding layer."""
+        if self.sliding and self.sliding[layer]:
+            if self.ring_mask is not None:
+                return self.ring_mask
+            if self.window_mask is not None:
+                return self.window_mask
+        return self.mask
 
     def rotation(self, rope: RotaryEmbedding, length: int, dtype: mx.Dtype) -> tuple:
         """`rope`'s tables for this forward (RotaryEmbedding.tables), shared by its layers."""
@@ -149,6 +161,9 @@ def build_context(
             window_mask = mx.minimum(window_mask, additive)
     if additive is None:
         additive = additive_mask(allowed, dtype)
+    ring_mask = None
+    if cache is not None and cache.ring_size is not None and window is not None and any(sliding):
+        ring_mask = _ring_mask(cache, start, length, span, positions, mask, window, dtype, offset)
     return ForwardContext(
         cache,
         start,
@@ -159,7 +174,44 @@ def build_context(
         window_mask,
         sliding,
         None if cache is None else span,
+        ring_mask=ring_mask,
     )
+
+
+def _ring_mask(
+    cache: KVCache,
+    start: mx.array,
+    length: int,
+    span: int,
+    positions: mx.array | None,
+    mask: mx.array | None,
+    window: int,
+    dtype: mx.Dtype,
+    offset: int | None,
+) -> mx.array:
+    """The additive mask of a ring layer's attention, (B or 1, 1, L, ring_span + L): over the
+    slots its columns hold before this forward (`KVCache.ring_slots`) and then the L new ones,
+    with the same visibility and window as `build_context` gives the cache's slots."""
+    rows = mx.arange(length, dtype=mx.int32)
+    ids = mx.concatenate([cache.ring_slots(start, cache.ring_span(span)), start + rows])
+    rel = ids - start  # (C,) index among the new tokens; < 0 for committed slots
+    held = ids >= 0
+    additive = None
+    if mask is not None and mask.dtype == mx.bool_:
+        m = mask.shape[-1]
+        near = rel + (m - length)
+        new = mx.take(mask, mx.clip(near, 0, m - 1), axis=-1)  # (..., L, C)
+        allowed = held & ((near < 0) | (new & (rel < length)))
+    else:
+        allowed = held & (rel[None, :] <= rows[:, None])
+        if mask is not None:  # the public (..., L, offset + L) additive mask, by slot
+            last = (0 if offset is None else offset) + length - 1
+            additive = mx.take(mask.astype(dtype), mx.clip(ids, 0, last), axis=-1)
+    q_pos = (start + rows if positions is None else positions).reshape(-1, length)
+    k_pos = mx.where(rel < 0, ids, mx.take(q_pos, mx.clip(rel, 0, length - 1), axis=-1))
+    near = q_pos[:, :, None] - k_pos[:, None, :] < window
+    ring_mask = additive_mask(allowed & near, dtype)[:, None]
+    return ring_mask if additive is None else mx.minimum(ring_mask, additive)
 
 
 def _to_span(mask: mx.array, span: int, offset: int | None) -> mx.array:
@@ -199,13 +251,15 @@ def _batch_context(
         near = mx.clip(rel, 0, length - 1)[:, None, :]
         new = mx.take_along_axis(mask, mx.broadcast_to(near, (mask.shape[0], length, span)), -1)
         allowed = (rel < 0)[:, None, :] | (new & (rel < length)[:, None, :])
-    window_mask = None
+    window_mask = ring_mask = None
     if window is not None and any(sliding):
         q_pos = start[:, None] + rows if positions is None else positions  # (B, L)
         at = mx.clip(rel, 0, length - 1)
         k_pos = mx.where(rel < 0, slots[None, :], mx.take_along_axis(q_pos, at, axis=-1))
         near = q_pos[:, :, None] - k_pos[:, None, :] < window  # (B, L, C)
         window_mask = additive_mask(allowed & near, dtype)[:, None]
+        if cache.ring_size is not None:
+            ring_mask = _batch_ring_mask(cache, start, length, span, q_pos, mask, window, dtype)
     return ForwardContext(
         cache,
         start,
@@ -216,4 +270,33 @@ def _batch_context(
         window_mask,
         sliding,
         span,
+        ring_mask=ring_mask,
     )
+
+
+def _batch_ring_mask(
+    cache: KVCache,
+    start: mx.array,
+    length: int,
+    span: int,
+    q_pos: mx.array,
+    mask: mx.array | None,
+    window: int,
+    dtype: mx.Dtype,
+) -> mx.array:
+    """`_ring_mask` of a batch forward, row b from its own start[b]: (B, 1, L, ring_span + L)."""
+    rows = mx.arange(length, dtype=mx.int32)
+    old = cache.ring_slots(start, cache.ring_span(span))  # (B, R')
+    ids = mx.concatenate([old, start[:, None] + rows[None, :]], axis=1)  # (B, C)
+    rel = ids - start[:, None]
+    if mask is None:
+        allowed = rel[:, None, :] <= rows[None, :, None]  # (B, L, C)
+    else:
+        at = mx.clip(rel, 0, length - 1)[:, None, :]
+        new = mx.take_along_axis(mask, mx.broadcast_to(at, (*mask.shape[:2], ids.shape[1])), -1)
+        allowed = (rel < 0)[:, None, :] | (new & (rel < length)[:, None, :])
+    allowed = allowed & (ids >= 0)[:, None, :]
+    at = mx.clip(rel, 0, length - 1)
+    k_pos = mx.where(rel < 0, ids, mx.take_along_axis(q_pos, at, axis=-1))
+    near = q_pos[:, :, None] - k_pos[:, None, :] < window  # (B, L, C)
+    return additive_mask(allowed & near, dtype)[:, None]

@@ -190,7 +190,8 @@ class ModelArgs(BaseModelArgs):
                 )
             heads, size = shapes[int(key)]
             shapes[int(key)] = (
-                overrides.get("num_key_value_heads", heads), overrides.get("head_dim", size)
+                overrides.get("num_key_value_heads", heads),
+                overrides.get("head_dim", size),
             )
         return shapes
 
@@ -469,6 +470,15 @@ class Model(CausalLM):
             for layer in self.layers
             if layer.self_attn.reads is None
         ]
+
+    def kv_window(self) -> dict[str, Any]:
+        """As `kv_shapes`, only the layers that write keys."""
+        sliding = [
+            s
+            for s, layer in zip(self.model.sliding, self.layers, strict=True)
+            if layer.self_attn.reads is None
+        ]
+        return {"window": self.args.sliding_window, "sliding": tuple(sliding)}
 
     def project(self, hidden: mx.array) -> mx.array:
         logits = super().project(hidden)

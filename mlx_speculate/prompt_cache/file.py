@@ -10,6 +10,9 @@ keys and values of the prompt, (1, H_kv, N, D) each; a hybrid's cache (state_cac
 entry per model layer, its recurrent ones `RecurrentState`: the conv inputs (1, kernel - 1 +
 rows, channels) and the ring of delta-rule states (rows + 1, 1, H, Dk, Dv) that its last
 forward kept from slot `base` on, so that the loaded cache rolls back as the saved one could.
+A sliding layer kept as a ring (cache.py) is a `SlidingKVCache` entry (ours; mlx-lm reads files
+of models without one): the keys and values of the prompt's last `window - 1` slots, all that a
+later token sees, then the prompt's length.
 
 Ours beside mlx-lm's metadata: the format, the prompt's token ids, the model's `model_type`,
 a digest of its config and parameter shapes (`architecture`), one of the leading values of
@@ -38,7 +41,8 @@ from ..models.base import CausalLM
 from ..state_cache import ROWS, HybridCache
 
 FORMAT = "mlx_speculate.prompt_cache/1"
-ATTENTION, RECURRENT = "KVCache", "RecurrentState"  # entry classes (mlx-lm's name for the first)
+# Entry classes (mlx-lm's name for the first)
+ATTENTION, RECURRENT, SLIDING = "KVCache", "RecurrentState", "SlidingKVCache"
 _LEADING = 16  # values of each parameter the weights digest reads
 _MAX_HEADER = 1 << 28  # a safetensors header longer than this is not one
 
@@ -198,16 +202,31 @@ def _entries(cache: KVCache) -> tuple[list[str], dict[str, mx.array]]:
             recurrent += 1
         else:
             keys, values = cache.keys[attention], cache.values[attention]
-            first = None if keys is None else keys[..., :n, :]
-            second = None if values is None else values[..., :n, :]
+            sliding = cache.rings[attention] is not None
+            first = None if keys is None else _slots(cache, attention, keys, n)
+            second = None if values is None else _slots(cache, attention, values, n)
             attention += 1
         if first is None or second is None:
             raise ValueError(f"layer {entry} of the cache holds nothing: prefill the prompt first")
-        classes.append(RECURRENT if linear else ATTENTION)
+        classes.append(RECURRENT if linear else SLIDING if sliding else ATTENTION)
         arrays[f"{entry}.0"], arrays[f"{entry}.1"] = first, second
         if not linear:
             arrays[f"{entry}.2"] = mx.array(n)  # mlx-lm's KVCache state ends with its offset
     return classes, arrays
+
+
+def _kept(cache: KVCache, layer: int, n: int) -> int:
+    """How many of a prompt's last slots of `n` the file holds for `layer`: all, or a ring's
+    window - 1 (what the next token sees)."""
+    return n if cache.rings[layer] is None else min(n, cache.window - 1)
+
+
+def _slots(cache: KVCache, layer: int, array: mx.array, n: int) -> mx.array:
+    """`layer`'s keys or values of the prompt's last `_kept` slots, in slot order."""
+    m = _kept(cache, layer, n)
+    if cache.rings[layer] is None or array.shape[2] < cache.rings[layer]:
+        return array[..., n - m : n, :]
+    return mx.take(array, mx.remainder(mx.arange(n - m, n), cache.rings[layer]), axis=2)
 
 
 def _fill(
@@ -217,11 +236,11 @@ def _fill(
     shape and dtype against what the model writes; then its offset is `n`."""
     hybrid = isinstance(cache, HybridCache)
     kinds = cache.linear if hybrid else (False,) * len(cache.keys)
-    expected = [RECURRENT if linear else ATTENTION for linear in kinds]
+    rings = iter(cache.rings)
+    expected = [RECURRENT if linear else SLIDING if next(rings) else ATTENTION for linear in kinds]
     if list(classes) != expected or len(arrays) != 3 * len(expected) - sum(kinds):
         raise ValueError(f"{len(classes)} cache entries, the model has {len(expected)} layers")
     likes = [cache.like] * len(cache.keys) if hybrid else cache.likes
-    start = mx.array(0, mx.int32)
     rows = 0
     attention = recurrent = 0
     for entry, linear in enumerate(kinds):
@@ -239,10 +258,13 @@ def _fill(
             like = likes[attention]
             if (slots := arrays[f"{entry}.2"].item()) != n:
                 raise ValueError(f"entry {entry} holds {slots} slots, not {n}")
-            shape = (1, like.shape[1], n, like.shape[3])
+            m = _kept(cache, attention, n)
+            shape = (1, like.shape[1], m, like.shape[3])
             _expect(entry, first, shape, like.dtype)
             _expect(entry, second, shape, like.dtype)
-            cache.write(entry if hybrid else attention, first, second, start, n)
+            cache.reserve(n)
+            at = mx.array(n - m, mx.int32)
+            cache.write(entry if hybrid else attention, first, second, at, None)
             attention += 1
     if hybrid:
         settle(cache, base, rows, n)
