@@ -56,18 +56,7 @@ class ModelArgs(BaseModelArgs):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.hidden_activation != "gelu_pytorch_tanh":
-            raise ValueError(
-                f"Gemma 3 hidden_activation {self.hidden_activation!r} is not supported "
-                "(supported: gelu_pytorch_tanh)"
-            )
-        if self.use_bidirectional_attention:
-            raise ValueError("Gemma 3 with use_bidirectional_attention is not a causal LM")
-        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types names {len(self.layer_types)} layers, the model has "
-                f"{self.num_hidden_layers}"
-            )
+        check_block(self, "Gemma 3")
 
     @property
     def qkv_bias(self) -> bool:
@@ -103,6 +92,24 @@ class ModelArgs(BaseModelArgs):
             return tuple(t == "sliding_attention" for t in self.layer_types)
         pattern = self.sliding_window_pattern
         return tuple((i + 1) % pattern != 0 for i in range(self.num_hidden_layers))
+
+
+def check_block(args: Any, family: str) -> None:
+    """Raises a one-line ValueError for what a Gemma 2 or 3 `ModelArgs` (`family` names it) asks
+    of the block they share and this package does not run: another activation than
+    GELU-tanh, bidirectional attention, or `layer_types` of another length than the layers."""
+    if args.hidden_activation != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"{family} hidden_activation {args.hidden_activation!r} is not supported "
+            "(supported: gelu_pytorch_tanh)"
+        )
+    if args.use_bidirectional_attention:
+        raise ValueError(f"{family} with use_bidirectional_attention is not a causal LM")
+    if args.layer_types is not None and len(args.layer_types) != args.num_hidden_layers:
+        raise ValueError(
+            f"layer_types names {len(args.layer_types)} layers, the model has "
+            f"{args.num_hidden_layers}"
+        )
 
 
 class RMSNorm(nn.Module):

@@ -105,10 +105,7 @@ class Attention(LlamaAttention):
         self.sinks = mx.zeros((args.num_attention_heads,))
 
     def __call__(self, x: mx.array, ctx: ForwardContext, layer: int) -> mx.array:
-        B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, H, L, D)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = self.heads(x)
         out = attend(ctx, layer, self._rope, q, k, v, self.scale, self.sinks)
         return self.o_proj(out)
 
