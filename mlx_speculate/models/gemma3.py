@@ -20,11 +20,13 @@ from .context import ForwardContext
 from .llama import MLP as LlamaMLP
 from .qwen3 import Attention as Qwen3Attention
 from .rope import LAYER_TYPES, RotaryEmbedding, rope_parameters
+from .wrapper import under_language_model, unwrap
 
 # Checkpoint prefixes of the language model inside `gemma3` folders (transformers >= 4.52, then
 # older transformers and mlx-vlm) and the parts of those folders that are not text.
 _PREFIXES = (("model.language_model.", "model."), ("language_model.", ""))
 _NOT_TEXT = ("vision_tower", "multi_modal_projector")
+_NOT_TEXT += tuple(f"model.{p}" for p in _NOT_TEXT)
 
 
 @dataclass
@@ -181,13 +183,8 @@ class Model(CausalLM):
         return mlx_lm_layout(config, weights)
 
     def rename(self, name: str) -> str | None:
-        for old, new in _PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        if name.startswith(_NOT_TEXT) or name.startswith(tuple(f"model.{p}" for p in _NOT_TEXT)):
-            return None
-        return super().rename(name)
+        name = unwrap(name, _PREFIXES, _NOT_TEXT)
+        return None if name is None else super().rename(name)
 
 
 def mlx_lm_layout(
@@ -200,10 +197,4 @@ def mlx_lm_layout(
     if config.get("model_type") != "gemma3":
         return config, weights
     config = {**config, "vocab_size": ModelArgs.from_dict(config).vocab_size}
-    for key in ("quantization", "quantization_config"):
-        if isinstance(config.get(key), dict):
-            config[key] = {
-                (f"language_model.{k}" if isinstance(v, dict | bool) else k): v
-                for k, v in config[key].items()
-            }
-    return config, {f"language_model.{k}": v for k, v in weights.items()}
+    return under_language_model(config, weights)
