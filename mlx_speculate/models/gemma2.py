@@ -41,14 +41,6 @@ class ModelArgs(BaseModelArgs):
         super().__post_init__()
         check_block(self, "Gemma 2")
 
-    @property
-    def qkv_bias(self) -> bool:
-        return self.attention_bias
-
-    @property
-    def o_bias(self) -> bool:
-        return self.attention_bias
-
     def sliding_layers(self) -> tuple[bool, ...]:
         if self.layer_types is not None:
             return tuple(t == "sliding_attention" for t in self.layer_types)

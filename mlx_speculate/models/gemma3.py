@@ -60,14 +60,6 @@ class ModelArgs(BaseModelArgs):
         super().__post_init__()
         check_block(self, "Gemma 3")
 
-    @property
-    def qkv_bias(self) -> bool:
-        return self.attention_bias
-
-    @property
-    def o_bias(self) -> bool:
-        return self.attention_bias
-
     def _nested_rope(self, layer_type: str) -> dict[str, Any] | None:
         """transformers 5's per-layer-type `rope_parameters`, if the config has that form."""
         nested = self.rope_parameters or {}

@@ -85,14 +85,6 @@ class ModelArgs(BaseModelArgs):
                 f"({self.num_local_experts}), got {self.num_experts_per_tok}"
             )
 
-    @property
-    def qkv_bias(self) -> bool:
-        return self.attention_bias
-
-    @property
-    def o_bias(self) -> bool:
-        return self.attention_bias
-
     def sliding_layers(self) -> tuple[bool, ...]:
         if self.sliding_window is None:
             return (False,) * self.num_hidden_layers

@@ -14,13 +14,7 @@ from .fast_exp import silu
 
 @dataclass
 class ModelArgs(BaseModelArgs):
-    @property
-    def qkv_bias(self) -> bool:
-        return self.attention_bias
-
-    @property
-    def o_bias(self) -> bool:
-        return self.attention_bias
+    pass
 
 
 class Attention(nn.Module):
