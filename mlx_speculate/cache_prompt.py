@@ -35,22 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Prefill a prompt once and save its cache, for generate to start from.",
         epilog=EXAMPLES,
     )
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="local folder or Hugging Face hub id (default: SmolLM2-135M-Instruct)",
-    )
+    cli.add_prompt_arguments(parser)
     parser.add_argument(
         "--prompt-cache-file", required=True, metavar="F", help="the file to save the cache in"
-    )
-    parser.add_argument(
-        "--prompt", default="-", help="prompt text, or - (the default) to read it from stdin"
-    )
-    parser.add_argument(
-        "--system-prompt", default=None, help="a system message before the cached prompt"
-    )
-    parser.add_argument(
-        "--ignore-chat-template", action="store_true", help="cache the prompt as raw text"
     )
     parser.add_argument(
         "--dtype",

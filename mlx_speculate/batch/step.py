@@ -36,9 +36,8 @@ def forward(
     key = ("batch", B, N, mask is None, taps, span)
     fn = compiled(model, key, lambda: _forward_fn(model, cache, mask is None, taps, span))
     args = (tokens, positions, cache.start) + (() if mask is None else (mask,))
-    logits, hidden, *rest = fn(*args, *cache.state)
-    cache.set_arrays(rest[len(taps) :])
-    return ModelOutput(logits, hidden, tuple(rest[: len(taps)]))
+    logits, hidden, *taps_out = cache.take_outputs(fn(*args, *cache.state))
+    return ModelOutput(logits, hidden, tuple(taps_out))
 
 
 def _forward_fn(

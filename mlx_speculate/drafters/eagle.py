@@ -303,10 +303,9 @@ class EagleDrafter(FusedDrafter):
 
         fn = compiled(self.head, key, build, traced=self.head.traceable)
         out = fn(self._last, mx.array(self._features.fed, mx.int32), *self.cache.state)
-        layers = len(self.cache.state)
-        self.cache.set_arrays(out[len(out) - layers :])
+        drafted = self.cache.take_outputs(out)
         self.cache.advance(depth * top_k)
-        return self._draft(*out[: len(out) - layers])
+        return self._draft(*drafted)
 
     def _draft(self, tokens: mx.array, *tree: mx.array) -> Draft:
         if not tree:  # a chain: its first k nodes are its best ones

@@ -34,8 +34,8 @@ from ..loading import load_config, load_weights
 from ..models import qwen3_next
 from ..models.base import CausalLM
 from ..models.context import ForwardContext, build_context
-from ..models.qwen3_5 import text_config
 from ..models.rope import RotaryEmbedding
+from ..models.wrapper import text_config
 
 MTP_FILE = "mtp.safetensors"  # the head beside a converted model
 PREFIXES = ("mtp.", "model.mtp.")  # where checkpoints keep the head (the first is the usual)

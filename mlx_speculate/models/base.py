@@ -92,6 +92,17 @@ class BaseModelArgs:
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
 
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether the q, k and v projections have biases (HF `attention_bias`; Qwen2's
+        differ from its output projection's)."""
+        return self.attention_bias
+
+    @property
+    def o_bias(self) -> bool:
+        """Whether the attention's output projection has a bias."""
+        return self.attention_bias
+
     def rope_config(self) -> dict[str, Any]:
         config = {
             "rope_theta": self.rope_theta,

@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from .base import BaseModelArgs, CausalLM, attend
 from .context import ForwardContext
-from .gemma3 import MLP, RMSNorm, TransformerBlock
+from .gemma3 import MLP, RMSNorm, TransformerBlock, check_block
 from .llama import Attention as LlamaAttention
 from .rope import RotaryEmbedding
 
@@ -39,26 +39,7 @@ class ModelArgs(BaseModelArgs):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.hidden_activation != "gelu_pytorch_tanh":
-            raise ValueError(
-                f"Gemma 2 hidden_activation {self.hidden_activation!r} is not supported "
-                "(supported: gelu_pytorch_tanh)"
-            )
-        if self.use_bidirectional_attention:
-            raise ValueError("Gemma 2 with use_bidirectional_attention is not a causal LM")
-        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types names {len(self.layer_types)} layers, the model has "
-                f"{self.num_hidden_layers}"
-            )
-
-    @property
-    def qkv_bias(self) -> bool:
-        return self.attention_bias
-
-    @property
-    def o_bias(self) -> bool:
-        return self.attention_bias
+        check_block(self, "Gemma 2")
 
     def sliding_layers(self) -> tuple[bool, ...]:
         if self.layer_types is not None:
@@ -73,10 +54,7 @@ class Attention(LlamaAttention):
         self.softcap = args.attn_logit_softcapping
 
     def __call__(self, x: mx.array, ctx: ForwardContext, layer: int) -> mx.array:
-        B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, H, L, D)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = self.heads(x)
         out = attend(ctx, layer, self._rope, q, k, v, self.scale, softcap=self.softcap)
         return self.o_proj(out)
 

@@ -20,11 +20,13 @@ from .context import ForwardContext
 from .llama import MLP as LlamaMLP
 from .qwen3 import Attention as Qwen3Attention
 from .rope import LAYER_TYPES, RotaryEmbedding, rope_parameters
+from .wrapper import under_language_model, unwrap
 
 # Checkpoint prefixes of the language model inside `gemma3` folders (transformers >= 4.52, then
 # older transformers and mlx-vlm) and the parts of those folders that are not text.
 _PREFIXES = (("model.language_model.", "model."), ("language_model.", ""))
 _NOT_TEXT = ("vision_tower", "multi_modal_projector")
+_NOT_TEXT += tuple(f"model.{p}" for p in _NOT_TEXT)
 
 
 @dataclass
@@ -56,26 +58,7 @@ class ModelArgs(BaseModelArgs):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.hidden_activation != "gelu_pytorch_tanh":
-            raise ValueError(
-                f"Gemma 3 hidden_activation {self.hidden_activation!r} is not supported "
-                "(supported: gelu_pytorch_tanh)"
-            )
-        if self.use_bidirectional_attention:
-            raise ValueError("Gemma 3 with use_bidirectional_attention is not a causal LM")
-        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
-            raise ValueError(
-                f"layer_types names {len(self.layer_types)} layers, the model has "
-                f"{self.num_hidden_layers}"
-            )
-
-    @property
-    def qkv_bias(self) -> bool:
-        return self.attention_bias
-
-    @property
-    def o_bias(self) -> bool:
-        return self.attention_bias
+        check_block(self, "Gemma 3")
 
     def _nested_rope(self, layer_type: str) -> dict[str, Any] | None:
         """transformers 5's per-layer-type `rope_parameters`, if the config has that form."""
@@ -103,6 +86,24 @@ class ModelArgs(BaseModelArgs):
             return tuple(t == "sliding_attention" for t in self.layer_types)
         pattern = self.sliding_window_pattern
         return tuple((i + 1) % pattern != 0 for i in range(self.num_hidden_layers))
+
+
+def check_block(args: Any, family: str) -> None:
+    """Raises a one-line ValueError for what a Gemma 2 or 3 `ModelArgs` (`family` names it) asks
+    of the block they share and this package does not run: another activation than
+    GELU-tanh, bidirectional attention, or `layer_types` of another length than the layers."""
+    if args.hidden_activation != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"{family} hidden_activation {args.hidden_activation!r} is not supported "
+            "(supported: gelu_pytorch_tanh)"
+        )
+    if args.use_bidirectional_attention:
+        raise ValueError(f"{family} with use_bidirectional_attention is not a causal LM")
+    if args.layer_types is not None and len(args.layer_types) != args.num_hidden_layers:
+        raise ValueError(
+            f"layer_types names {len(args.layer_types)} layers, the model has "
+            f"{args.num_hidden_layers}"
+        )
 
 
 class RMSNorm(nn.Module):
@@ -174,13 +175,8 @@ class Model(CausalLM):
         return mlx_lm_layout(config, weights)
 
     def rename(self, name: str) -> str | None:
-        for old, new in _PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        if name.startswith(_NOT_TEXT) or name.startswith(tuple(f"model.{p}" for p in _NOT_TEXT)):
-            return None
-        return super().rename(name)
+        name = unwrap(name, _PREFIXES, _NOT_TEXT)
+        return None if name is None else super().rename(name)
 
 
 def mlx_lm_layout(
@@ -193,10 +189,4 @@ def mlx_lm_layout(
     if config.get("model_type") != "gemma3":
         return config, weights
     config = {**config, "vocab_size": ModelArgs.from_dict(config).vocab_size}
-    for key in ("quantization", "quantization_config"):
-        if isinstance(config.get(key), dict):
-            config[key] = {
-                (f"language_model.{k}" if isinstance(v, dict | bool) else k): v
-                for k, v in config[key].items()
-            }
-    return config, {f"language_model.{k}": v for k, v in weights.items()}
+    return under_language_model(config, weights)

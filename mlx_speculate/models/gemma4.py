@@ -42,6 +42,7 @@ from .context import ForwardContext
 from .experts import SwitchGLU, top_k
 from .rope import LAYER_TYPES, RotaryEmbedding, rope_parameters
 from .stage import Stage
+from .wrapper import under_language_model, unwrap
 
 # Checkpoint prefixes of the language model inside `gemma4` folders (transformers, then
 # mlx-vlm / mlx-community) and the parts of those folders that are not text.
@@ -54,6 +55,7 @@ _NOT_TEXT = (
     "embed_audio",
     "vision_embedder",
 )
+_NOT_TEXT += tuple(f"model.{p}" for p in _NOT_TEXT)
 # transformers' Gemma4TextConfig rope per layer type.
 _DEFAULT_ROPE = {
     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -486,11 +488,8 @@ class Model(CausalLM):
         return logits if cap is None else mx.tanh(logits / cap) * cap
 
     def rename(self, name: str) -> str | None:
-        for old, new in _PREFIXES:
-            if name.startswith(old):
-                name = new + name[len(old) :]
-                break
-        if name.startswith(_NOT_TEXT) or name.startswith(tuple(f"model.{p}" for p in _NOT_TEXT)):
+        name = unwrap(name, _PREFIXES, _NOT_TEXT)
+        if name is None:
             return None
         layer, _, rest = name.removeprefix("model.layers.").partition(".")
         if layer.isdigit() and rest.startswith(_SHARED_PARTS):
@@ -574,10 +573,4 @@ class Model(CausalLM):
         text = {k: v for k, v in (config.get("text_config") or {}).items() if k not in _NOT_WRITTEN}
         config = {k: v for k, v in config.items() if k not in _NOT_WRITTEN + ("rope_parameters",)}
         config |= {"vocab_size": args.vocab_size, "text_config": {**text, **fields}}
-        for key in ("quantization", "quantization_config"):
-            if isinstance(config.get(key), dict):
-                config[key] = {
-                    (f"language_model.{k}" if isinstance(v, dict | bool) else k): v
-                    for k, v in config[key].items()
-                }
-        return config, {f"language_model.{k}": v for k, v in weights.items()}
+        return under_language_model(config, weights)

@@ -85,14 +85,6 @@ class ModelArgs(BaseModelArgs):
                 f"({self.num_local_experts}), got {self.num_experts_per_tok}"
             )
 
-    @property
-    def qkv_bias(self) -> bool:
-        return self.attention_bias
-
-    @property
-    def o_bias(self) -> bool:
-        return self.attention_bias
-
     def sliding_layers(self) -> tuple[bool, ...]:
         if self.sliding_window is None:
             return (False,) * self.num_hidden_layers
@@ -105,10 +97,7 @@ class Attention(LlamaAttention):
         self.sinks = mx.zeros((args.num_attention_heads,))
 
     def __call__(self, x: mx.array, ctx: ForwardContext, layer: int) -> mx.array:
-        B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, H, L, D)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = self.heads(x)
         out = attend(ctx, layer, self._rope, q, k, v, self.scale, self.sinks)
         return self.o_proj(out)
 

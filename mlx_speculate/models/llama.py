@@ -14,13 +14,7 @@ from .fast_exp import silu
 
 @dataclass
 class ModelArgs(BaseModelArgs):
-    @property
-    def qkv_bias(self) -> bool:
-        return self.attention_bias
-
-    @property
-    def o_bias(self) -> bool:
-        return self.attention_bias
+    pass
 
 
 class Attention(nn.Module):
@@ -37,11 +31,17 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, dim, bias=args.o_bias)
 
-    def __call__(self, x: mx.array, ctx: ForwardContext, layer: int) -> mx.array:
+    def heads(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """The (B, H, L, D) queries, keys and values of `x`, before RoPE (the families that
+        change only what attention does with them share this)."""
         B, L, _ = x.shape
         q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, H, L, D)
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return q, k, v
+
+    def __call__(self, x: mx.array, ctx: ForwardContext, layer: int) -> mx.array:
+        q, k, v = self.heads(x)
         return self.o_proj(attend(ctx, layer, self._rope, q, k, v, self.scale))
 
 

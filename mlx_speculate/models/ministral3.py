@@ -62,10 +62,8 @@ class Attention(LlamaAttention):
         self.beta, self.original = args.query_scaling()
 
     def __call__(self, x: mx.array, ctx: ForwardContext, layer: int) -> mx.array:
-        B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)  # (B, H, L, D)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = self.heads(x)  # (B, H, L, D)
+        L = q.shape[2]
         # By rotary position (a tree's nodes by depth): (L,) or (B, L); the scale commutes
         # with the rotation transformers applies it after.
         positions = ctx.positions

@@ -15,8 +15,8 @@ from .ministral3 import Model as Ministral3Model
 from .ministral3 import ModelArgs as Ministral3Args
 from .mistral import Model as MistralModel
 from .mistral import ModelArgs as MistralArgs
-from .qwen3_5 import text_config
 from .rope import rope_both_forms
+from .wrapper import text_config, under_language_model, unwrap
 
 _TEXT = {"mistral": MistralArgs, "ministral3": Ministral3Args}
 # Checkpoint prefixes of the language model (transformers, then older transformers and
@@ -53,13 +53,8 @@ class _Folder(CausalLM):
     """A `mistral3` folder's names around the text model of the concrete class's family."""
 
     def rename(self, name: str) -> str | None:
-        for old, new in _PREFIXES:
-            if name.startswith(old) or name == old[:-1]:  # a parameter, or a module path
-                name = (new + name[len(old) :]).rstrip(".")
-                break
-        if name.startswith(_NOT_TEXT):
-            return None
-        return super().rename(name)
+        name = unwrap(name, _PREFIXES, _NOT_TEXT)
+        return None if name is None else super().rename(name)
 
     def mlx_lm_layout(
         self, config: dict[str, Any], weights: dict[str, mx.array]
@@ -69,14 +64,7 @@ class _Folder(CausalLM):
         language model's names and per-module quantization under `language_model.`."""
         text = rope_both_forms({**(config.get("text_config") or {})})
         text, _ = super().mlx_lm_layout(text, {})
-        config = {**config, "text_config": text}
-        for key in ("quantization", "quantization_config"):
-            if isinstance(config.get(key), dict):
-                config[key] = {
-                    (f"language_model.{k}" if isinstance(v, dict | bool) else k): v
-                    for k, v in config[key].items()
-                }
-        return config, {f"language_model.{k}": v for k, v in weights.items()}
+        return under_language_model({**config, "text_config": text}, weights)
 
 
 class MistralText(_Folder, MistralModel):

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from .base import CausalLM, TransformerBlock, attend
-from .context import ForwardContext
+from .base import CausalLM, TransformerBlock
 from .llama import MLP
 from .llama import Attention as LlamaAttention
 from .qwen2 import ModelArgs as Qwen2Args
@@ -36,12 +35,12 @@ class Attention(LlamaAttention):
         self.q_norm = nn.RMSNorm(args.head_dim, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(args.head_dim, eps=args.rms_norm_eps)
 
-    def __call__(self, x: mx.array, ctx: ForwardContext, layer: int) -> mx.array:
+    def heads(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return self.o_proj(attend(ctx, layer, self._rope, q, k, v, self.scale))  # (B, H, L, D) in
+        return q, k, v  # (B, H, L, D)
 
 
 class Model(CausalLM):

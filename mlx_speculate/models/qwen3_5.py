@@ -19,6 +19,7 @@ import mlx.nn as nn
 from .gated_delta import GatedDeltaNet
 from .qwen3_next import Model as Qwen3NextModel
 from .qwen3_next import ModelArgs as Qwen3NextArgs
+from .wrapper import text_config, unwrap
 
 # Checkpoint prefixes of the language model (mlx-community, transformers) and what is not text.
 _PREFIXES = (
@@ -28,17 +29,6 @@ _PREFIXES = (
 )
 _NOT_TEXT = ("model.visual.", "visual.", "vision_tower.", "mtp.", "model.mtp.")
 WRAPPERS = ("qwen3_5", "qwen3_5_moe")
-
-
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """A wrapper's `text_config` (with its model_type, and the top-level tied-embeddings
-    setting when the text config has none); a text config as it is."""
-    if "text_config" not in config:
-        return config
-    text = dict(config["text_config"] or {})
-    if "tie_word_embeddings" not in text and "tie_word_embeddings" in config:
-        text["tie_word_embeddings"] = config["tie_word_embeddings"]
-    return {**text, "model_type": config.get("model_type")}
 
 
 @dataclass
@@ -80,13 +70,8 @@ class Model(Qwen3NextModel):
     delta_net: ClassVar[type[GatedDeltaNet]] = DeltaNet
 
     def rename(self, name: str) -> str | None:
-        for old, new in _PREFIXES:
-            if name.startswith(old) or name == old[:-1]:  # a parameter, or a module path
-                name = (new + name[len(old) :]).rstrip(".")
-                break
-        if name.startswith(_NOT_TEXT):
-            return None
-        return super().rename(name)
+        name = unwrap(name, _PREFIXES, _NOT_TEXT)
+        return None if name is None else super().rename(name)
 
     def mlx_lm_layout(
         self, config: dict[str, Any], weights: dict[str, mx.array]
