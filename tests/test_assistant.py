@@ -256,6 +256,20 @@ def test_greedy_speculation_equals_plain_decoding(folders, assistant):
     assert text.split() == [str(t) for t in greedy_reference(target, PROMPT, 20)]
 
 
+def test_greedy_speculation_past_the_targets_rings(folders):
+    """The target's sliding layers wrap their rings (cache.py) while the assistant reads the
+    keys it made of every position: still plain greedy decoding's tokens."""
+    target = load_model(folders["target"])[0]
+    n = 220
+    assert len(PROMPT) + n > target.make_cache().ring_size
+    reference = greedy_reference(target, PROMPT, n)
+    assert_clear_argmax(target, PROMPT, reference)
+    spec = AssistantSpec(assistant=folders["copying"])
+    tokens, steps, _ = decode(target, PROMPT, n, make_drafter(spec, target), FixedPolicy(3))
+    assert tokens == reference
+    assert sum(s.accepted for s in steps) > 0
+
+
 def test_the_batch_equals_greedy_alone(folders):
     """Assistant drafters in the batch engine, one per sequence at its own offset: every
     sequence emits plain greedy decoding's tokens alone, and drafts were accepted."""

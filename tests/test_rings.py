@@ -149,3 +149,17 @@ def test_a_quantized_ring_speculates_as_it_decodes(drafter):
     tokens, decoder = generated(model, make(), kv, PROMPT, 300)
     assert tokens == plain
     assert decoder.accepted > 0
+
+
+@pytest.mark.parametrize(
+    "method", ["medusa", "eagle-1 tree", "eagle-3 chain", "dflash tree", "lookup tree"]
+)
+def test_every_head_drafter_through_rings_equals_plain(method):
+    """One sequence past the ring's size with each head drafter (their own caches stay full;
+    the target's rings verify their chains and trees)."""
+    model = ring_model("gemma3_text", 13)
+    reference = greedy_reference(model, PROMPT, 250)
+    make = drafters(model, ring_model("gemma3_text", 7))[method]
+    tokens, steps, _ = decode(model, PROMPT, 250, make(), FixedPolicy(4))
+    assert tokens == reference
+    assert sum(s.drafted for s in steps) > 0

