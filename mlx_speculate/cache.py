@@ -238,10 +238,10 @@ class KVCache:
         )
 
     def update(self, layer: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Writes (B, H_kv, L, D) keys/values at `offset`; returns all slots up to offset + L."""
+        """Writes (B, H_kv, L, D) keys/values at `offset`; returns all slots up to offset + L
+        (on a ring layer what `store` returns: the ring's columns, then the L new keys)."""
         end = self.offset + keys.shape[2]
-        k, v = self.write(layer, keys, values, mx.array(self.offset, mx.int32), end)
-        return k[..., :end, :], v[..., :end, :]
+        return self.store(layer, keys, values, mx.array(self.offset, mx.int32), end, end)
 
     def advance(self, length: int) -> None:
         self.offset += length

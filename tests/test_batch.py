@@ -314,6 +314,35 @@ def test_sequences_join_and_leave_mid_generation():
     assert sequence.reusable(sequence.context + [5]) == len(sequence.context) - 1
 
 
+def test_a_joining_sequence_gets_its_first_token_before_the_batch_decodes():
+    """The round that prefills a joining prompt returns its first token at once, without the
+    running sequences' step; a running stream waits for at most one such round in a row."""
+    target, draft = FAMILIES["llama"]()
+    engine = BatchEngine(target, 4)
+
+    def handle(prompt):
+        session = Session(target, StubTokenizer(), DraftModelDrafter(draft, 97))
+        return Handle(session, prompt, GREEDY, 40)
+
+    def got(touched):
+        return {PROMPTS.index(h.prompt): len(h.take()) for h in touched}
+
+    running = handle(PROMPTS[0])
+    engine.add(running)
+    assert got(engine.step()) == {0: 1}  # the first token, from the prompt's forward
+    assert got(engine.step())[0] >= 1  # a decoding step
+    joining = [handle(PROMPTS[1]), handle(PROMPTS[2])]
+    for h in joining:
+        engine.add(h)
+    assert got(engine.step()) == {1: 1, 2: 1}  # the joiners' first tokens, no decoding
+    engine.add(late := handle(PROMPTS[3]))
+    # Another joiner's first token, and this time the batch decodes in the same round (the
+    # joiner with it: its first token and a step's).
+    touched = got(engine.step())
+    assert touched[3] >= 2 and all(touched[i] >= 1 for i in (0, 1, 2)), touched
+    assert engine.size == 4 and not late.done
+
+
 def test_a_seeded_sequence_samples_the_same_beside_any_others():
     target, draft = FAMILIES["llama"]()
     seeded = SamplingParams(temperature=1.0, seed=11)

@@ -162,6 +162,7 @@ class BatchEngine:
         self._running: list[_Running] = []  # decoding; running[i] holds cache row i
         self.last_rows = 0  # the last decoding step's rows, padding included (metrics)
         self._shrink = False  # sequences left: fit the cache's rows after the step
+        self._deferred = False  # the last round left out its decoding step (`step`)
 
     @property
     def idle(self) -> bool:
@@ -202,7 +203,10 @@ class BatchEngine:
         """One round: a prefill chunk of up to PREFILL_ROWS waiting sequences in one forward
         (each joins once done and a row is free, first come first served), then one decoding
         step of the batch. Returns the handles that got responses or ended in it; a sequence's
-        failure ends it alone (a failing prefill forward, the sequences in it)."""
+        failure ends it alone (a failing prefill forward, the sequences in it). A round whose
+        prefill gave first tokens returns them before decoding, unless the round before did
+        too: the first token does not wait for the batch's step, and the running sequences
+        wait for at most one such round in a row."""
         touched: dict[int, Handle] = {}
         self.last_rows = 0
         with mx.stream(GENERATION_STREAM):
@@ -211,10 +215,14 @@ class BatchEngine:
                     running.handle.cancelled_out = True
                     self._end(running)
                     touched[id(running.handle)] = running.handle
+            first = False
             if self._waiting:
                 for handle in self._prefill():
                     touched[id(handle)] = handle
-            if self._running:
+                    first = True
+            defer = first and not self._deferred
+            self._deferred = defer
+            if self._running and not defer:
                 for handle in self._decode():
                     touched[id(handle)] = handle
             if self._shrink:  # sequences left: a smaller bucket may hold the rest
