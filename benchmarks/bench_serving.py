@@ -3,6 +3,7 @@ mlx_lm.server (which batches plain decoding) on the same weights, at 1 to 16 cli
 
     python benchmarks/bench_serving.py [--openblas] [--quick] [--clients 1,2,4,8,16]
         [--rounds 3] [--max-tokens 32] [--method none] [--model FOLDER] [--out FILE]
+        [--against mlx-lm|max-batch-1]
 
 Both servers serve one MLX folder: SmolLM2-135M-Instruct in float32, converted once from the
 package's default GGUF (`--model` for another). Each client sends one streamed greedy chat
@@ -16,7 +17,9 @@ client count runs on each server in turn, the servers' order alternating between
 (server, clients, round): aggregate tokens/s (all completion tokens over the wall time from
 sending the first request to the last stream's end) and the p50 / p95 of the requests' times to
 first token; the table gives the median over rounds. `--method` picks our server's method per
-request (the `speculative` field); mlx-lm always decodes plainly.
+request (the `speculative` field); mlx-lm always decodes plainly. `--against max-batch-1` puts
+our own server with `--max-batch 1` (one request at a time, the single-stream loop) in mlx-lm's
+place, with the same method: what batching costs or saves.
 
 Writes benchmarks/results/serving-<date>-<device>.json (`--out` for another path), which
 benchmarks/report.py renders as the Serving section of docs/results.md.
@@ -139,6 +142,8 @@ def main(argv=None) -> None:
     parser.add_argument("--model", type=Path, default=None,
                         help="an MLX folder both servers load (default: SmolLM2-135M f32)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--against", default="mlx-lm", choices=["mlx-lm", "max-batch-1"],
+                        help="the server compared with ours (default mlx-lm)")
     add_blas_argument(parser)
     args = parser.parse_args(argv)
     defaults = QUICK if args.quick else DEFAULTS
@@ -153,11 +158,15 @@ def main(argv=None) -> None:
     folder = args.model or smollm2_f32()
     if not (folder / "config.json").exists():
         raise SystemExit(f"{folder} is not an MLX model folder (no config.json)")
-    commands = {
-        "mlx_speculate": (ours(folder, "--max-queue", "64"), folder.name),
-        "mlx-lm": (theirs(folder, "--log-level", "WARNING"), str(folder)),
-    }
-    extras = {"mlx_speculate": {"speculative": {"method": args.method}}, "mlx-lm": None}
+    method = {"speculative": {"method": args.method}}
+    commands = {"mlx_speculate": (ours(folder, "--max-queue", "64"), folder.name)}
+    extras = {"mlx_speculate": method}
+    if args.against == "mlx-lm":
+        commands["mlx-lm"] = (theirs(folder, "--log-level", "WARNING"), str(folder))
+        extras["mlx-lm"] = None
+    else:
+        solo = ours(folder, "--max-queue", "64", "--max-batch", "1")
+        commands["max-batch-1"], extras["max-batch-1"] = (solo, folder.name), method
     print(f"# serving: {folder.name}, clients {args.clients}, {args.rounds} rounds, "
           f"{args.max_tokens} tokens per request, our method {args.method}; BLAS: {blas}")
     versions = describe_versions()  # the code that runs, before the checkout can change
@@ -171,7 +180,7 @@ def main(argv=None) -> None:
         "rows": rows,
     }
     out = write_result(
-        "serving",
+        "serving" if args.against == "mlx-lm" else "batching",  # report.py renders serving-*
         fields,
         command=command,
         blas=blas,

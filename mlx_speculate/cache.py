@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -64,7 +65,25 @@ class KVCodec(Protocol):
     ) -> mx.array: ...  # (B, H, L, D) queries over packed (B, Hk, S, W) keys and values
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """What `KVCache.return_to` needs to set a cache back to `length` slots once it moved on
+    past where `truncate` reaches: the rings as they were (by layer, None for other layers),
+    and a hybrid's recurrent state at `length` (state_cache.py)."""
+
+    length: int
+    high: int
+    keys: tuple[mx.array | None, ...]
+    values: tuple[mx.array | None, ...]
+    recurrent: Any = None
+
+
 class KVCache:
+    # Whether a prefill runs its prompt's last token in a forward of its own, so that
+    # `checkpoint` can be taken before it (a hybrid's recurrent layers keep no per-row states
+    # of a prompt's forward).
+    prefills_last_alone = False
+
     def __init__(
         self,
         num_layers: int,
@@ -374,6 +393,27 @@ class KVCache:
         if self.codec is not None and length < self.codec.start:
             return 0
         return length if self.ring_size is None else self._ring_restorable(length)
+
+    def checkpoint(self, length: int) -> Checkpoint | None:
+        """A way back to `length` slots (`return_to`), for as long as no truncation goes below
+        it: None where `truncate` will always reach it (no rings) or cannot now. A ring's
+        checkpoint holds its storage (O(window)), not a copy: writes make new arrays."""
+        if self.ring_size is None or self.restorable(length) != length:
+            return None
+        rings = [r is not None for r in self.rings]
+        keys = tuple(k if ring else None for k, ring in zip(self.keys, rings, strict=True))
+        values = tuple(v if ring else None for v, ring in zip(self.values, rings, strict=True))
+        return Checkpoint(length, self.high, keys, values)
+
+    def return_to(self, checkpoint: Checkpoint) -> None:
+        """Sets the cache back to `checkpoint.length` slots: the caller truncated nowhere below
+        it since the checkpoint was made, so every other layer still holds those slots."""
+        if checkpoint.length > self.offset:
+            raise ValueError(f"cannot return a cache of {self.offset} slots to {checkpoint.length}")
+        for layer, (k, v) in enumerate(zip(checkpoint.keys, checkpoint.values, strict=True)):
+            if k is not None:
+                self.keys[layer], self.values[layer] = k, v
+        self.offset, self.high = checkpoint.length, checkpoint.high
 
     def _ring_restorable(self, length: int) -> int:
         """`restorable` of the rings: a length whose window no slot written since has reached

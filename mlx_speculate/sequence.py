@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
-from .cache import KVCache
+from .cache import Checkpoint, KVCache
 from .device import GENERATION_STREAM
 from .drafters.base import Draft, Drafter, FusedDrafter, PipelinedDrafter, TargetFeatures
 from .grammar.constraint import Constraint, Guide, masked, points
@@ -100,12 +100,18 @@ class Prefill:
     def chunk(self) -> None:
         """Runs the next chunk into the sequence's own cache."""
         sequence = self.sequence
-        chunk = self.prompt[self.start : self.start + self._size]
+        end = min(self.start + self._size, len(self.prompt))
+        last = len(self.prompt) - 1
+        if sequence.cache.prefills_last_alone and self.start < last < end:
+            end = last  # the last token alone, after the checkpoint before it (`took`)
+        chunk = self.prompt[self.start : end]
         began = time.perf_counter()
         with mx.stream(GENERATION_STREAM), prefilling():  # a head drafter's own forward too
             out = sequence.model(mx.array([chunk]), sequence.cache, taps=sequence.taps)
             self.took(TargetFeatures(out.hidden[0], tuple(t[0] for t in out.taps)))
             mx.eval(sequence.cache.state)
+            if self.start - len(chunk) < last <= self.start:  # so the next prompt may reuse it
+                sequence.checkpoint(last)
             if self._sized:
                 self._size = cancellable_step(len(chunk), time.perf_counter() - began)
 
@@ -156,6 +162,9 @@ class Sequence:
         self.constraint: Constraint | None = None
         self._limit = 0  # last context length the current generation may reach
         self._prompt_logits: mx.array | None = None  # (1, V) after the prompt, until read
+        # A way back to the last prompt's end, which rings and recurrent state lose as the
+        # generation goes on (`Checkpoint`): a prompt that repeats it reuses it.
+        self._mark: Checkpoint | None = None
 
     # -- the prompt ---------------------------------------------------------------------------
 
@@ -192,8 +201,13 @@ class Sequence:
                 f"{'model' if model else 'cache'}'s context of {self.max_context}"
             )
         prompt = self._check_ids(prompt)
-        kept = self.reusable(prompt)
-        self.cache.truncate(kept)
+        kept, mark = self.reusable(prompt), self._mark
+        if mark is not None and kept == mark.length and self.cache.restorable(kept) != kept:
+            self.cache.return_to(mark)
+        else:
+            self.cache.truncate(kept)
+        if mark is not None and kept < mark.length:  # slots below it will be written again
+            self._mark = None
         if self.drafter is not None:
             self.drafter.rewind(kept)
         self._prompt_logits = None
@@ -217,7 +231,7 @@ class Sequence:
                 f"{self.max_context}"
             )
         self.cache, self.context = cache, list(tokens)
-        self._prompt_logits = None
+        self._prompt_logits, self._mark = None, None
         if self.drafter is not None:
             self.drafter.rewind(0)
 
@@ -225,15 +239,25 @@ class Sequence:
         """The prompt is in the cache; `logits` (1, V) are its last position's."""
         self._prompt_logits = logits
 
+    def checkpoint(self, length: int) -> None:
+        """Keeps a way back to `length` tokens (the prompt's but its last), so that a prompt
+        sharing them reuses them after the generation moved the cache on (`reusable`)."""
+        self._mark = self.cache.checkpoint(length)
+
     def reusable(self, prompt: abc.Sequence[int]) -> int:
         """How many tokens of `prompt` the cache holds already: the prefix it shares with the
         last context, short of the prompt's last token (whose forward gives the first token), and
-        no longer than the cache can roll back to (a hybrid's recurrent state: see state_cache)."""
+        no longer than the cache can roll back to (a hybrid's recurrent state: see state_cache;
+        a ring's window: see cache.py), or else the last prompt's end where it is checkpointed."""
         cached = self.context[: self.cache.offset]
-        kept, most = 0, min(len(cached), len(prompt) - 1)
-        while kept < most and cached[kept] == prompt[kept]:
-            kept += 1
-        return self.cache.restorable(kept)  # recurrent state: only what the cache can restore
+        shared, most = 0, min(len(cached), len(prompt) - 1)
+        while shared < most and cached[shared] == prompt[shared]:
+            shared += 1
+        kept = self.cache.restorable(shared)
+        mark = self._mark
+        if mark is not None and kept < mark.length <= shared:
+            return mark.length
+        return kept
 
     def _check_ids(self, prompt: abc.Sequence[int]) -> list[int]:
         """The ids as ints, each inside the vocabulary: the embedding would read past its end

@@ -14,7 +14,9 @@ keeps its final state only.
 
 `truncate(length)` therefore restores only lengths the ring holds (from the last forward's
 first slot to its last) or 0 (a fresh state); anything else is a ValueError, and
-`restorable(length)` tells the prompt-prefix reuse how far it may go back (decode.py).
+`restorable(length)` tells the prompt-prefix reuse how far it may go back (sequence.py). A
+`checkpoint` copies out the state at one slot (the prompt's end but its last token, which a
+prefill runs alone to that end), so that a prompt repeating the last one returns there.
 Trees are refused by the models (a tree's rows do not form one sequence).
 """
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .cache import KVCache
+from .cache import Checkpoint, KVCache
 
 
 def chains_only(model_type: str) -> str:
@@ -121,6 +123,29 @@ class HybridCache(KVCache):
             self.conv[r], self.ring[r] = windows[layer], states[layer][None]
         self.base = mx.array(length, dtype=mx.int32)
         self._next_base, self._every, self._kept = None, None, (length, length)
+
+    prefills_last_alone = True
+
+    def checkpoint(self, length: int) -> Checkpoint | None:
+        """The recurrent layers' state at `length` (a conv window and a delta-rule state each,
+        copied out, so the ring they came from can go), while the last forward's rows hold it."""
+        if length == 0 or self.restorable(length) != length:
+            return None
+        at = mx.array(length, mx.int32)
+        dtype = mx.float32 if self.like is None else self.like.dtype
+        states = {layer: self.recurrent(layer, at, 1, dtype) for layer in self._rec}
+        mx.eval(states)
+        none = (None,) * len(self.keys)  # no rings among its attention layers
+        return Checkpoint(length, self.high, none, none, states)
+
+    def return_to(self, checkpoint: Checkpoint) -> None:
+        super().return_to(checkpoint)
+        states = checkpoint.recurrent
+        self.restore(
+            checkpoint.length,
+            {layer: window for layer, (window, _) in states.items()},
+            {layer: state for layer, (_, state) in states.items()},
+        )
 
     # The loop's interface.
     def check_verify(self, rows: int, is_chain: bool) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from ..cache import KVCache
+from ..cache import RING_ROWS, KVCache
 from ..state_cache import HybridCache
 
 
@@ -107,6 +107,8 @@ class BatchKVCache(KVCache):
                 copies += [target.keys[layer], target.values[layer]]
         mx.eval(copies)
         target.offset = length
+        # What the row's rings hold: its steps wrote at most a verify's rows past its length.
+        target.high = length + (0 if self.ring_size is None else RING_ROWS // 2)
         self.offsets[row] = 0
         if not any(self.offsets):  # no sequence holds a row: the storage goes back
             self.keys = [None] * len(self.keys)

@@ -102,6 +102,8 @@ class PrefillGroup:
         cache, prefill = self.cache, self.members[row]
         cache.extract(row, prefill.sequence.cache, cache.offsets[row])
         mx.eval(prefill.sequence.cache.state)  # its own arrays, not views of the group's
+        if prefill.done:  # as a prefill alone keeps its prompt's end (`Prefill.chunk`)
+            prefill.sequence.checkpoint(len(prefill.prompt) - 1)
         last = len(self.members) - 1
         if row != last:
             cache.move(last, row)

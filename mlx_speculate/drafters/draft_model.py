@@ -184,7 +184,7 @@ class DraftModelDrafter(PipelinedDrafter):
         behind = len(context) - offset - self.skipped
         overflow = offset + behind + k > self.model.args.max_position_embeddings
         if overflow or (offset > 0 and behind > self.max_catch_up):
-            self.cache.truncate(offset := min(offset, self.SINK))
+            offset = self._truncate(min(offset, self.SINK))
             self.skipped = max(len(context) - self.max_catch_up - self.SINK, 0)
         fresh = list(context[offset : self.SINK]) + list(
             context[max(offset, self.SINK) + self.skipped :]
@@ -259,7 +259,17 @@ class DraftModelDrafter(PipelinedDrafter):
             self._queued = None
         self._chain = None
         if length >= self.SINK + self.skipped:
-            self.cache.truncate(min(self.cache.offset, length - self.skipped))
+            self._truncate(min(self.cache.offset, length - self.skipped))
         else:  # only a reset reaches back into the skipped stretch
-            self.cache.truncate(min(self.cache.offset, length, self.SINK))
+            self._truncate(min(self.cache.offset, length, self.SINK))
             self.skipped = 0
+
+    def _truncate(self, length: int) -> int:
+        """Truncates the draft's cache to `length` slots, or where a draft whose sliding layers
+        are rings (cache.py) can no longer return there, empties it, to catch up from the
+        start (`propose`); returns the slots kept."""
+        kept = self.cache.restorable(length)
+        self.cache.truncate(kept)
+        if kept == 0:
+            self.skipped = 0
+        return kept
