@@ -75,6 +75,7 @@ class Checkpoint:
     high: int
     keys: tuple[mx.array | None, ...]
     values: tuple[mx.array | None, ...]
+    codec: KVCodec | None  # how those keys are stored
     recurrent: Any = None
 
 
@@ -403,12 +404,17 @@ class KVCache:
         rings = [r is not None for r in self.rings]
         keys = tuple(k if ring else None for k, ring in zip(self.keys, rings, strict=True))
         values = tuple(v if ring else None for v, ring in zip(self.values, rings, strict=True))
-        return Checkpoint(length, self.high, keys, values)
+        return Checkpoint(length, self.high, keys, values, self.codec)
+
+    def returnable(self, checkpoint: Checkpoint) -> bool:
+        """Whether `return_to(checkpoint)` can be taken: the storage is as it was then (not
+        quantized since) and holds that many slots."""
+        return checkpoint.codec is self.codec and checkpoint.length <= self.offset
 
     def return_to(self, checkpoint: Checkpoint) -> None:
         """Sets the cache back to `checkpoint.length` slots: the caller truncated nowhere below
         it since the checkpoint was made, so every other layer still holds those slots."""
-        if checkpoint.length > self.offset:
+        if not self.returnable(checkpoint):
             raise ValueError(f"cannot return a cache of {self.offset} slots to {checkpoint.length}")
         for layer, (k, v) in enumerate(zip(checkpoint.keys, checkpoint.values, strict=True)):
             if k is not None:

@@ -255,7 +255,7 @@ class Sequence:
             shared += 1
         kept = self.cache.restorable(shared)
         mark = self._mark
-        if mark is not None and kept < mark.length <= shared:
+        if mark is not None and kept < mark.length <= shared and self.cache.returnable(mark):
             return mark.length
         return kept
 

@@ -136,7 +136,7 @@ class HybridCache(KVCache):
         states = {layer: self.recurrent(layer, at, 1, dtype) for layer in self._rec}
         mx.eval(states)
         none = (None,) * len(self.keys)  # no rings among its attention layers
-        return Checkpoint(length, self.high, none, none, states)
+        return Checkpoint(length, self.high, none, none, self.codec, states)
 
     def return_to(self, checkpoint: Checkpoint) -> None:
         super().return_to(checkpoint)

@@ -9,6 +9,7 @@ import pytest
 
 from mlx_speculate.decode import Decoder
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
+from mlx_speculate.models.quantized_kv import KVQuantization
 from mlx_speculate.policy.adaptive import FixedPolicy
 from mlx_speculate.sampling import SamplingParams
 from mlx_speculate.sequence import Sequence
@@ -59,3 +60,15 @@ def test_a_repeated_prompt_reuses_its_prefill_after_a_long_generation(kind):
     other = [*LONG[:40], 3, 3]
     assert generate(decoder, other, 20) == greedy_reference(model, other, 20)
     assert sequence.reusable(LONG) == sequence.cache.restorable(40)
+
+
+def test_a_checkpoint_from_before_the_cache_was_quantized_is_not_taken():
+    """The cache switched to packed keys after the prompt (quantized_kv_start past it): the
+    float rings kept at the prompt's end no longer fit, so the prompt is prefilled afresh."""
+    model = ring_model("gemma3_text", 13)
+    kv = KVQuantization(bits=8, group_size=32, start=len(LONG) + 10)
+    decoder = Decoder(Sequence(model, None, kv=kv))
+    first = generate(decoder, LONG, 60)
+    assert decoder.sequence.cache.codec is not None
+    assert decoder.sequence.reusable(LONG) == 0
+    assert generate(decoder, LONG, 60) == first
