@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import types
 from typing import TYPE_CHECKING
@@ -11,6 +12,9 @@ from . import blas
 
 # Before any module imports MLX: its float32 matmuls then run on the system's OpenBLAS.
 blas.load_openblas()
+# transformers imported without torch (a plain install: this package reads only its tokenizers)
+# advises on stderr that its models are unavailable, which is not the user's concern here.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 # Imported on first use, so that `python -m mlx_speculate.convert` does not pay for them.
 _EXPORTS = {
