@@ -45,12 +45,8 @@ class ForwardContext:
 
     def layer_mask(self, layer: int) -> mx.array | str | None:
         """The mask `layer`'s attention applies: its ring's or window's on a sliding layer."""
-        if self.sliding and self.sliding[layer]:
-            if self.ring_mask is not None:
-                return self.ring_mask
-            if self.window_mask is not None:
-                return self.window_mask
-        return self.mask
+        windowed = self.ring_mask if self.ring_mask is not None else self.window_mask
+        return windowed if windowed is not None and self.sliding[layer] else self.mask
 
     def rotation(self, rope: RotaryEmbedding, length: int, dtype: mx.Dtype) -> tuple:
         """`rope`'s tables for this forward (RotaryEmbedding.tables), shared by its layers."""
