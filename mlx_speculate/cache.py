@@ -189,6 +189,13 @@ class KVCache:
         """Writes (B, H_kv, L, D) keys/values at slot `start` (an int32 array, so the graph
         does not depend on it) and returns the whole (B, H_kv, capacity, D) storage. `end`, the
         host's start + L, makes room first; None when the caller reserved it (compiled steps)."""
+        return self._put(layer, *self._stored(layer, keys, values, end), start)
+
+    def _stored(
+        self, layer: int, keys: mx.array, values: mx.array, end: int | None
+    ) -> tuple[mx.array, mx.array]:
+        """`keys` and `values` as the storage holds them (encoded), with room made up to the
+        host's `end` first (a planned quantization switching first); None: reserved already."""
         if end is not None:
             self._switch()
             self.high = max(self.high, end)
@@ -196,7 +203,7 @@ class KVCache:
             keys, values = self.codec.encode(keys), self.codec.encode(values)
         if end is not None:
             self._reserve(layer, keys, values, end)
-        return self._put(layer, keys, values, start)
+        return keys, values
 
     def _put(
         self, layer: int, keys: mx.array, values: mx.array, start: mx.array
@@ -242,13 +249,8 @@ class KVCache:
             if span is not None and span < k.shape[2]:
                 k, v = k[..., :span, :], v[..., :span, :]
             return k, v
-        if end is not None:
-            self._switch()
-            self.high = max(self.high, end)
-        if self.codec is not None:
-            keys, values = self.codec.encode(keys), self.codec.encode(values)
-        if end is not None:  # room first, so that the columns read are the grown storage's
-            self._reserve(layer, keys, values, end)
+        # Room first, so that the columns read are the grown storage's.
+        keys, values = self._stored(layer, keys, values, end)
         before_k, before_v = self.keys[layer], self.values[layer]
         self._put(layer, keys, values, start)
         n = self.ring_span(span if span is not None else self.capacity)
