@@ -25,7 +25,7 @@ on its lazy count too (tree, root slot and the head's path start wait on it); `s
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -88,19 +88,47 @@ class Decoder:
         if sampling.seed is not None:
             mx.random.seed(sampling.seed)  # the one generator every draw comes from
         self._clock = (time.perf_counter(), built())
-        queue = StepBuilder(sequence)
         acceptance, logits, guide = sequence.first()
         mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
-        step = _Pending(len(sequence.context), ROOT, acceptance, logits, guide=guide)
+        first = _Pending(len(sequence.context), ROOT, acceptance, logits, guide=guide)
+        for result in self._run(first, policy):
+            yield result
+            if sequence.room() < 0:
+                return
+            ending = sequence.ending(time.perf_counter() - self._clock[0])
+            if ending is not None:
+                yield ending
+                return
+
+    def resume(self, policy: Policy, ahead: Callable[[], bool]) -> Iterator[Step]:
+        """The steps of a generation under way after its last committed step (the first token,
+        or steps another scheduler ran): its caller checks its endings between steps. A step is
+        queued before the last one is read only while `ahead()` says so; a step read with none
+        queued behind it leaves nothing in flight, so that the caller may stop there and take
+        the sequence on elsewhere (the batch engine does, when others join it)."""
+        sequence = self.sequence
+        self._clock = (time.perf_counter(), built())
+        step = StepBuilder(sequence)(mx.array(sequence.context[-1:]), policy.choose())
+        yield from self._run(step, policy, ahead)
+
+    def _run(
+        self, step: _Pending, policy: Policy, ahead: Callable[[], bool] = lambda: True
+    ) -> Iterator[Step]:
+        """Finishes `step` and the steps after it, one yielded at a time, until no room is left
+        (the caller stops at an ending); see `resume` for `ahead`."""
+        sequence = self.sequence
+        queue = StepBuilder(sequence)
         while True:
             upcoming = k = None
-            if step.tree.num_nodes == 1 and sequence.room() >= 1 and constraint is None:
+            early = ahead()
+            plain = step.tree.num_nodes == 1 and sequence.constraint is None
+            if early and plain and sequence.room() >= 1:
                 # Decided one observation early, so that a plain step can be queued on the
                 # lazy token before this one is read.
                 k = policy.choose()
                 if k == 0:
                     upcoming = queue(step.acceptance.tokens[:1], 0)
-            elif step.draft is not None:
+            elif early and step.draft is not None:
                 # A chain or fused EAGLE step: the next draft and verify are queued on its lazy
                 # count, so that building them overlaps this verify (room for the worst case).
                 k = policy.choose()
@@ -112,10 +140,6 @@ class Decoder:
                 policy.observe(result.drafted, result.accepted, seconds)
             yield result
             if sequence.room() < 0:
-                return
-            ending = sequence.ending(time.perf_counter() - self._clock[0])
-            if ending is not None:
-                yield ending
                 return
             if upcoming is None:
                 k = policy.choose() if k is None else k

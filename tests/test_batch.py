@@ -334,13 +334,60 @@ def test_a_joining_sequence_gets_its_first_token_before_the_batch_decodes():
     joining = [handle(PROMPTS[1]), handle(PROMPTS[2])]
     for h in joining:
         engine.add(h)
-    assert got(engine.step()) == {1: 1, 2: 1}  # the joiners' first tokens, no decoding
+    # The joiners' first tokens, and the step the lone stream queued before they came (read
+    # first, none queued after it: it joins the batch); no batch decoding.
+    touched = got(engine.step())
+    assert touched.keys() == {0, 1, 2} and touched[1] == touched[2] == 1, touched
     engine.add(late := handle(PROMPTS[3]))
     # Another joiner's first token, and this time the batch decodes in the same round (the
     # joiner with it: its first token and a step's).
     touched = got(engine.step())
     assert touched[3] >= 2 and all(touched[i] >= 1 for i in (0, 1, 2)), touched
     assert engine.size == 4 and not late.done
+
+
+def test_a_lone_sequence_decodes_outside_the_batch_and_back():
+    """A sequence that no other runs or waits beside decodes alone on its own cache, each step
+    queued before the last is read (`Decoder.resume`, as `--max-batch 1` decodes it); a joiner
+    brings its keys into the batch's cache, and once the others left it decodes alone again;
+    its tokens are plain greedy decoding's throughout. A seeded sequence stays in the batch."""
+    target, draft = FAMILIES["llama"]()
+    n, short = 40, 6
+    prompts = [p for p in CANDIDATES if clear(target, p, n)][:2]
+    engine = BatchEngine(target, 4)
+    tokens: dict[int, list[int]] = {}
+
+    def handle(prompt, max_tokens, sampling=GREEDY):
+        session = Session(target, StubTokenizer(), DraftModelDrafter(draft, 97))
+        return Handle(session, prompt, sampling, max_tokens)
+
+    def step():
+        for h in engine.step():
+            tokens.setdefault(id(h), []).extend(r.token for r in h.take())
+
+    lone = handle(prompts[0], n)
+    engine.add(lone)
+    for _ in range(3):
+        step()
+    sequence = lone.session.sequence
+    assert engine.size == 1 and engine.cache.offsets == [0]  # its keys are its own
+    assert sequence.cache.offset > len(prompts[0])
+    engine.add(joiner := handle(prompts[1], short))
+    step()  # the joiner's first token; the lone one's keys go into the batch's cache
+    assert engine.size == 2 and min(engine.cache.offsets) > 0
+    while not joiner.done:
+        step()
+    step()
+    assert not lone.done and engine.size == 1 and engine.cache.offsets == [0]
+    while not lone.done:
+        step()
+    assert tokens[id(lone)] == greedy_reference(target, prompts[0], n)
+    assert tokens[id(joiner)] == greedy_reference(target, prompts[1], short)
+    seeded = handle(prompts[0], n, SamplingParams(temperature=1.0, seed=3))
+    engine.add(seeded)
+    step()
+    step()
+    assert engine.size == 1 and engine.cache.offsets[0] > len(prompts[0])
 
 
 def test_a_seeded_sequence_samples_the_same_beside_any_others():
@@ -426,9 +473,11 @@ def test_a_step_that_traced_prices_nothing(monkeypatch):
     engine = BatchEngine(target, 4)
     seen: list[tuple[int, int]] = []
     monkeypatch.setattr(engine.planner, "observe", lambda b, n, s: seen.append((b, n)))
-    run(target, [PROMPT], lambda: None, 8, engine=engine)
-    assert len(seen) == 6  # 7 decoding steps after the first token; the first one traced
-    run(target, [PROMPT], lambda: None, 8, engine=engine)
+    # Two sequences, which join together and end together: every step is a batch's (one
+    # alone decodes outside it).
+    run(target, [PROMPT, PROMPT], lambda: None, 8, engine=engine)
+    assert seen == [(2, 1)] * 6  # 7 decoding steps after the first token; the first traced
+    run(target, [PROMPT, PROMPT], lambda: None, 8, engine=engine)
     assert len(seen) == 6 + 7  # the same shapes again: every step priced
 
 

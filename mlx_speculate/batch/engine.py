@@ -15,6 +15,13 @@ sequence's output is what it would be alone, and it commits through `Sequence.co
 would alone. When it ends (its stop, length, context, cancellation or error), its keys go back
 to its session's cache.
 
+A sequence with no other decoding or waiting beside it decodes alone, on its own cache, through
+the single-stream scheduler (`Decoder.resume`: each step queued before the last one is read,
+fused drafters fused), so that one client gets what `--max-batch 1` gives; when another comes,
+its last queued step is read first and its keys move into a row of the batch, and when the
+batch is down to one it goes on alone again. A seeded sequence stays in the batch, whose
+per-sequence reseeding makes its draws the same beside any others.
+
 Host syncs per step: one `mx.eval` of every row's acceptance; drafters and grammars add
 their own as they do alone. A prefill step is evaluated before the decoding step is built.
 The planner (policy/batch.py) sets the step's width from measured step costs and each sequence's
@@ -35,6 +42,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
+from ..decode import Decoder
 from ..device import GENERATION_STREAM
 from ..drafters.base import Draft, TargetFeatures
 from ..generation import GenerationResponse, Responder, Session
@@ -137,6 +145,12 @@ class _Running:
         return 0 if asked is None else self.cap
 
     @property
+    def may_decode_alone(self) -> bool:
+        """Whether it may decode outside the batch when no other runs: not when its draws are
+        seeded, which repeat beside any others only as the batch reseeds them (`reseed`)."""
+        return self.handle.sampling.seed is None
+
+    @property
     def sequence(self) -> Sequence:
         return self.handle.session.sequence
 
@@ -144,6 +158,33 @@ class _Running:
     def cap(self) -> int:
         cap, asked = self.sequence.cap, self.handle.num_draft_tokens
         return cap if asked is None else min(cap, asked)
+
+
+@dataclass(frozen=True)
+class _Alone:
+    """The one sequence decoding while no other runs or waits: `Decoder.resume`'s steps on its
+    own cache, each queued before the last is read, as `--max-batch 1` decodes it."""
+
+    running: _Running
+    steps: Iterator[Step]
+
+
+@dataclass(frozen=True)
+class _AlonePolicy:
+    """The planner's draft lengths for a sequence decoding alone (a batch of one row), as the
+    `Policy` its decoder asks; its outcomes update the sequence's acceptance rate, which it
+    keeps when it goes back into the batch."""
+
+    planner: BatchPlanner
+    running: _Running
+
+    def choose(self) -> int:
+        r = self.running
+        cap = r.cap if r.sequence.room() > 0 else 0
+        return self.planner.width(1, [cap], [r.rate.rate], 1 + r.fixed) - 1
+
+    def observe(self, drafted: int, accepted: int, seconds: float) -> None:
+        self.running.rate.observe(drafted, accepted)
 
 
 class BatchEngine:
@@ -160,23 +201,24 @@ class BatchEngine:
         self._waiting: list[_Running] = []  # to prefill, first come first served
         self._prefills = PrefillGroup(model)  # the waiting ones' prefills under way
         self._running: list[_Running] = []  # decoding; running[i] holds cache row i
+        self._alone: _Alone | None = None  # the one decoding outside the batch's cache
         self.last_rows = 0  # the last decoding step's rows, padding included (metrics)
         self._shrink = False  # sequences left: fit the cache's rows after the step
         self._deferred = False  # the last round left out its decoding step (`step`)
 
     @property
     def idle(self) -> bool:
-        return not self._waiting and not self._running
+        return not self._waiting and not self._running and self._alone is None
 
     @property
     def size(self) -> int:
-        """Sequences decoding in the batch."""
-        return len(self._running)
+        """Sequences decoding (in the batch, or one alone)."""
+        return len(self._running) + (self._alone is not None)
 
     @property
     def load(self) -> int:
         """Sequences in the engine: decoding, prefilling or waiting for a row."""
-        return len(self._running) + len(self._waiting)
+        return self.size + len(self._waiting)
 
     def add(self, handle: Handle) -> None:
         """Queues `handle`'s generation; ValueError (one line) for a prompt it cannot run."""
@@ -210,11 +252,16 @@ class BatchEngine:
         touched: dict[int, Handle] = {}
         self.last_rows = 0
         with mx.stream(GENERATION_STREAM):
-            for running in [*self._waiting, *self._running]:
+            alone = [] if self._alone is None else [self._alone.running]
+            for running in [*self._waiting, *self._running, *alone]:
                 if not running.handle.done and running.handle.cancelled():
                     running.handle.cancelled_out = True
                     self._end(running)
                     touched[id(running.handle)] = running.handle
+            stepped = self._alone is not None and bool(self._waiting)
+            if stepped:  # others are on their way: its queued step is read, none queued after
+                for handle in self._step_alone():
+                    touched[id(handle)] = handle
             first = False
             if self._waiting:
                 for handle in self._prefill():
@@ -222,12 +269,17 @@ class BatchEngine:
                     first = True
             defer = first and not self._deferred
             self._deferred = defer
+            if self._alone is not None and not (defer or stepped):
+                for handle in self._step_alone():
+                    touched[id(handle)] = handle
             if self._running and not defer:
                 for handle in self._decode():
                     touched[id(handle)] = handle
             if self._shrink:  # sequences left: a smaller bucket may hold the rest
                 self._shrink = False
                 self._fit_rows()
+            if len(self._running) == 1 and not self._waiting and self._alone is None:
+                self._leave_batch()
         return list(touched.values())
 
     def _prefill(self) -> Iterator[Handle]:
@@ -289,10 +341,57 @@ class BatchEngine:
         )
         if self._emit(running, step):
             return
+        if self._alone is not None:  # it has company now
+            alone, self._alone = self._alone, None
+            alone.steps.close()
+            self._enter_batch(alone.running)
+        if self._running or self._waiting or not running.may_decode_alone:
+            self._enter_batch(running)
+        else:
+            self._go_alone(running)
+
+    def _enter_batch(self, running: _Running) -> None:
+        """The next row of the batch's cache takes the sequence's keys."""
+        sequence = running.sequence
         running.row = len(self._running)
         self._running.append(running)
         self._fit_rows()
         self.cache.insert(running.row, sequence.cache, sequence.cache.offset)
+
+    def _leave_batch(self) -> None:
+        """The batch's last sequence takes its keys back and decodes alone, if it may."""
+        running = self._running[0]
+        if not running.may_decode_alone:
+            return
+        self.cache.extract(0, running.sequence.cache, self.cache.offsets[0])
+        self._running.pop()
+        running.row = -1
+        self._fit_rows()
+        self._go_alone(running)
+
+    def _go_alone(self, running: _Running) -> None:
+        """Decodes `running` alone from now on, on its own cache."""
+        policy = _AlonePolicy(self.planner, running)
+        steps = Decoder(running.sequence).resume(policy, lambda: not self._waiting)
+        self._alone = _Alone(running, steps)
+
+    def _step_alone(self) -> Iterator[Handle]:
+        """The lone sequence's next step (queued last round, unless others wait), emitted."""
+        assert self._alone is not None
+        running = self._alone.running
+        try:
+            step = next(self._alone.steps, None)
+        except Exception as e:  # this request's, not the engine's
+            self._fail(running, e)
+            yield running.handle
+            return
+        if step is None:  # no room left: the responses ended it already
+            self._end(running)
+        else:
+            if step.verified:
+                self.last_rows = 1 + step.drafted
+            self._emit(running, step)
+        yield running.handle
 
     def _decode(self) -> Iterator[Handle]:
         """One verify forward of every running sequence's draft."""
@@ -445,6 +544,10 @@ class BatchEngine:
         """Takes a sequence out: its keys back to its session's cache, its row to another."""
         handle = running.handle
         handle.done = True
+        if self._alone is not None and self._alone.running is running:
+            self._alone.steps.close()  # a step it queued is dropped, as alone
+            self._alone = None
+            return
         if running in self._waiting:
             self._waiting.remove(running)
             self._prefills.remove(running.prefill)
