@@ -84,14 +84,9 @@ class Decoder:
             typical_acceptance=typical_acceptance,
             constraint=constraint,
         )
-        policy = policy or FixedPolicy(0)
         if sampling.seed is not None:
             mx.random.seed(sampling.seed)  # the one generator every draw comes from
-        self._clock = (time.perf_counter(), built())
-        acceptance, logits, guide = sequence.first()
-        mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
-        first = _Pending(len(sequence.context), ROOT, acceptance, logits, guide=guide)
-        for result in self._run(first, policy):
+        for result in self.run(policy or FixedPolicy(0)):
             yield result
             if sequence.room() < 0:
                 return
@@ -100,22 +95,28 @@ class Decoder:
                 yield ending
                 return
 
+    def run(self, policy: Policy, ahead: Callable[[], bool] = lambda: True) -> Iterator[Step]:
+        """The steps of a started generation (`Sequence.start`), the first token's first, until
+        no room is left: its caller checks its endings between steps. A step is queued before
+        the last one is read only while `ahead()` says so; a step read with none queued behind
+        it leaves nothing in flight, so that the caller may stop there and take the sequence on
+        elsewhere (the batch engine does, when others join it)."""
+        sequence = self.sequence
+        self._clock = (time.perf_counter(), built())
+        acceptance, logits, guide = sequence.first()
+        mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
+        first = _Pending(len(sequence.context), ROOT, acceptance, logits, guide=guide)
+        yield from self._loop(first, policy, ahead)
+
     def resume(self, policy: Policy, ahead: Callable[[], bool]) -> Iterator[Step]:
-        """The steps of a generation under way after its last committed step (the first token,
-        or steps another scheduler ran): its caller checks its endings between steps. A step is
-        queued before the last one is read only while `ahead()` says so; a step read with none
-        queued behind it leaves nothing in flight, so that the caller may stop there and take
-        the sequence on elsewhere (the batch engine does, when others join it)."""
+        """As `run`, after the generation's last committed step (steps another scheduler ran)."""
         sequence = self.sequence
         self._clock = (time.perf_counter(), built())
         step = StepBuilder(sequence)(mx.array(sequence.context[-1:]), policy.choose())
-        yield from self._run(step, policy, ahead)
+        yield from self._loop(step, policy, ahead)
 
-    def _run(
-        self, step: _Pending, policy: Policy, ahead: Callable[[], bool] = lambda: True
-    ) -> Iterator[Step]:
-        """Finishes `step` and the steps after it, one yielded at a time, until no room is left
-        (the caller stops at an ending); see `resume` for `ahead`."""
+    def _loop(self, step: _Pending, policy: Policy, ahead: Callable[[], bool]) -> Iterator[Step]:
+        """Finishes `step` and the steps after it, one yielded at a time (see `run`)."""
         sequence = self.sequence
         queue = StepBuilder(sequence)
         while True:

@@ -321,7 +321,8 @@ class BatchEngine:
             yield running.handle
 
     def _join(self, running: _Running) -> None:
-        """The first token, from the prompt's forward; then a row, unless that token ended it."""
+        """The first token, from the prompt's forward; then a row, unless that token ended it,
+        or, with no other sequence decoding or waiting, the steps alone (`_go_alone`)."""
         sequence, handle = running.sequence, running.handle
         sequence.start(
             handle.sampling,
@@ -329,6 +330,15 @@ class BatchEngine:
             typical_acceptance=handle.session.typical_acceptance,
             constraint=running.constraint,
         )
+        if self._alone is not None:  # it has company now
+            alone, self._alone = self._alone, None
+            alone.steps.close()
+            self._enter_batch(alone.running)
+        if not (self._running or self._waiting) and running.may_decode_alone:
+            self._go_alone(running, fresh=True)
+            for _ in self._step_alone():  # the first token; the first step queued behind it
+                pass
+            return
         seeded = running.reseed()
         acceptance, logits, guide = sequence.first()
         ok = finite(logits)
@@ -339,16 +349,8 @@ class BatchEngine:
         step = sequence.commit(
             [token], [0], logits, ROOT, guide, None, finite=ok.item(), verified=False
         )
-        if self._emit(running, step):
-            return
-        if self._alone is not None:  # it has company now
-            alone, self._alone = self._alone, None
-            alone.steps.close()
-            self._enter_batch(alone.running)
-        if self._running or self._waiting or not running.may_decode_alone:
+        if not self._emit(running, step):
             self._enter_batch(running)
-        else:
-            self._go_alone(running)
 
     def _enter_batch(self, running: _Running) -> None:
         """The next row of the batch's cache takes the sequence's keys."""
@@ -367,13 +369,14 @@ class BatchEngine:
         self._running.pop()
         running.row = -1
         self._fit_rows()
-        self._go_alone(running)
+        self._go_alone(running, fresh=False)
 
-    def _go_alone(self, running: _Running) -> None:
-        """Decodes `running` alone from now on, on its own cache."""
-        policy = _AlonePolicy(self.planner, running)
-        steps = Decoder(running.sequence).resume(policy, lambda: not self._waiting)
-        self._alone = _Alone(running, steps)
+    def _go_alone(self, running: _Running, fresh: bool) -> None:
+        """Decodes `running` alone from now on, on its own cache: from its first token
+        (`fresh`), else after the steps it committed in the batch."""
+        decoder, policy = Decoder(running.sequence), _AlonePolicy(self.planner, running)
+        start = decoder.run if fresh else decoder.resume
+        self._alone = _Alone(running, start(policy, lambda: not self._waiting))
 
     def _step_alone(self) -> Iterator[Handle]:
         """The lone sequence's next step (queued last round, unless others wait), emitted."""
