@@ -112,6 +112,9 @@ class KVCache:
         # leading slots its attention reads (`span`; None: the whole capacity).
         self.start: mx.array | None = None
         self.attended: int | None = None
+        # Set for a padded forward only (a batch's prefill, batch/prefill.py): each row's real
+        # tokens, (B,) int32, the rest padding that a recurrent layer must not take in.
+        self.lengths: mx.array | None = None
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
         # What the storage holds (None: float keys), and the quantization it switches to once

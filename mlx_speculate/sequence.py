@@ -97,14 +97,20 @@ class Prefill:
     def done(self) -> bool:
         return self.start >= len(self.prompt)
 
+    def next_chunk(self, size: int) -> list[int]:
+        """The prompt's next tokens, at most `size`; a cache that prefills the prompt's last
+        token alone (`KVCache.prefills_last_alone`) gets the ones before it first."""
+        end = min(self.start + size, len(self.prompt))
+        last = len(self.prompt) - 1
+        if self.sequence.cache.prefills_last_alone and self.start < last < end:
+            end = last  # the last token alone, after the checkpoint before it
+        return self.prompt[self.start : end]
+
     def chunk(self) -> None:
         """Runs the next chunk into the sequence's own cache."""
         sequence = self.sequence
-        end = min(self.start + self._size, len(self.prompt))
         last = len(self.prompt) - 1
-        if sequence.cache.prefills_last_alone and self.start < last < end:
-            end = last  # the last token alone, after the checkpoint before it (`took`)
-        chunk = self.prompt[self.start : end]
+        chunk = self.next_chunk(self._size)
         began = time.perf_counter()
         with mx.stream(GENERATION_STREAM), prefilling():  # a head drafter's own forward too
             out = sequence.model(mx.array([chunk]), sequence.cache, taps=sequence.taps)
@@ -239,10 +245,11 @@ class Sequence:
         """The prompt is in the cache; `logits` (1, V) are its last position's."""
         self._prompt_logits = logits
 
-    def checkpoint(self, length: int) -> None:
+    def checkpoint(self, length: int, mark: Checkpoint | None = None) -> None:
         """Keeps a way back to `length` tokens (the prompt's but its last), so that a prompt
-        sharing them reuses them after the generation moved the cache on (`reusable`)."""
-        self._mark = self.cache.checkpoint(length)
+        sharing them reuses them after the generation moved the cache on (`reusable`); `mark`:
+        one a batch's prefill took of the sequence's row (batch/prefill.py), else its cache's."""
+        self._mark = self.cache.checkpoint(length) if mark is None else mark
 
     def reusable(self, prompt: abc.Sequence[int]) -> int:
         """How many tokens of `prompt` the cache holds already: the prefix it shares with the

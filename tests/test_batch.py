@@ -223,6 +223,41 @@ def test_hybrids_in_a_batch_equal_greedy_alone(model_type, tmp_path):
     assert "\n" not in str(refused.value)
 
 
+def test_hybrid_prompts_prefill_together(monkeypatch):
+    """A hybrid's joining prompts prefill in one padded forward (a padded row's padding leaves
+    its recurrent state as it was), with the prompt's last token in a forward of its own after
+    a checkpoint of the row's state: every sequence emits plain greedy decoding's tokens, and
+    its session regenerates from the checkpoint after a long answer moved its state on."""
+    target, n = tiny_hybrid("qwen3_5_text"), 12
+    vocab = target.args.vocab_size
+    candidates = [[5, 6, 7, 8, 9] * 9, [3, 1, 4, 1, 5, 9, 2, 6] * 2, [8, 2, 8, 2, 8, 2, 8], [11]]
+    candidates += [[(7 * i * i + 3) % vocab for i in range(m)] for m in (9, 17, 23, 40)]
+    prompts = [p for p in candidates if clear(target, p, n)][:4]
+    assert len(prompts) >= 3 and len({len(p) for p in prompts}) >= 3
+    members = []
+    step = PrefillGroup.step
+
+    def counted(group):
+        members.append(len(group.members))
+        return step(group)
+
+    monkeypatch.setattr(PrefillGroup, "step", counted)
+    tokens, handles = run(target, prompts, lambda: None, n)
+    assert tokens == [greedy_reference(target, p, n) for p in prompts]
+    assert max(members) == len(prompts)
+    for prompt, handle in zip(prompts, handles, strict=True):
+        sequence, last = handle.session.sequence, len(prompt) - 1
+        if last > 0:  # the state moved on past its rows; the checkpoint goes back
+            assert sequence.cache.restorable(last) == 0
+            assert sequence.reusable(prompt) == last
+    handles = [Handle(h.session, p, GREEDY, 8) for h, p in zip(handles, prompts, strict=True)]
+    again: list[list[int]] = [[] for _ in prompts]
+    for i, response in batch_stream(BatchEngine(target, 8), handles):
+        again[i].append(response.token)
+    assert again == [greedy_reference(target, p, 8) for p in prompts]
+    assert [h.last.cached_tokens for h in handles] == [len(p) - 1 for p in prompts]
+
+
 def test_sampling_in_a_batch_follows_the_target():
     """At temperature 1, with a draft model that is often rejected, the first and second
     tokens of sequences sampled eight at a time follow the target's exact marginals."""

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from ..cache import RING_ROWS, KVCache
+from ..cache import RING_ROWS, Checkpoint, KVCache
 from ..state_cache import HybridCache
 
 
@@ -46,7 +46,10 @@ class BatchKVCache(KVCache):
 
     @classmethod
     def of(cls, model, rows: int) -> BatchKVCache:
-        """The batch cache of `model`'s layers (a `CausalLM`)."""
+        """The batch cache of `model`'s layers (a `CausalLM`): key/value rows, and a hybrid's
+        recurrent state per row (a `BatchHybridCache`)."""
+        if model.recurrent:
+            return BatchHybridCache(model.make_cache(), rows)
         return cls(model.kv_shapes(), model.compute_dtype, rows, **model.kv_window())
 
     def fresh(self) -> BatchKVCache:
@@ -201,9 +204,17 @@ class BatchHybridCache(BatchKVCache):
 
     def keep(self, layer: int, start: mx.array, conv: mx.array, states: list[mx.array]) -> None:
         """A verify forward from slots `start` read `conv` and produced the entering state and
-        one per row; the rows' base moves to `start` once the forward is done (`advance`)."""
+        one per row; the rows' base moves to `start` once the forward is done (`advance`). A
+        padded prefill's (`lengths` set) produced each row's final state: row b keeps it and
+        the conv window that ends at its own length, its base moving to start + length."""
         r = self._rec[layer]
         length = conv.shape[1] - (self.shape.kernel - 1)
+        if self.lengths is not None and len(states) == 1:
+            at = self.lengths[:, None] + mx.arange(self.shape.kernel - 1, dtype=mx.int32)
+            self.conv[r] = mx.take_along_axis(conv, at[..., None], axis=1)
+            self.ring[r] = states[0][None]
+            self._next_base = start + self.lengths
+            return
         if len(states) != length + 1:
             raise ValueError(f"a batch verify keeps every row's state, {len(states)} kept")
         self.conv[r], self.ring[r] = conv, mx.stack(states)
@@ -248,12 +259,29 @@ class BatchHybridCache(BatchKVCache):
 
     def extract(self, row: int, target: KVCache, length: int) -> None:
         super().extract(row, target, length)
+        windows, states = self._row_state(row, length)
+        target.restore(length, windows, states)
+
+    def row_checkpoint(self, row: int, length: int) -> Checkpoint:
+        """Row `row`'s recurrent state at its slot `length` as a one-sequence cache's
+        `Checkpoint` (evaluated, its own arrays): a prefill in a batch takes it before a
+        prompt's last token, as `HybridCache.checkpoint` does alone."""
+        windows, states = self._row_state(row, length)
+        recurrent = {
+            layer: (mx.array(windows[layer]), mx.array(states[layer])) for layer in windows
+        }
+        mx.eval(recurrent)
+        none = (None,) * len(self.template.keys)  # no rings among its attention layers
+        return Checkpoint(length, length, none, none, None, recurrent)
+
+    def _row_state(self, row: int, length: int) -> tuple[dict, dict]:
+        """By model layer, row `row`'s conv window and delta-rule state at its slot `length`."""
         start = mx.array([length] * self.rows, dtype=mx.int32)
         windows, states = {}, {}
         for layer in self._rec:
             window, state = self.recurrent(layer, start, self.rows, self.dtype)
             windows[layer], states[layer] = window[row : row + 1], state[row : row + 1]
-        target.restore(length, windows, states)
+        return windows, states
 
     def move(self, source: int, destination: int) -> None:
         super().move(source, destination)

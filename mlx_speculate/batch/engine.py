@@ -58,7 +58,7 @@ from ..sequence import Prefill, Sequence, Step, finite
 from ..step import bucket
 from ..tree import ROOT, Tree
 from ..verify import Acceptance
-from .cache import BatchHybridCache, BatchKVCache
+from .cache import BatchKVCache
 from .prefill import PrefillGroup
 from .step import forward
 
@@ -66,13 +66,6 @@ from .step import forward
 def rows_bucket(n: int, most: int) -> int:
     """Batch rows for `n` sequences: a batch grows and shrinks by powers of two, up to `most`."""
     return min(most, 1 << (max(1, n) - 1).bit_length())
-
-
-def batch_cache(model: CausalLM, rows: int) -> BatchKVCache:
-    """The batch's cache for `model`: key/value rows, and a hybrid's recurrent state per row."""
-    if model.recurrent:
-        return BatchHybridCache(model.make_cache(), rows)
-    return BatchKVCache.of(model, rows)
 
 
 def check_batchable(model: CausalLM) -> None:
@@ -197,7 +190,7 @@ class BatchEngine:
         self.model = model
         self.max_batch = max_batch
         self.planner = BatchPlanner(cached_costs(model))
-        self.cache = batch_cache(model, 1)
+        self.cache = BatchKVCache.of(model, 1)
         self._waiting: list[_Running] = []  # to prefill, first come first served
         self._prefills = PrefillGroup(model)  # the waiting ones' prefills under way
         self._running: list[_Running] = []  # decoding; running[i] holds cache row i
@@ -285,9 +278,9 @@ class BatchEngine:
     def _prefill(self) -> Iterator[Handle]:
         """The waiting sequences' next chunks in one forward, then the prefilled ones join."""
         group = self._prefills
-        # A padded row would run its padding through its recurrent state, or write it past
-        # its end into a ring's window (rings hold RING_ROWS slots past the end): one by one.
-        if self.model.recurrent or self.cache.ring_size is not None:
+        # A padded row would write its padding past its end into a ring's window (rings hold
+        # RING_ROWS slots past the end): one by one.
+        if self.cache.ring_size is not None:
             running = next((r for r in self._waiting if not r.prefill.done), None)
             try:
                 if running is not None:

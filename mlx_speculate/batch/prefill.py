@@ -73,7 +73,7 @@ class PrefillGroup:
             return []
         began = time.perf_counter()
         size = max(CANCELLABLE_STEPS[0], min(PREFILL_STEP, self._tokens // len(members)))
-        chunks = [p.prompt[p.start : p.start + size] for p in members]
+        chunks = [p.next_chunk(size) for p in members]
         width = max(len(c) for c in chunks)
         tokens = [c + [0] * (width - len(c)) for c in chunks]
         tokens += [[0] * width] * (self.cache.rows - len(members))
@@ -81,6 +81,8 @@ class PrefillGroup:
         cache = self.cache
         start = cache.prepare(width)
         positions = start[:, None] + mx.arange(width, dtype=mx.int32)  # (B, width)
+        lengths = [len(c) for c in chunks] + [0] * (cache.rows - len(members))
+        cache.lengths = mx.array(lengths, dtype=mx.int32)  # a recurrent layer's real rows
         with prefilling():  # a head drafter's own forward too
             out = self.model(mx.array(tokens), cache, positions=positions, taps=taps)
             for row, (prefill, chunk) in enumerate(zip(members, chunks, strict=True)):
@@ -88,7 +90,13 @@ class PrefillGroup:
                 hidden = out.hidden[row, : len(chunk)]
                 prefill.took(TargetFeatures(hidden, tuple(out.taps[i][row] for i in index)))
                 cache.offsets[row] += len(chunk)
+            cache.lengths = None
             mx.eval(cache.state)
+        for row, prefill in enumerate(members):
+            # A hybrid's way back to its prompt's end, before the last token (`Prefill.chunk`).
+            last = len(prefill.prompt) - 1
+            if self.model.recurrent and prefill.start == last > 0:
+                prefill.sequence.checkpoint(last, cache.row_checkpoint(row, last))
         self._tokens = len(members) * cancellable_step(
             width, (time.perf_counter() - began) / len(members)
         )
@@ -102,7 +110,7 @@ class PrefillGroup:
         cache, prefill = self.cache, self.members[row]
         cache.extract(row, prefill.sequence.cache, cache.offsets[row])
         mx.eval(prefill.sequence.cache.state)  # its own arrays, not views of the group's
-        if prefill.done:  # as a prefill alone keeps its prompt's end (`Prefill.chunk`)
+        if prefill.done and not self.model.recurrent:  # a hybrid's came before (`step`)
             prefill.sequence.checkpoint(len(prefill.prompt) - 1)
         last = len(self.members) - 1
         if row != last:

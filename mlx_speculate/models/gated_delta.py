@@ -117,10 +117,9 @@ class GatedDeltaNet(nn.Module):
             shape = (B, self.num_v_heads, self.head_k_dim, self.head_v_dim)
             state = mx.zeros(shape, mx.float32)
         else:
-            if ctx.end is None and L > ROWS:  # a compiled step: its rows must be rollable
-                raise ValueError(
-                    f"recurrent layers verify at most {ROWS} rows at once, got {L}"
-                )
+            padded = cache.lengths is not None  # a batch's prefill: its final states alone
+            if ctx.end is None and L > ROWS and not padded:  # a step: rows must be rollable
+                raise ValueError(f"recurrent layers verify at most {ROWS} rows at once, got {L}")
             window, state = cache.recurrent(layer, ctx.start, B, mixed.dtype)
         conv_in = mx.concatenate([window.astype(mixed.dtype), mixed], axis=1)
         conv = nn.silu(self.conv1d(conv_in))  # (B, L, conv_dim)
@@ -135,10 +134,15 @@ class GatedDeltaNet(nn.Module):
         beta = mx.sigmoid(b).astype(mx.float32)
         dt = a.astype(mx.float32) + self.dt_bias.astype(mx.float32)
         g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(dt)
+        if cache is not None and cache.lengths is not None:
+            # A padded row's padding neither decays nor writes its state (g = beta = 0), so
+            # its final state is the one at its own end; the conv only looks back.
+            real = (mx.arange(L) < cache.lengths[:, None])[..., None]  # (B, L, 1)
+            g, beta = mx.where(real, g, 0.0), mx.where(real, beta, 0.0)
         # Per-row states only where a rollback may follow: a verify step's view (no host end);
         # a prompt's forward keeps its final state (per-row states of a real model's layers
         # would hold gigabytes for a short prompt).
-        every = cache is not None and L <= ROWS and ctx.end is None
+        every = cache is not None and L <= ROWS and ctx.end is None and cache.lengths is None
         out, states = gated_delta_rule(q, k, v, g, beta, state, every)
         if cache is not None:
             cache.keep(layer, ctx.start, conv_in, states)
