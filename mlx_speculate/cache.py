@@ -80,11 +80,6 @@ class Checkpoint:
 
 
 class KVCache:
-    # Whether a prefill runs its prompt's last token in a forward of its own, so that
-    # `checkpoint` can be taken before it (a hybrid's recurrent layers keep no per-row states
-    # of a prompt's forward).
-    prefills_last_alone = False
-
     def __init__(
         self,
         num_layers: int,
@@ -115,6 +110,9 @@ class KVCache:
         # Set for a padded forward only (a batch's prefill, batch/prefill.py): each row's real
         # tokens, (B,) int32, the rest padding that a recurrent layer must not take in.
         self.lengths: mx.array | None = None
+        # Set by `mark` for a prompt's forward: the slot, per row, whose recurrent state it
+        # keeps besides its last (recurrent layers only, state_cache.py).
+        self.marks: mx.array | None = None
         self.keys: list[mx.array | None] = [None] * num_layers
         self.values: list[mx.array | None] = [None] * num_layers
         # What the storage holds (None: float keys), and the quantization it switches to once
@@ -410,6 +408,12 @@ class KVCache:
         keys = tuple(k if ring else None for k, ring in zip(self.keys, rings, strict=True))
         values = tuple(v if ring else None for v, ring in zip(self.values, rings, strict=True))
         return Checkpoint(length, self.high, keys, values, self.codec)
+
+    def mark(self, slots: list[int] | None) -> None:
+        """Asks the next forwards for row b's recurrent state at slot slots[b] (within their
+        tokens) besides its last: a prompt's end before its last token, so that `checkpoint`
+        can return there; None: no more. Only recurrent layers keep it (state_cache.py)."""
+        self.marks = None if slots is None else mx.array(slots, dtype=mx.int32)
 
     def returnable(self, checkpoint: Checkpoint) -> bool:
         """Whether `return_to(checkpoint)` can be taken: the storage is as it was then (not

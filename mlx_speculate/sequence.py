@@ -97,27 +97,29 @@ class Prefill:
     def done(self) -> bool:
         return self.start >= len(self.prompt)
 
-    def next_chunk(self, size: int) -> list[int]:
-        """The prompt's next tokens, at most `size`; a cache that prefills the prompt's last
-        token alone (`KVCache.prefills_last_alone`) gets the ones before it first."""
-        end = min(self.start + size, len(self.prompt))
+    def reaches_last(self, tokens: int) -> bool:
+        """Whether a next chunk of `tokens` tokens runs past the slot before the prompt's last
+        token (where the checkpoint is: `Sequence.checkpoint`)."""
         last = len(self.prompt) - 1
-        if self.sequence.cache.prefills_last_alone and self.start < last < end:
-            end = last  # the last token alone, after the checkpoint before it
-        return self.prompt[self.start : end]
+        return self.start < last <= self.start + tokens
 
     def chunk(self) -> None:
-        """Runs the next chunk into the sequence's own cache."""
-        sequence = self.sequence
-        last = len(self.prompt) - 1
-        chunk = self.next_chunk(self._size)
+        """Runs the next chunk into the sequence's own cache; the one that reaches the prompt's
+        last token keeps a checkpoint before it (so that the next prompt may reuse it)."""
+        sequence, cache = self.sequence, self.sequence.cache
+        chunk = self.prompt[self.start : self.start + self._size]
+        reaching = self.reaches_last(len(chunk))
         began = time.perf_counter()
         with mx.stream(GENERATION_STREAM), prefilling():  # a head drafter's own forward too
-            out = sequence.model(mx.array([chunk]), sequence.cache, taps=sequence.taps)
-            self.took(TargetFeatures(out.hidden[0], tuple(t[0] for t in out.taps)))
-            mx.eval(sequence.cache.state)
-            if self.start - len(chunk) < last <= self.start:  # so the next prompt may reuse it
-                sequence.checkpoint(last)
+            cache.mark([len(self.prompt) - 1] if reaching else None)
+            try:
+                out = sequence.model(mx.array([chunk]), cache, taps=sequence.taps)
+                self.took(TargetFeatures(out.hidden[0], tuple(t[0] for t in out.taps)))
+                mx.eval(cache.state)
+                if reaching:
+                    sequence.checkpoint(len(self.prompt) - 1)
+            finally:
+                cache.mark(None)
             if self._sized:
                 self._size = cancellable_step(len(chunk), time.perf_counter() - began)
 

@@ -42,6 +42,13 @@ def chains_only(model_type: str) -> str:
 ROWS = 64  # a forward of at most this many tokens keeps its per-row states (BUCKETS[-1])
 
 
+def keeps_every(rows: int) -> bool:
+    """Whether a step's forward of `rows` tokens keeps the recurrent state after each, for a
+    rollback to any: up to ROWS, but not a lone token's, which is always committed (a plain
+    step), so its final state is the only one it needs (a batch's plain steps copy no more)."""
+    return 1 < rows <= ROWS
+
+
 @dataclass(frozen=True)
 class RecurrentShape:
     """One recurrent layer's state: conv over `channels` with a `kernel`-wide window, and a
@@ -81,6 +88,9 @@ class HybridCache(KVCache):
         self._next_base: mx.array | None = None  # set by a forward, taken by `advance`
         self._kept = (0, 0)  # host: the slots whose state the ring holds (first, last)
         self._every: bool | None = None  # set by `keep`: whether it kept every row's state
+        # The states at the marked slot (`mark`), by recurrent layer, and that slot.
+        self._marked: list[tuple[mx.array, mx.array] | None] = [None] * count
+        self._marked_at: list[int] | None = None
 
     # Attention layers.
     def write(self, layer, keys, values, start, end):
@@ -113,6 +123,24 @@ class HybridCache(KVCache):
             self.ring[r] = states[-1][None]
             self._next_base = start + length
 
+    def mark(self, slots: list[int] | None) -> None:
+        super().mark(slots)
+        self._marked, self._marked_at = [None] * len(self._marked), slots
+
+    def keep_marked(self, layer: int, window: mx.array, state: mx.array) -> None:
+        """The conv window and delta-rule state at the marked slot (`mark`), from a forward."""
+        self._marked[self._rec[layer]] = (window, state)
+
+    def as_after(self, base: int, rows: int, length: int) -> None:
+        """The cache as after a forward of `rows` rows from slot `base` that kept the state
+        after each (its rings and conv inputs already in place: a prompt-cache file's), then
+        taken back to `length` slots."""
+        self.base = mx.array(base, mx.int32)
+        self.offset = base
+        self._every = True
+        self.advance(rows)
+        self.truncate(length)
+
     def restore(
         self, length: int, windows: dict[int, mx.array], states: dict[int, mx.array]
     ) -> None:
@@ -124,16 +152,20 @@ class HybridCache(KVCache):
         self.base = mx.array(length, dtype=mx.int32)
         self._next_base, self._every, self._kept = None, None, (length, length)
 
-    prefills_last_alone = True
-
     def checkpoint(self, length: int) -> Checkpoint | None:
         """The recurrent layers' state at `length` (a conv window and a delta-rule state each,
-        copied out, so the ring they came from can go), while the last forward's rows hold it."""
-        if length == 0 or self.restorable(length) != length:
+        copied out, so the ring they came from can go), while the last forward's rows hold it
+        or the forward kept it at a marked slot (`mark`)."""
+        if length == 0:
             return None
-        at = mx.array(length, mx.int32)
-        dtype = mx.float32 if self.like is None else self.like.dtype
-        states = {layer: self.recurrent(layer, at, 1, dtype) for layer in self._rec}
+        if self.restorable(length) == length:
+            at = mx.array(length, mx.int32)
+            dtype = mx.float32 if self.like is None else self.like.dtype
+            states = {layer: self.recurrent(layer, at, 1, dtype) for layer in self._rec}
+        elif self._marked_at == [length] and all(m is not None for m in self._marked):
+            states = {layer: self._marked[r] for layer, r in self._rec.items()}
+        else:
+            return None
         mx.eval(states)
         none = (None,) * len(self.keys)  # no rings among its attention layers
         return Checkpoint(length, self.high, none, none, self.codec, states)
@@ -159,7 +191,7 @@ class HybridCache(KVCache):
             self.base, self._next_base = self._next_base, None
         # What the forward kept (`keep`); a step's view kept it, where the cache only advances
         # past the step (its rows, at most ROWS, each with its state).
-        every = length <= ROWS if self._every is None else self._every
+        every = keeps_every(length) if self._every is None else self._every
         self._every = None
         first = self.offset if every else self.offset + length
         self._kept = (first, self.offset + length)

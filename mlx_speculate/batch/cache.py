@@ -183,6 +183,7 @@ class BatchHybridCache(BatchKVCache):
         self.ring = [mx.zeros(shape, mx.float32) for _ in range(count)]
         self.base = mx.zeros((rows,), mx.int32)  # (B,) slot of each row's ring row 0
         self._next_base: mx.array | None = None
+        self._marked: list[tuple[mx.array, mx.array] | None] = [None] * count  # (`mark`)
 
     def fresh(self) -> BatchHybridCache:
         return BatchHybridCache(self.template, self.rows)
@@ -205,15 +206,19 @@ class BatchHybridCache(BatchKVCache):
     def keep(self, layer: int, start: mx.array, conv: mx.array, states: list[mx.array]) -> None:
         """A verify forward from slots `start` read `conv` and produced the entering state and
         one per row; the rows' base moves to `start` once the forward is done (`advance`). A
-        padded prefill's (`lengths` set) produced each row's final state: row b keeps it and
-        the conv window that ends at its own length, its base moving to start + length."""
+        forward that kept each row's final state alone (a plain step's, a padded prefill's)
+        keeps it and the conv window that ends at the row's length (`lengths` where set), its
+        base moving to start + length."""
         r = self._rec[layer]
         length = conv.shape[1] - (self.shape.kernel - 1)
-        if self.lengths is not None and len(states) == 1:
-            at = self.lengths[:, None] + mx.arange(self.shape.kernel - 1, dtype=mx.int32)
-            self.conv[r] = mx.take_along_axis(conv, at[..., None], axis=1)
+        if len(states) == 1:
+            if self.lengths is None:
+                self.conv[r], self._next_base = conv[:, length:], start + length
+            else:
+                at = self.lengths[:, None] + mx.arange(self.shape.kernel - 1, dtype=mx.int32)
+                self.conv[r] = mx.take_along_axis(conv, at[..., None], axis=1)
+                self._next_base = start + self.lengths
             self.ring[r] = states[0][None]
-            self._next_base = start + self.lengths
             return
         if len(states) != length + 1:
             raise ValueError(f"a batch verify keeps every row's state, {len(states)} kept")
@@ -223,6 +228,10 @@ class BatchHybridCache(BatchKVCache):
     def advance(self, length: int) -> None:
         if self._next_base is not None:
             self.base, self._next_base = self._next_base, None
+
+    def keep_marked(self, layer: int, window: mx.array, state: mx.array) -> None:
+        """Each row's conv window and delta-rule state at its marked slot (`mark`)."""
+        self._marked[self._rec[layer]] = (window, state)
 
     def check_verify(self, rows: int, is_chain: bool) -> None:
         self.template.check_verify(rows, is_chain)
@@ -259,29 +268,24 @@ class BatchHybridCache(BatchKVCache):
 
     def extract(self, row: int, target: KVCache, length: int) -> None:
         super().extract(row, target, length)
-        windows, states = self._row_state(row, length)
-        target.restore(length, windows, states)
-
-    def row_checkpoint(self, row: int, length: int) -> Checkpoint:
-        """Row `row`'s recurrent state at its slot `length` as a one-sequence cache's
-        `Checkpoint` (evaluated, its own arrays): a prefill in a batch takes it before a
-        prompt's last token, as `HybridCache.checkpoint` does alone."""
-        windows, states = self._row_state(row, length)
-        recurrent = {
-            layer: (mx.array(windows[layer]), mx.array(states[layer])) for layer in windows
-        }
-        mx.eval(recurrent)
-        none = (None,) * len(self.template.keys)  # no rings among its attention layers
-        return Checkpoint(length, length, none, none, None, recurrent)
-
-    def _row_state(self, row: int, length: int) -> tuple[dict, dict]:
-        """By model layer, row `row`'s conv window and delta-rule state at its slot `length`."""
         start = mx.array([length] * self.rows, dtype=mx.int32)
         windows, states = {}, {}
         for layer in self._rec:
             window, state = self.recurrent(layer, start, self.rows, self.dtype)
             windows[layer], states[layer] = window[row : row + 1], state[row : row + 1]
-        return windows, states
+        target.restore(length, windows, states)
+
+    def row_checkpoint(self, row: int, length: int) -> Checkpoint:
+        """Row `row`'s recurrent state at its marked slot `length` (`mark`) as a one-sequence
+        cache's `Checkpoint` (evaluated, its own arrays): a prefill in a batch takes it before a
+        prompt's last token, as `HybridCache.checkpoint` does alone."""
+        recurrent = {}
+        for layer, r in self._rec.items():
+            window, state = self._marked[r]
+            recurrent[layer] = (mx.array(window[row : row + 1]), mx.array(state[row : row + 1]))
+        mx.eval(recurrent)
+        none = (None,) * len(self.template.keys)  # no rings among its attention layers
+        return Checkpoint(length, length, none, none, None, recurrent)
 
     def move(self, source: int, destination: int) -> None:
         super().move(source, destination)

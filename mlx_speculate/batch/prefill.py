@@ -73,7 +73,7 @@ class PrefillGroup:
             return []
         began = time.perf_counter()
         size = max(CANCELLABLE_STEPS[0], min(PREFILL_STEP, self._tokens // len(members)))
-        chunks = [p.next_chunk(size) for p in members]
+        chunks = [p.prompt[p.start : p.start + size] for p in members]
         width = max(len(c) for c in chunks)
         tokens = [c + [0] * (width - len(c)) for c in chunks]
         tokens += [[0] * width] * (self.cache.rows - len(members))
@@ -81,8 +81,11 @@ class PrefillGroup:
         cache = self.cache
         start = cache.prepare(width)
         positions = start[:, None] + mx.arange(width, dtype=mx.int32)  # (B, width)
-        lengths = [len(c) for c in chunks] + [0] * (cache.rows - len(members))
-        cache.lengths = mx.array(lengths, dtype=mx.int32)  # a recurrent layer's real rows
+        padding = [0] * (cache.rows - len(members))
+        cache.lengths = mx.array([len(c) for c in chunks] + padding, dtype=mx.int32)
+        reaching = [p.reaches_last(len(c)) for p, c in zip(members, chunks, strict=True)]
+        marks = [len(p.prompt) - 1 if r else -1 for p, r in zip(members, reaching, strict=True)]
+        cache.mark(marks + [-1] * len(padding))  # a hybrid's checkpoints, taken below
         with prefilling():  # a head drafter's own forward too
             out = self.model(mx.array(tokens), cache, positions=positions, taps=taps)
             for row, (prefill, chunk) in enumerate(zip(members, chunks, strict=True)):
@@ -92,11 +95,12 @@ class PrefillGroup:
                 cache.offsets[row] += len(chunk)
             cache.lengths = None
             mx.eval(cache.state)
-        for row, prefill in enumerate(members):
+        for row, (prefill, reached) in enumerate(zip(members, reaching, strict=True)):
             # A hybrid's way back to its prompt's end, before the last token (`Prefill.chunk`).
-            last = len(prefill.prompt) - 1
-            if self.model.recurrent and prefill.start == last > 0:
+            if self.model.recurrent and reached:
+                last = len(prefill.prompt) - 1
                 prefill.sequence.checkpoint(last, cache.row_checkpoint(row, last))
+        cache.mark(None)
         self._tokens = len(members) * cancellable_step(
             width, (time.perf_counter() - began) / len(members)
         )

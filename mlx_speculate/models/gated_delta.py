@@ -2,12 +2,15 @@
 conv1d over the q/k/v projections, then the gated delta rule, a recurrence over a (H, Dk, Dv)
 state per sequence, read out by the queries and normed under a SiLU gate.
 
-The recurrence runs token by token on MLX ops (transformers' torch reference, in float32):
+The recurrence, token by token (transformers' torch reference, in float32):
 
     S <- S * exp(g_t);  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
 
-Its state lives in the hybrid cache (state_cache.py), which keeps the state after every row of
-a short forward, so that a verify forward's rejected rows can be rolled back exactly.
+A forward that keeps its final state alone (a prompt's) runs it CHUNK tokens at a time in closed
+form (`chunked_delta_rule`: a handful of matmuls a chunk instead of a dozen ops a token); a
+verify forward, whose every row's state is kept, runs it token by token. Its state lives in the
+hybrid cache (state_cache.py), which keeps the state after every row of a short forward, so
+that a verify forward's rejected rows can be rolled back exactly.
 """
 
 from __future__ import annotations
@@ -15,13 +18,16 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..state_cache import ROWS, RecurrentShape
+from ..state_cache import ROWS, RecurrentShape, keeps_every
 from .context import ForwardContext
 
 
 def l2norm(x: mx.array, eps: float = 1e-6) -> mx.array:
     """x / sqrt(sum x^2 + eps) over the last axis (FLA's and transformers' form)."""
     return x * mx.rsqrt((x * x).sum(axis=-1, keepdims=True) + eps)
+
+
+CHUNK = 64  # tokens of a prompt's forward the closed form takes at once
 
 
 def gated_delta_rule(
@@ -32,12 +38,17 @@ def gated_delta_rule(
     beta: mx.array,
     state: mx.array,
     every: bool,
-) -> tuple[mx.array, list[mx.array]]:
+    at: mx.array | None = None,
+) -> tuple[mx.array, list[mx.array], mx.array | None]:
     """(B, L, H, Dk) queries and keys, (B, L, H, Dv) values, (B, L, H) log-decays and betas,
     all float32, from the (B, H, Dk, Dv) `state`: the (B, L, H, Dv) outputs and the states,
-    the entering one and one after each row when `every`, else the final one alone."""
+    the entering one and one after each row when `every`, else the final one alone; and, for
+    `at` (B,) token counts, each row's state after its first at[b] tokens (else None)."""
+    if not every and q.shape[1] > 1:
+        return chunked_delta_rule(q, k, v, g, beta, state, at)
     decay = mx.exp(g)[..., None, None]  # (B, L, H, 1, 1)
     outputs, states = [], [state]
+    marked = None if at is None else state
     for t in range(q.shape[1]):
         state = state * decay[:, t]
         remembered = (k[:, t, :, None, :] @ state)[:, :, 0]  # (B, H, Dv)
@@ -46,7 +57,86 @@ def gated_delta_rule(
         outputs.append((q[:, t, :, None, :] @ state)[:, :, 0])
         if every:
             states.append(state)
-    return mx.stack(outputs, axis=1), states if every else [state]
+        if at is not None:
+            marked = mx.where((at == t + 1)[:, None, None, None], state, marked)
+    return mx.stack(outputs, axis=1), states if every else [state], marked
+
+
+def chunked_delta_rule(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array,
+    at: mx.array | None = None,
+) -> tuple[mx.array, list[mx.array], mx.array | None]:
+    """`gated_delta_rule`'s outputs, final state and states at `at`, CHUNK tokens at a time in
+    closed form.
+
+    Within a chunk from state S0, with G_t = g_1 + ... + g_t (so exp(G_t - G_i) <= 1 for
+    i <= t), the state is S_t = exp(G_t) S0 + sum_{i <= t} exp(G_t - G_i) k_i u_i^T, where the
+    rows u_t solve (I + A) U = diag(beta) (V - diag(exp G) K S0) with A strictly lower
+    triangular, A[t, i] = beta_t exp(G_t - G_i) k_t.k_i (`unit_lower_inverse`); the outputs
+    are O = diag(exp G) Q S0 + (exp(G_t - G_i) q_t.k_i)_{i <= t} U."""
+    outputs = []
+    marked = None if at is None else state
+    for first in range(0, q.shape[1], CHUNK):
+        rows = slice(first, first + CHUNK)
+        # (B, H, C, D) and (B, H, C)
+        qc, kc, vc = (x[:, rows].swapaxes(1, 2) for x in (q, k, v))
+        gc, bc = (x[:, rows].swapaxes(1, 2) for x in (g, beta))
+        n = gc.shape[-1]
+        cum = mx.cumsum(gc, axis=-1)
+        lower = mx.tril(mx.ones((n, n), dtype=mx.bool_))
+        ratio = mx.where(
+            lower, mx.exp(mx.where(lower, cum[..., :, None] - cum[..., None, :], 0)), 0
+        )
+        strict = ratio * (1 - mx.eye(n, dtype=ratio.dtype))
+        a = bc[..., :, None] * strict * (kc @ kc.swapaxes(-1, -2))
+        grown = mx.exp(cum)[..., None]  # (B, H, C, 1)
+        u = unit_lower_inverse(a) @ (bc[..., None] * (vc - grown * (kc @ state)))
+        readout = (ratio * (qc @ kc.swapaxes(-1, -2))) @ u
+        outputs.append((grown * (qc @ state) + readout).swapaxes(1, 2))
+        if at is not None:  # row b's S_t for t = at[b] - first - 1, where it falls here
+            t = mx.clip(at - first - 1, 0, n - 1)[:, None, None]  # (B, 1, 1)
+            upto = mx.take_along_axis(
+                ratio, mx.broadcast_to(t[..., None], (*ratio.shape[:2], 1, n)), axis=2
+            )
+            grown_t = mx.exp(
+                mx.take_along_axis(cum, mx.broadcast_to(t, cum.shape[:2] + (1,)), axis=2)
+            )
+            s_t = grown_t[..., None] * state + (kc * upto.swapaxes(-1, -2)).swapaxes(-1, -2) @ u
+            here = ((at > first) & (at <= first + n))[:, None, None, None]
+            marked = mx.where(here, s_t, marked)
+        left = mx.exp(cum[..., -1:] - cum)[..., None]  # (B, H, C, 1)
+        state = mx.exp(cum[..., -1])[..., None, None] * state + (kc * left).swapaxes(-1, -2) @ u
+    return mx.concatenate(outputs, axis=1), [state], marked
+
+
+def unit_lower_inverse(a: mx.array) -> mx.array:
+    """(I + a)^-1 of a strictly lower triangular (..., n, n) `a`, by blocks doubling in size:
+    the inverse of [[M11, 0], [M21, M22]] is [[N11, 0], [-N22 M21 N11, N22]] (the standard
+    triangular inversion, as stable as substitution; a power series of -a is not)."""
+    n = a.shape[-1]
+    size = 1 << max(0, (n - 1).bit_length())
+    if size != n:  # padded with identity rows, which leave the rest as it is
+        a = mx.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, size - n), (0, size - n)])
+    lead = a.shape[:-2]
+    inverse = mx.ones((*lead, size, 1, 1), a.dtype)  # the diagonal blocks' inverses
+    s = 1
+    while s < size:
+        count = size // s
+        blocks = a.reshape(*lead, count, s, count, s).swapaxes(-3, -2)  # (..., c, c, s, s)
+        blocks = blocks.reshape(*lead, count * count, s, s)
+        pairs = mx.arange(0, count, 2)
+        m21 = mx.take(blocks, (pairs + 1) * count + pairs, axis=-3)  # (..., c / 2, s, s)
+        n11, n22 = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
+        top = mx.concatenate([n11, mx.zeros_like(n11)], axis=-1)
+        bottom = mx.concatenate([-(n22 @ m21 @ n11), n22], axis=-1)
+        inverse = mx.concatenate([top, bottom], axis=-2)
+        s *= 2
+    return inverse[..., 0, :n, :n]
 
 
 def state_shape(args) -> RecurrentShape:
@@ -142,9 +232,17 @@ class GatedDeltaNet(nn.Module):
         # Per-row states only where a rollback may follow: a verify step's view (no host end);
         # a prompt's forward keeps its final state (per-row states of a real model's layers
         # would hold gigabytes for a short prompt).
-        every = cache is not None and L <= ROWS and ctx.end is None and cache.lengths is None
-        out, states = gated_delta_rule(q, k, v, g, beta, state, every)
+        every = cache is not None and ctx.end is None and cache.lengths is None and keeps_every(L)
+        # A prompt's forward also gives the state at a marked slot (`KVCache.mark`): its end
+        # before its last token, for the checkpoint a repeated prompt returns to.
+        at = None
+        if cache is not None and cache.marks is not None:
+            at = mx.clip(cache.marks - ctx.start, 0, L)  # (B,) tokens before the mark
+        out, states, marked = gated_delta_rule(q, k, v, g, beta, state, every, at)
         if cache is not None:
             cache.keep(layer, ctx.start, conv_in, states)
+        if marked is not None:
+            near = at[:, None] + mx.arange(self.kernel - 1, dtype=at.dtype)  # its conv window
+            cache.keep_marked(layer, mx.take_along_axis(conv_in, near[..., None], axis=1), marked)
         out = self.norm(out.astype(x.dtype), z)  # (B, L, Hv, Dv)
         return self.out_proj(out.reshape(B, L, -1))

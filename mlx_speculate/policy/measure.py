@@ -146,6 +146,8 @@ def measure(
     sequence = Sequence(model, drafter)
     sequence.prefill(prompt)
     offset = sequence.cache.offset
+    # A hybrid's one-row step keeps no state to roll back to: its checkpoint takes it back.
+    mark = sequence.cache.checkpoint(offset)
     pending = mx.ones((1,), dtype=mx.int32)
 
     def forward(r: int) -> Callable[[], None]:
@@ -156,7 +158,10 @@ def measure(
         def run():
             out = verify_step(model, sequence.cache, pending, tree, drafted, None, GREEDY)
             mx.eval(out.acceptance.tokens, out.logits)
-            sequence.cache.truncate(offset)
+            if mark is None:
+                sequence.cache.truncate(offset)
+            else:
+                sequence.cache.return_to(mark)
 
         return run
 

@@ -267,18 +267,9 @@ def _fill(
             cache.write(entry if hybrid else attention, first, second, at, None)
             attention += 1
     if hybrid:
-        settle(cache, base, rows, n)
+        cache.as_after(base, rows, n)
     else:
         cache.advance(n)
-
-
-def settle(cache: HybridCache, base: int, rows: int, n: int) -> None:
-    """Sets `cache` (its rings and conv inputs in place) as after a forward of `rows` rows from
-    slot `base`, which `HybridCache.advance` keeps every row of, rolled back to slot `n`."""
-    cache.base = mx.array(base, mx.int32)
-    cache.offset = base
-    cache.advance(rows)
-    cache.truncate(n)
 
 
 def _expect(entry: int, array: mx.array, shape: tuple[int, ...], dtype: mx.Dtype) -> None:

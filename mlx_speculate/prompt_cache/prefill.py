@@ -12,7 +12,7 @@ import mlx.core as mx
 from ..models.base import CausalLM
 from ..sequence import Sequence
 from ..state_cache import HybridCache
-from .file import PromptCache, load_prompt_cache, settle
+from .file import PromptCache, load_prompt_cache
 
 
 def cache_prompt(
@@ -41,7 +41,7 @@ def cache_prompt(
         for r, (window, state) in enumerate(before):
             cache.conv[r] = mx.concatenate([window, cache.conv[r][:, -1:]], axis=1)
             cache.ring[r] = mx.concatenate([state, cache.ring[r]])
-        settle(cache, len(tokens) - 1, 1, len(tokens))
+        cache.as_after(len(tokens) - 1, 1, len(tokens))
     return PromptCache(tuple(sequence.context), cache, name)
 
 
