@@ -130,7 +130,9 @@ def unit_lower_inverse(a: mx.array) -> mx.array:
         blocks = a.reshape(*lead, count, s, count, s).swapaxes(-3, -2)  # (..., c, c, s, s)
         blocks = blocks.reshape(*lead, count * count, s, s)
         pairs = mx.arange(0, count, 2)
-        m21 = mx.take(blocks, (pairs + 1) * count + pairs, axis=-3)  # (..., c / 2, s, s)
+        m21 = mx.take(
+            blocks, (pairs + 1) * count + pairs, axis=-3
+        )  # (..., count / 2, size s, size s)
         n11, n22 = inverse[..., 0::2, :, :], inverse[..., 1::2, :, :]
         top = mx.concatenate([n11, mx.zeros_like(n11)], axis=-1)
         bottom = mx.concatenate([-(n22 @ m21 @ n11), n22], axis=-1)
