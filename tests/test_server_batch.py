@@ -166,3 +166,28 @@ def test_no_request_waits_on_a_calibration(max_batch, monkeypatch, tmp_path):
         prompt = OPENINGS[0] + " " + OPENINGS[0]
         assert complete(running, prompt, "prompt_lookup") == complete(running, prompt, "none")
         assert calibrations() == before
+
+
+def test_a_burst_of_requests_prefills_together(stories, monkeypatch):
+    """Requests sent at once reach an idle server a prompt at a time (the gateway prepares one
+    after another): the engine waits for the ones still being prepared and prefills their
+    prompts in one forward, rather than the first alone and the rest after it."""
+    from mlx_speculate.batch.prefill import PrefillGroup
+    from mlx_speculate.server import app
+
+    prepare, step = app._text_prompt, PrefillGroup.step
+    members: list[int] = []
+
+    def slow(*args):
+        time.sleep(0.01)
+        return prepare(*args)
+
+    def counted(group, *args, **kwargs):
+        members.append(len(group.members))
+        return step(group, *args, **kwargs)
+
+    monkeypatch.setattr(app, "_text_prompt", slow)
+    monkeypatch.setattr(PrefillGroup, "step", counted)
+    with serve(*stories, max_batch=8) as running:
+        at_once(lambda p: complete(running, p, "none", 8), [(p,) for p in OPENINGS[:4]])
+    assert members[0] == 4, members

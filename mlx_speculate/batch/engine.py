@@ -295,7 +295,7 @@ class BatchEngine:
                 if not running.prefill.done and running.prefill not in group.members:
                     group.add(running.prefill)
             try:
-                group.step()
+                group.step(idle=not self._running and self._alone is None)
             except Exception as e:  # the forward's requests', not the batch's
                 failed = group.clear()
                 for running in [r for r in self._waiting if r.prefill in failed]:

@@ -11,7 +11,10 @@ up to eight prompts at once the same way.
 
 The chunk a member runs is sized so that a step takes about CANCEL_SECONDS (sequence.py) over
 all the group's rows: the running sequences' gap between tokens stays bounded while prompts
-join, and a cancelled one holds the model no longer than a chunk alone would.
+join, and a cancelled one holds the model no longer than a chunk alone would. While no sequence
+decodes (a burst of requests arrived together), a step of n prompts may take min(n, IDLE_STEPS)
+times as long (each member's share stays that of a chunk alone), so that the burst's prompts
+prefill in one forward, as mlx-lm's server prefills them.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from ..sequence import CANCELLABLE_STEPS, PREFILL_STEP, Prefill, cancellable_ste
 from .cache import BatchKVCache
 
 PREFILL_ROWS = 8  # prompts prefilled in one forward at most, as mlx-lm's server does
+IDLE_STEPS = 4  # the most a step's time, in CANCEL_SECONDS, while no sequence decodes
 
 
 class PrefillGroup:
@@ -65,14 +69,16 @@ class PrefillGroup:
         members, self.members, self.cache = self.members, [], None
         return members
 
-    def step(self) -> list[Prefill]:
+    def step(self, idle: bool = False) -> list[Prefill]:
         """Runs every member's next chunk in one forward; returns the members it finished,
-        whose keys are back in their sequences' caches (their first token's logits kept)."""
+        whose keys are back in their sequences' caches (their first token's logits kept).
+        `idle`: no sequence decodes meanwhile (the step may take longer: see the module)."""
         members = self.members
         if not members:
             return []
         began = time.perf_counter()
-        size = max(CANCELLABLE_STEPS[0], min(PREFILL_STEP, self._tokens // len(members)))
+        budget = self._tokens * (min(IDLE_STEPS, len(members)) if idle else 1)
+        size = max(CANCELLABLE_STEPS[0], min(PREFILL_STEP, budget // len(members)))
         chunks = [p.prompt[p.start : p.start + size] for p in members]
         width = max(len(c) for c in chunks)
         tokens = [c + [0] * (width - len(c)) for c in chunks]

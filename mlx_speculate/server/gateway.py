@@ -69,7 +69,8 @@ class Gateway:
         """`work(*args)` on the prompt thread (see the module's docstring); what it raises
         (an APIError, say) comes back here."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._prompts, functools.partial(work, *args))
+        with self.worker.arriving():
+            return await loop.run_in_executor(self._prompts, functools.partial(work, *args))
 
     def close(self) -> None:
         """Drops the prompts not yet started (the server is stopping)."""

@@ -32,8 +32,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
-from contextlib import closing
+from collections.abc import Callable, Iterator
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -52,6 +52,10 @@ from .sessions import Entry, SessionPool
 log = logging.getLogger("mlx_speculate.server")
 GRAMMAR = "grammar_error"  # the error code of a grammar that could not go on
 MIN_QUEUE = 16  # requests that may wait by default, however small the batch
+# An idle engine that took a request waits this long at most for the prompts of the same burst
+# still being prepared (`arriving`), polling every GATHER_POLL, so that they prefill together.
+GATHER_SECONDS = 0.1
+GATHER_POLL = 0.005
 
 
 class QueueFull(Exception):
@@ -104,6 +108,7 @@ class Worker:
         self._held = 0  # jobs submitted whose last event is not out yet
         self._decoding_at_most = max_batch  # 1 once loaded, if requests run one at a time
         self._admission = threading.Lock()
+        self._arriving = 0  # prompts being prepared for `submit` (`arriving`)
         self.state = WorkerState()
         self._thread = threading.Thread(target=self._run, name="mlx-generation", daemon=True)
         self.pool: SessionPool | None = None
@@ -157,6 +162,19 @@ class Worker:
     def _ended(self) -> None:
         with self._admission:
             self._held -= 1
+
+    @contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Marks a request whose prompt is being prepared (templated, tokenized) for `submit`:
+        an idle engine that took the first request of a burst waits for the rest (at most
+        GATHER_SECONDS), so that their prompts prefill in one forward, not one after another."""
+        with self._admission:
+            self._arriving += 1
+        try:
+            yield
+        finally:
+            with self._admission:
+                self._arriving -= 1
 
     def _publish(self, engine: BatchEngine | None = None, decoding: int = 0) -> None:
         """Publishes what the thread holds now (`WorkerState`)."""
@@ -357,11 +375,24 @@ class Worker:
     def _take_jobs(self, engine: BatchEngine, served: dict[int, _Served]) -> bool:
         """Admits queued jobs while the engine has room, waiting only when it is idle; False
         at shutdown (every running job cancelled). Its own frame: a job or handle it names
-        is not kept alive while the loop waits on the queue."""
+        is not kept alive while the loop waits on the queue. An idle engine that took a job
+        takes the rest of its burst too, waiting while their prompts are prepared (`arriving`)."""
+        gather = None  # once an idle engine took a job: until when it waits for more
         while engine.load <= self.max_batch:
+            gathering = gather is not None and self._arriving > 0 and time.monotonic() < gather
             try:
-                job = self._queue.get(block=engine.idle)
+                if engine.idle:
+                    job = self._queue.get()
+                    gather = time.monotonic() + GATHER_SECONDS
+                else:
+                    job = (
+                        self._queue.get(timeout=GATHER_POLL)
+                        if gathering
+                        else self._queue.get(False)
+                    )
             except queue.Empty:
+                if gathering:
+                    continue
                 break
             if job is None:
                 for state in served.values():
