@@ -113,6 +113,19 @@ def run(target, prompts, make, n, sampling=GREEDY, max_batch=8, fixed=None, engi
     return tokens, handles
 
 
+def prefill_members(monkeypatch) -> list[int]:
+    """The members of every `PrefillGroup.step` from now on, one count a step."""
+    members: list[int] = []
+    step = PrefillGroup.step
+
+    def counted(group, *args, **kwargs):
+        members.append(len(group.members))
+        return step(group, *args, **kwargs)
+
+    monkeypatch.setattr(PrefillGroup, "step", counted)
+    return members
+
+
 def clear(model, prompt: list[int], n: int) -> bool:
     """Whether plain greedy decoding's first `n` tokens after `prompt` each win by a clear
     top-2 margin (where the batch's other kernels cannot flip them)."""
@@ -149,14 +162,7 @@ def test_joining_prompts_prefill_together_in_chunks(monkeypatch):
     candidates = [[1 + (i * 7 + j * j) % 41 for j in range(m)] for i, m in enumerate(lengths)]
     prompts = [p for p in candidates if clear(target, p, n)]
     assert len(prompts) >= 6
-    members = []
-    step = PrefillGroup.step
-
-    def counted(group):
-        members.append(len(group.members))
-        return step(group)
-
-    monkeypatch.setattr(PrefillGroup, "step", counted)
+    members = prefill_members(monkeypatch)
     config = {k: v for k, v in vars(target.args).items() if not k.startswith("_")}
     head = random_eagle_head(config, 1, 5, draft_vocab=None, taps=None)
     for make in (lambda: None, lambda: make_drafter(EagleSpec(heads=head), target)):
@@ -234,14 +240,7 @@ def test_hybrid_prompts_prefill_together(monkeypatch):
     candidates += [[(7 * i * i + 3) % vocab for i in range(m)] for m in (9, 17, 23, 40)]
     prompts = [p for p in candidates if clear(target, p, n)][:4]
     assert len(prompts) >= 3 and len({len(p) for p in prompts}) >= 3
-    members = []
-    step = PrefillGroup.step
-
-    def counted(group):
-        members.append(len(group.members))
-        return step(group)
-
-    monkeypatch.setattr(PrefillGroup, "step", counted)
+    members = prefill_members(monkeypatch)
     tokens, handles = run(target, prompts, lambda: None, n)
     assert tokens == [greedy_reference(target, p, n) for p in prompts]
     assert max(members) == len(prompts)

@@ -17,6 +17,7 @@ from mlx_speculate.loading import load
 
 from .helpers import MODELS
 from .serving import load_cached, serve
+from .test_batch import prefill_members
 
 METHODS = ["none", "prompt_lookup", "draft_model"]
 OPENINGS = [
@@ -171,23 +172,20 @@ def test_no_request_waits_on_a_calibration(max_batch, monkeypatch, tmp_path):
 def test_a_burst_of_requests_prefills_together(stories, monkeypatch):
     """Requests sent at once reach an idle server a prompt at a time (the gateway prepares one
     after another): the engine waits for the ones still being prepared and prefills their
-    prompts in one forward, rather than the first alone and the rest after it."""
-    from mlx_speculate.batch.prefill import PrefillGroup
+    prompts in one forward, rather than the first alone and the rest after it. (The first
+    prompt takes long to prepare, so that the others have reached the gateway by then.)"""
     from mlx_speculate.server import app
 
-    prepare, step = app._text_prompt, PrefillGroup.step
-    members: list[int] = []
+    prepare, first = app._text_prompt, threading.Event()
 
     def slow(*args):
-        time.sleep(0.01)
+        if not first.is_set():
+            first.set()
+            time.sleep(0.3)
         return prepare(*args)
 
-    def counted(group, *args, **kwargs):
-        members.append(len(group.members))
-        return step(group, *args, **kwargs)
-
     monkeypatch.setattr(app, "_text_prompt", slow)
-    monkeypatch.setattr(PrefillGroup, "step", counted)
+    members = prefill_members(monkeypatch)
     with serve(*stories, max_batch=8) as running:
         at_once(lambda p: complete(running, p, "none", 8), [(p,) for p in OPENINGS[:4]])
     assert members[0] == 4, members
