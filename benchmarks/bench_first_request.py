@@ -1,0 +1,96 @@
+"""A model's first request in a fresh process, ours against mlx-lm's: seconds to the first token
+and to the last of `stream_generate` right after `load`, each run in its own Python process, the
+two libraries alternating, with MLX's kernel disk cache as it is (warm, after any earlier run on
+the machine) or cold (`--cold`: each process gets an empty TMPDIR, as the first run after
+installing MLX does).
+
+    python benchmarks/bench_first_request.py [--openblas] [--model FOLDER] [--cold]
+        [--runs 3] [--max-tokens 32]
+
+The model defaults to SmolLM2-135M in float32 (an MLX folder both load). Every run must emit
+exactly --max-tokens tokens, else the script stops. Prints each run and the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import add_blas_argument, smollm2_f32  # noqa: E402
+
+PROMPT = "Once upon a time, in a small village"
+RUN = """
+import json, sys, time
+from {library} import load, stream_generate
+model, tokenizer = load(sys.argv[1])
+prompt = tokenizer.encode({prompt!r})
+start, first, count = time.perf_counter(), None, 0
+for _ in stream_generate(model, tokenizer, prompt, max_tokens=int(sys.argv[2])):
+    count += 1
+    first = time.perf_counter() - start if first is None else first
+print(json.dumps({{"first": first, "whole": time.perf_counter() - start, "tokens": count}}))
+"""
+LIBRARIES = {"mlx_speculate": "mlx_speculate", "mlx-lm": "mlx_lm"}
+
+
+def run(library: str, folder: Path, max_tokens: int, env: dict[str, str]) -> dict:
+    """One fresh process's first request: its seconds to the first token and to the last."""
+    code = RUN.format(library=library, prompt=PROMPT)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(folder), str(max_tokens)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"{library}: {out.stderr.strip().splitlines()[-1]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if result["tokens"] != max_tokens:
+        raise SystemExit(f"{library}: {result['tokens']} tokens, not {max_tokens}")
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=None)
+    parser.add_argument("--cold", action="store_true", help="an empty TMPDIR for each process")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    add_blas_argument(parser)
+    args = parser.parse_args(argv)
+    folder = args.model or smollm2_f32()
+    env = dict(os.environ)
+    if args.openblas:  # both libraries' processes, preloaded (mlx-lm loads none itself)
+        env["LD_PRELOAD"] = args.openblas
+    times: dict[str, list[dict]] = {name: [] for name in LIBRARIES}
+    for r in range(args.runs):
+        order = list(LIBRARIES.items())
+        for name, library in order if r % 2 == 0 else order[::-1]:
+            with tempfile.TemporaryDirectory() as cold:
+                if args.cold:
+                    env["TMPDIR"] = cold
+                result = run(library, folder, args.max_tokens, env)
+            times[name].append(result)
+            print(
+                f"run {r + 1}: {name:<14} first token {result['first']:.2f} s, "
+                f"whole {result['whole']:.2f} s",
+                flush=True,
+            )
+    cache = "cold" if args.cold else "as it is"
+    print(f"# {folder.name}, {args.max_tokens} tokens, kernel cache {cache}, medians:")
+    for name, results in times.items():
+        first = statistics.median(t["first"] for t in results)
+        whole = statistics.median(t["whole"] for t in results)
+        print(f"  {name:<14} first token {first:.2f} s, whole request {whole:.2f} s")
+
+
+if __name__ == "__main__":
+    main()
