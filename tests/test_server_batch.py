@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from contextlib import contextmanager
 
 import mlx.core as mx
 import pytest
@@ -173,17 +174,29 @@ def test_a_burst_of_requests_prefills_together(stories, monkeypatch):
     """Requests sent at once reach an idle server a prompt at a time (the gateway prepares one
     after another): the engine waits for the ones still being prepared and prefills their
     prompts in one forward, rather than the first alone and the rest after it. (The first
-    prompt takes long to prepare, so that the others have reached the gateway by then.)"""
-    from mlx_speculate.server import app
+    prompt's preparation waits until the others have reached the gateway, and the wait for
+    the burst is not cut short, so that a loaded machine cannot split it.)"""
+    from mlx_speculate.server import app, worker
 
-    prepare, first = app._text_prompt, threading.Event()
+    prepare, arriving, first = app._text_prompt, worker.Worker.arriving, threading.Event()
+    entered: list[int] = []
+
+    @contextmanager
+    def counted(self):
+        entered.append(1)
+        with arriving(self):
+            yield
 
     def slow(*args):
         if not first.is_set():
             first.set()
-            time.sleep(0.3)
+            deadline = time.monotonic() + 60
+            while len(entered) < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
         return prepare(*args)
 
+    monkeypatch.setattr(worker.Worker, "arriving", counted)
+    monkeypatch.setattr(worker, "GATHER_SECONDS", 60.0)
     monkeypatch.setattr(app, "_text_prompt", slow)
     members = prefill_members(monkeypatch)
     with serve(*stories, max_batch=8) as running:
