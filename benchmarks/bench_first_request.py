@@ -1,8 +1,9 @@
 """A model's first request in a fresh process, ours against mlx-lm's: seconds to the first token
-and to the last of `stream_generate` right after `load`, each run in its own Python process, the
-two libraries alternating, with MLX's kernel disk cache as it is (warm, after any earlier run on
-the machine) or cold (`--cold`: each process gets an empty TMPDIR, as the first run after
-installing MLX does).
+and to the last of `stream_generate` right after `load`, and the whole process's seconds (import,
+load, the request and exit: a first process on a machine finishes its kernel builds before it
+exits, graphs.py), each run in its own Python process, the two libraries alternating, with
+MLX's kernel disk cache as it is (warm, after any earlier run on the machine) or cold
+(`--cold`: each process gets an empty TMPDIR, as the first run after installing MLX does).
 
     python benchmarks/bench_first_request.py [--openblas] [--model FOLDER] [--cold]
         [--runs 3] [--max-tokens 32]
@@ -20,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,6 +46,7 @@ LIBRARIES = {"mlx_speculate": "mlx_speculate", "mlx-lm": "mlx_lm"}
 def run(library: str, folder: Path, max_tokens: int, env: dict[str, str]) -> dict:
     """One fresh process's first request: its seconds to the first token and to the last."""
     code = RUN.format(library=library, prompt=PROMPT)
+    began = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-c", code, str(folder), str(max_tokens)],
         capture_output=True,
@@ -53,6 +56,7 @@ def run(library: str, folder: Path, max_tokens: int, env: dict[str, str]) -> dic
     if out.returncode != 0:
         raise SystemExit(f"{library}: {out.stderr.strip().splitlines()[-1]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["process"] = time.perf_counter() - began
     if result["tokens"] != max_tokens:
         raise SystemExit(f"{library}: {result['tokens']} tokens, not {max_tokens}")
     return result
@@ -81,7 +85,7 @@ def main(argv=None) -> None:
             times[name].append(result)
             print(
                 f"run {r + 1}: {name:<14} first token {result['first']:.2f} s, "
-                f"whole {result['whole']:.2f} s",
+                f"whole {result['whole']:.2f} s, process {result['process']:.2f} s",
                 flush=True,
             )
     cache = "cold" if args.cold else "as it is"
@@ -89,7 +93,11 @@ def main(argv=None) -> None:
     for name, results in times.items():
         first = statistics.median(t["first"] for t in results)
         whole = statistics.median(t["whole"] for t in results)
-        print(f"  {name:<14} first token {first:.2f} s, whole request {whole:.2f} s")
+        process = statistics.median(t["process"] for t in results)
+        print(
+            f"  {name:<14} first token {first:.2f} s, whole request {whole:.2f} s, "
+            f"process {process:.2f} s"
+        )
 
 
 if __name__ == "__main__":

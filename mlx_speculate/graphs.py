@@ -1,10 +1,34 @@
 """Compiled graphs per model: each built once, shared by every decoder of the model (a
 server's sessions, repeated generate calls), and every trace counted, since a step that paid
-for one tells nothing of what its size costs (`decode.Step.traced`)."""
+for one tells nothing of what its size costs (`decode.Step.traced`).
+
+A graph's kernels are built off the request's path. Until they are, its calls run eagerly
+(what mlx-lm runs), while a background thread traces the graph and evaluates it once on
+zeros of the same shapes, which makes the backend compile its fused kernels. On a GPU that
+thread works beside the request (Metal compiles in every process; the device does the
+request's work). On the CPU the system's C++ compiler builds each kernel, seconds per graph,
+and shares the cores with the request, so builds wait until no graph has been called for
+IDLE_SECONDS (between requests; at exit, where a process finishes its builds before it
+ends). MLX keeps CPU kernels on disk, and a marker beside them says a model's graphs were
+built: later processes compile its graphs at once. Why: a model's first request would
+otherwise wait for every kernel its graphs fuse, where the same ops eagerly cost about what
+mlx-lm's do. `synchronous()` builds in the calling thread instead (what calibration times).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import atexit
+import hashlib
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -13,34 +37,102 @@ from .memo import Table, per_model
 
 # Compiled functions per model (keyed by id, dropped with the model).
 _COMPILED: Table = {}
-_built = 0  # graphs traced so far
+# Background builds per model, keyed by a graph's key without its span: graphs that differ
+# only in how many cache slots they read fuse the same kernels.
+_BUILDS: Table = {}
+_built = 0  # graphs traced (or run eagerly while being built) so far
+
+BACKGROUND = True  # first calls run eagerly while a thread builds the graph's kernels
+IDLE_SECONDS = 0.25  # on the CPU, how long no graph is called before a build starts
+NICENESS = 19  # the build thread's, and so its compiler's, priority below the caller's
+EXIT_SECONDS = 300.0  # the most a process waits at exit for its queued builds
+
+_local = threading.local()
+_last_call = 0.0  # time.monotonic() of the last graph called in eager or compiled form
 
 
 def built() -> int:
     """How many graphs the functions `compiled` makes have traced: one on each call with
     input shapes not seen before (a first call, and mx.compile traces again when a cache's
-    storage grows: a step that traced costs several times a steady one)."""
+    storage grows: a step that traced costs several times a steady one), and one on each call
+    run eagerly while its graph is built in the background (it costs what no later step will)."""
     return _built
 
 
-def compiled(model, key: tuple, build: Callable[[], Callable], traced: bool = True) -> Callable:
+def settle(timeout: float | None = None) -> bool:
+    """Waits until no graph is being built or waits to be (at most `timeout` seconds); whether
+    none is. On the CPU, a queued build starts once no graph has been called for a while."""
+    return _builder.idle.wait(timeout)
+
+
+@contextmanager
+def synchronous() -> Iterator[None]:
+    """Within it, graphs this thread calls are traced and their kernels compiled at once in
+    this thread, as every call after a background build is (what a measurement times)."""
+    with _flag("synchronous", True):
+        yield
+
+
+@contextmanager
+def eager() -> Iterator[None]:
+    """Within it (a prompt's forward, a graph's eager call), a `Fused` function whose kernels
+    are not built yet, or while any graph is being built, runs as MLX's own unfused ops: a
+    compiled kernel would wait for the compiler, which builds one kernel at a time under one
+    lock that every compiled kernel's lookup takes."""
+    with _flag("eager", True):
+        yield
+
+
+def is_eager() -> bool:
+    """Whether this thread is inside `eager()` (and not in a compiled graph's call)."""
+    return getattr(_local, "eager", False)
+
+
+@contextmanager
+def _flag(name: str, value: bool) -> Iterator[None]:
+    before = getattr(_local, name, False)
+    setattr(_local, name, value)
+    try:
+        yield
+    finally:
+        setattr(_local, name, before)
+
+
+def compiled(
+    model,
+    key: tuple,
+    build: Callable[[], Callable],
+    traced: bool = True,
+    span: int | None = None,
+) -> Callable:
     """The function `build()` makes for `model` and `key`, under `mx.compile` (the random state
-    passed through) unless `traced` is False (a model that
-    cannot be traced); built once. Weights are the graph's constants, but a model with scalar
-    weights passes its arrays as inputs (`_scalar_weights`)."""
+    passed through) unless `traced` is False (a model that cannot be traced); built once, its
+    first calls eager while its kernels are built in the background (see the module). `span`:
+    the cache slots the graph reads, part of its shapes but not of its kernels (graphs of one
+    key and several spans share one background build). Weights are the graph's constants, but
+    a model with scalar weights passes its arrays as inputs (`_scalar_weights`)."""
 
     def make() -> Callable:
         fn = build()
-        if traced:
-            # Weights are evaluated first: a lazy one (random, quantized or cast in memory,
-            # loaded lazily) would be computed again inside every call.
-            mx.eval(model.parameters())
-            state = mx.random.state
-            inputs = [state, model] if _scalar_weights(model) else state
-            fn = _counted(mx.compile(fn, inputs=inputs, outputs=state))
-        return fn
+        if not traced:
+            return fn
+        # Weights are evaluated first: a lazy one (random, quantized or cast in memory,
+        # loaded lazily) would be computed again inside every call.
+        mx.eval(model.parameters())
+        graph = _counted(_compile(model, fn))
+        marker = _marker(model)
+        if not BACKGROUND or (marker is not None and marker.exists()):
+            return graph
+        pending = per_model(_BUILDS, model, key, lambda: _Build(marker=marker))
+        return _Lazy(fn, graph, pending, lambda: _compile(model, build()))
 
-    return per_model(_COMPILED, model, key, make)
+    return per_model(_COMPILED, model, key if span is None else (*key, span), make)
+
+
+def _compile(model, fn: Callable) -> Callable:
+    state = mx.random.state
+    inputs = [state, model] if _scalar_weights(model) else state
+    return mx.compile(fn, inputs=inputs, outputs=state)
 
 
 def _scalar_weights(model) -> bool:
@@ -56,7 +148,8 @@ def _counted(fn: Callable) -> Callable:
     seen: set[tuple] = set()
 
     def call(*args: mx.array):
-        global _built
+        global _built, _last_call
+        _last_call = time.monotonic()
         shapes = tuple(a.shape for a in args)
         if shapes not in seen:
             seen.add(shapes)
@@ -64,3 +157,175 @@ def _counted(fn: Callable) -> Callable:
         return fn(*args)
 
     return call
+
+
+def _marker(model) -> Path | None:
+    """On the CPU, the file that says `model`'s graphs were built on this machine: beside
+    MLX's kernel cache (`$TMPDIR/mlx/<version>/cpu`), named by the model's class and its
+    parameters' names, shapes and dtypes. None on a GPU, whose kernels live in the process."""
+    if mx.default_device() != mx.cpu:
+        return None
+    parameters = [(name, w.shape, str(w.dtype)) for name, w in tree_flatten(model.parameters())]
+    signature = repr((type(model).__module__, type(model).__qualname__, parameters))
+    return _markers() / hashlib.sha256(signature.encode()).hexdigest()[:32]
+
+
+def _markers() -> Path:
+    return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu" / "mlx_speculate"
+
+
+@dataclass
+class _Build:
+    """One background build: started by a first call, done when its graph has run once
+    (`failed` when it raised: the caller then traces the graph itself, and meets the error);
+    `marker` written when it succeeded."""
+
+    marker: Path | None = None
+    started: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    failed: BaseException | None = None
+
+
+class _Lazy:
+    """A graph's calls: eager until its build is done and no other is under way (a compiled
+    call would wait for the compiler's lock), compiled after."""
+
+    def __init__(self, fn: Callable, graph: Callable, build: _Build, make: Callable[[], Callable]):
+        self.fn, self.graph, self.build, self.make = fn, graph, build, make
+
+    def __call__(self, *args: mx.array):
+        global _built, _last_call
+        if getattr(_local, "synchronous", False) or _builder.ready(self.build):
+            with _flag("eager", False):  # traced with the fused functions inline
+                return self.graph(*args)
+        _last_call = time.monotonic()
+        if not self.build.started:
+            self.build.started = True
+            _builder.submit(self.build, self.make, [(a.shape, a.dtype) for a in args])
+        _built += 1
+        with eager():
+            return self.fn(*args)
+
+
+class Fused:
+    """`fn` under mx.compile, for calls outside a compiled graph (inside one it is traced
+    inline). Within `eager()`, `fallback` (the same math in MLX's own ops) runs instead until
+    `fn`'s kernels for the arguments' dtypes and ranks are built in the background."""
+
+    def __init__(self, fn: Callable, fallback: Callable):
+        self.fn, self.fallback, self.compiled = fn, fallback, mx.compile(fn)
+        self.builds: dict[tuple, _Build] = {}
+
+    def __call__(self, *args: mx.array) -> mx.array:
+        global _last_call
+        if not is_eager():
+            return self.compiled(*args)
+        signature = tuple((a.dtype, a.ndim) for a in args)
+        build = self.builds.get(signature)
+        if build is None:
+            build = self.builds[signature] = self._build(signature, args)
+        if _builder.ready(build):
+            return self.compiled(*args)
+        _last_call = time.monotonic()
+        return self.fallback(*args)
+
+    def _build(self, signature: tuple, args: tuple[mx.array, ...]) -> _Build:
+        marker = None
+        if mx.default_device() == mx.cpu:
+            name = repr((self.fn.__module__, self.fn.__qualname__, signature))
+            marker = _markers() / hashlib.sha256(name.encode()).hexdigest()[:32]
+        build = _Build(marker=marker, started=True)
+        if BACKGROUND and not (marker is not None and marker.exists()):
+            _builder.submit(build, lambda: mx.compile(self.fn), [(a.shape, a.dtype) for a in args])
+        else:
+            build.done.set()
+        return build
+
+
+class _Builder:
+    """The thread that builds graphs, one at a time, at a lower priority, and on the CPU only
+    once no graph has been called for IDLE_SECONDS or the main thread has ended. It lives as
+    long as the process (a daemon blocked between builds), and a process waits at exit for
+    the builds it queued (`finish`): a thread that ended just before the process did would
+    race MLX's per-thread state against its teardown."""
+
+    def __init__(self):
+        self.lock = threading.Condition()
+        self.queue: deque = deque()
+        self.thread: threading.Thread | None = None
+        self.building = 0  # builds queued or under way
+        self.idle = threading.Event()
+        self.idle.set()
+
+    def ready(self, build: _Build) -> bool:
+        """Whether `build` is done and no build is under way."""
+        return build.done.is_set() and self.building == 0
+
+    def submit(self, build: _Build, make: Callable[[], Callable], shapes: list) -> None:
+        with self.lock:
+            self.queue.append((build, make, shapes))
+            self.building += 1
+            self.idle.clear()
+            if self.thread is None:
+                self.thread = threading.Thread(
+                    target=self._run, name="mlx_speculate-graphs", daemon=True
+                )
+                self.thread.start()
+                atexit.register(self.finish)
+            self.lock.notify()
+
+    def finish(self) -> None:
+        """Waits for the queued builds (at exit, where the main thread has ended); Ctrl-C
+        leaves them to a later process."""
+        try:
+            self.idle.wait(EXIT_SECONDS)
+        except KeyboardInterrupt:
+            pass
+
+    def _run(self) -> None:
+        if sys.platform.startswith("linux"):
+            try:  # a Linux thread's own priority, inherited by the compiler it starts
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
+            except OSError:
+                pass
+        while True:
+            with self.lock:
+                while not self.queue:
+                    self.lock.wait()
+                build, make, shapes = self.queue[0]
+            if build.marker is not None:  # on the CPU: the request's cores first
+                self._wait_for_quiet()
+            with self.lock:
+                self.queue.popleft()
+            try:
+                mx.eval(make()(*(mx.zeros(shape, dtype) for shape, dtype in shapes)))
+                if build.marker is not None:
+                    _touch(build.marker)
+            except Exception as error:  # the caller's own trace meets it again
+                build.failed = error
+            with self.lock:
+                build.done.set()
+                self.building -= 1
+                if self.building == 0:
+                    self.idle.set()
+
+    @staticmethod
+    def _wait_for_quiet() -> None:
+        while threading.main_thread().is_alive():
+            quiet = time.monotonic() - _last_call
+            if quiet >= IDLE_SECONDS:
+                return
+            time.sleep(IDLE_SECONDS - quiet)
+
+
+def _touch(marker: Path) -> None:
+    """Creates the empty marker (one step, so never half written); a folder that cannot be
+    written only costs later processes their eager first calls."""
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+    except OSError:
+        pass
+
+
+_builder = _Builder()

@@ -35,6 +35,7 @@ from .cache import Checkpoint, KVCache
 from .device import GENERATION_STREAM
 from .drafters.base import Draft, Drafter, FusedDrafter, PipelinedDrafter, TargetFeatures
 from .grammar.constraint import Constraint, Guide, masked, points
+from .graphs import eager
 from .models.base import CausalLM
 from .models.quantized_kv import KVQuantization
 from .models.quantized_prefill import prefilling
@@ -110,7 +111,7 @@ class Prefill:
         chunk = self.prompt[self.start : self.start + self._size]
         reaching = self.reaches_last(len(chunk))
         began = time.perf_counter()
-        with mx.stream(GENERATION_STREAM), prefilling():  # a head drafter's own forward too
+        with mx.stream(GENERATION_STREAM), prefilling(), eager():  # a head drafter's too
             cache.mark([len(self.prompt) - 1] if reaching else None)
             try:
                 out = sequence.model(mx.array([chunk]), cache, taps=sequence.taps)

@@ -116,13 +116,14 @@ def verify(
     shape = (rows, padded.is_chain, padded.depth, padded.width)
     span = _reserve(model, cache, (cache.offset if at is None else at[1]) + rows)
     codec = cache.codec  # after `_reserve`, which may have switched it
-    key = ("verify", shape, sampled_q, masked, rule, taps, codec, span)
+    key = ("verify", shape, sampled_q, masked, rule, taps, codec)
     key += () if then is None else (then.key,)
     fn = compiled(
         model,
         key,
         lambda: _verify_fn(model, padded, rule, taps, sampled_q, masked, span, then, codec),
         traced=model.traceable,
+        span=span,
     )
     start = mx.array(cache.offset, dtype=mx.int32) if at is None else at[0]
     extra = () if then is None else then.inputs
@@ -264,9 +265,9 @@ def decode_at(
     sampling = replace(sampling, seed=None)
     span = _reserve(model, cache, at[1] + rows + k)
     codec = cache.codec
-    key = ("decode", k, sampling, shared, vocab, codec, span)
+    key = ("decode", k, sampling, shared, vocab, codec)
     build = lambda: _decode_fn(model, k, sampling, shared, vocab, span, codec)  # noqa: E731
-    fn = compiled(model, key, build, traced=model.traceable)
+    fn = compiled(model, key, build, traced=model.traceable, span=span)
     last = mx.array(last, dtype=mx.int32)
     picked, logprobs = cache.take_outputs(fn(at[0], last, inputs[None], *cache.state))
     return picked, None if sampling.greedy else logprobs

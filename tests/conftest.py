@@ -27,6 +27,19 @@ def _calibration_in_tmp(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _graphs_built_where_called():
+    """Graphs are traced and compiled in the thread that calls them, as calibration's are, so
+    that a test's step counts and timings do not depend on a background thread's progress
+    (tests/test_graphs.py tests the background builds; the CLIs and servers tests start keep
+    them)."""
+    from mlx_speculate import graphs  # after .blas
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(graphs, "BACKGROUND", False)
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _ctrl_c_reaches_the_tests():
     """Ctrl-C raises KeyboardInterrupt here and in the CLIs the tests start, as at a terminal.
     A shell starts a background job (`pytest ... &` in a script) with SIGINT ignored; Python

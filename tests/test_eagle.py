@@ -265,8 +265,9 @@ def test_a_step_is_one_compiled_graph_and_one_sync(monkeypatch, settings):
     assert tokens[:30] == reference
     assert len(grows) == 1
     assert sum(syncs) == len(steps)
-    fused = [key for key in graphs._COMPILED[id(target)] if key[-1][:2] == ("eagle", id(head))]
-    spans = {(key[-2], key[-1][-1]) for key in fused}  # (the target's span, the head's)
+    # A graph's key ends with the head's part (its own span last), then the target's span.
+    fused = [key for key in graphs._COMPILED[id(target)] if key[-2][:2] == ("eagle", id(head))]
+    spans = {(key[-1], key[-2][-1]) for key in fused}  # (the target's span, the head's)
     # Both span 64 then 96; a step queued on the last one's count (a host bound on its
     # root) reaches the target's next span a step early.
     assert len(spans) == len(fused) <= 3 and {s for pair in spans for s in pair} <= {64, 96}

@@ -24,6 +24,7 @@ import time
 import mlx.core as mx
 
 from ..drafters.base import TargetFeatures
+from ..graphs import eager
 from ..models.base import CausalLM
 from ..models.quantized_prefill import prefilling
 from ..sequence import CANCELLABLE_STEPS, PREFILL_STEP, Prefill, cancellable_step
@@ -92,7 +93,7 @@ class PrefillGroup:
         reaching = [p.reaches_last(len(c)) for p, c in zip(members, chunks, strict=True)]
         marks = [len(p.prompt) - 1 if r else -1 for p, r in zip(members, reaching, strict=True)]
         cache.mark(marks + [-1] * len(padding))  # a hybrid's checkpoints, taken below
-        with prefilling():  # a head drafter's own forward too
+        with prefilling(), eager():  # a head drafter's own forward too
             out = self.model(mx.array(tokens), cache, positions=positions, taps=taps)
             for row, (prefill, chunk) in enumerate(zip(members, chunks, strict=True)):
                 index = [taps.index(t) for t in prefill.sequence.taps]

@@ -33,8 +33,9 @@ def forward(
     (causal) or (B, N, N) bool. Lazy; the cache takes the written arrays."""
     B, N = tokens.shape
     span = cache.attended
-    key = ("batch", B, N, mask is None, taps, span)
-    fn = compiled(model, key, lambda: _forward_fn(model, cache, mask is None, taps, span))
+    key = ("batch", B, N, mask is None, taps)
+    build = lambda: _forward_fn(model, cache, mask is None, taps, span)  # noqa: E731
+    fn = compiled(model, key, build, span=span)
     args = (tokens, positions, cache.start) + (() if mask is None else (mask,))
     logits, hidden, *taps_out = cache.take_outputs(fn(*args, *cache.state))
     return ModelOutput(logits, hidden, tuple(taps_out))

@@ -126,13 +126,13 @@ class AssistantDrafter(Drafter):
             return None
         span = self.cache.span(committed)
         sampling = replace(sampling, seed=None)  # the seed went into the generator already
-        key = ("assistant", id(self.target), k, sampling, span)
+        key = ("assistant", id(self.target), k, sampling)
         assistant, target, types = self.assistant, self.target, tuple(self.sources)
 
         def build() -> Callable:
             return _chain_fn(assistant, target, types, k, sampling, span)
 
-        fn = compiled(assistant, key, build, traced=assistant.traceable)
+        fn = compiled(assistant, key, build, traced=assistant.traceable, span=span)
         position, pending = mx.array(committed, mx.int32), mx.array(context[-1:], mx.int32)
         out = fn(position, pending, self._last, *self.cache.state)
         return Draft(out[0], Tree.chain(k), None if sampling.greedy else out[1])

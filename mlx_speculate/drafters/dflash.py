@@ -182,9 +182,9 @@ class DFlashDrafter(FusedDrafter):
         end = max(self._features.fed + padded, committed + self.block)
         self.cache.reserve(end)
         span = self.cache.span(committed + self.block)
-        key = ("dflash", id(self.head), padded, span, choice)
+        key = ("dflash", id(self.head), padded, choice)
         build = lambda: _block_fn(self.head, self.target, span, choice)  # noqa: E731
-        fn = compiled(self.head, key, build, traced=self.head.traceable)
+        fn = compiled(self.head, key, build, traced=self.head.traceable, span=span)
         fed = mx.array(self._features.fed, mx.int32)
         pending = mx.array(context[-1:], mx.int32)
         out = fn(rows, fed, mx.array(committed, mx.int32), pending, *self.cache.state)

@@ -243,7 +243,7 @@ class EagleDrafter(FusedDrafter):
             )
             return (*out, *view.state)
 
-        key = ("eagle", id(head), top_k, depth, k, span)
+        key = ("eagle", id(head), top_k, depth, k, span)  # a part of the step's graph's key
         return Then(key, (start[0], *self.cache.state), trace)
 
     def received(self, outputs: Sequence[mx.array]) -> None:
@@ -290,7 +290,7 @@ class EagleDrafter(FusedDrafter):
         end = self._features.fed + depth * top_k
         self.cache.reserve(end)
         span = self.cache.span(end)
-        key = ("eagle", id(self.target), top_k, depth, k, span)
+        key = ("eagle", id(self.target), top_k, depth, k)
         head, embed, project = self.head, self._embed, self._project
 
         def build() -> Callable:
@@ -301,7 +301,7 @@ class EagleDrafter(FusedDrafter):
 
             return fn
 
-        fn = compiled(self.head, key, build, traced=self.head.traceable)
+        fn = compiled(self.head, key, build, traced=self.head.traceable, span=span)
         out = fn(self._last, mx.array(self._features.fed, mx.int32), *self.cache.state)
         drafted = self.cache.take_outputs(out)
         self.cache.advance(depth * top_k)

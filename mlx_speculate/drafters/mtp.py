@@ -260,13 +260,13 @@ class MtpDrafter(FusedDrafter):
         end = max(start + rows, committed + k - 1)  # past every slot it writes
         self.cache.reserve(end)
         span = self.cache.span(end)
-        key = ("mtp", id(self.target), rows, k, sampling, span)
+        key = ("mtp", id(self.target), rows, k, sampling)
         head, embed, project = self.head, self._embed, self._project
 
         def build() -> Callable:
             return _draft_fn(head, embed, project, rows, k, sampling, span)
 
-        fn = compiled(head, key, build, traced=head.traceable)
+        fn = compiled(head, key, build, traced=head.traceable, span=span)
         if rows:
             h = features.shape[-1]
             padded = mx.concatenate([features, mx.zeros((rows - m, h), features.dtype)])

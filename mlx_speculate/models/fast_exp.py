@@ -8,13 +8,16 @@ for e^r), written as ops a compiled graph fuses into one kernel, which pays off 
 returns the input's dtype; on Metal both versions are bound by memory traffic.
 
 Compiled for each input shape (the exponent's bit cast has no shapeless form): a new shape
-costs one trace; inside a compiled graph they are traced inline. The bit cast has no
-gradient either, so SiLU and softmax state theirs."""
+costs one trace; inside a compiled graph they are traced inline. Called eagerly (a prompt's
+forward), SiLU and softmax run MLX's own ops until their kernels are built (`graphs.Fused`).
+The bit cast has no gradient either, so SiLU and softmax state theirs."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from ..graphs import Fused, is_eager
 
 # e^r on [-ln2 / 2, ln2 / 2] (Cephes expf), highest power first; ln 2 = _LN2_HI + _LN2_LO.
 _POLY = (
@@ -46,10 +49,16 @@ def exp(x: mx.array) -> mx.array:
     return (p * two_k).astype(x.dtype)
 
 
-@mx.compile
-def _silu(x: mx.array) -> mx.array:
+def _fused_silu(x: mx.array) -> mx.array:
     y = x.astype(mx.float32)
     return (y / (1.0 + exp(-y))).astype(x.dtype)
+
+
+def _unfused_silu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(x)  # nn.silu's ops, not compiled
+
+
+_silu = Fused(_fused_silu, _unfused_silu)
 
 
 @mx.compile
@@ -75,15 +84,20 @@ MIN_ELEMENTS = 4096
 
 
 def silu(x: mx.array) -> mx.array:
-    """x * sigmoid(x), as `nn.silu` (which it calls below MIN_ELEMENTS)."""
-    return nn.silu(x) if x.size < MIN_ELEMENTS else _silu_with_grad(x)
+    """x * sigmoid(x), as `nn.silu` (which it calls below MIN_ELEMENTS; its ops uncompiled
+    within `graphs.eager()`)."""
+    if x.size >= MIN_ELEMENTS:
+        return _silu_with_grad(x)
+    return _unfused_silu(x) if is_eager() else nn.silu(x)
 
 
-@mx.compile
-def _softmax(x: mx.array) -> mx.array:
+def _fused_softmax(x: mx.array) -> mx.array:
     y = x.astype(mx.float32)
     e = exp(y - mx.max(y, axis=-1, keepdims=True))
     return (e / mx.sum(e, axis=-1, keepdims=True)).astype(x.dtype)
+
+
+_softmax = Fused(_fused_softmax, lambda x: mx.softmax(x, axis=-1, precise=True))
 
 
 @mx.compile

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import mlx.core as mx
 
 from ..drafters.base import Drafter
+from ..graphs import synchronous
 from ..memo import Table, per_model
 from ..models.base import CausalLM
 from ..sampling import SamplingParams
@@ -114,6 +115,7 @@ def load_costs(
     return costs_of(json.loads(json.dumps(record)), name)
 
 
+@synchronous()  # what is timed is the compiled steps a policy will choose between
 def measure(
     model: CausalLM,
     drafter: Drafter | None = None,

@@ -1,0 +1,118 @@
+"""Graphs built in the background (graphs.py): a first call runs eagerly while a thread
+builds the graph's kernels; the output is the same, later calls run compiled, a marker lets
+the next process compile at once, and a process that ends with builds queued finishes them
+and exits cleanly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+
+from mlx_speculate import graphs
+from mlx_speculate.models import fast_exp
+from mlx_speculate.sampling import SamplingParams
+
+from .helpers import MODELS, decode, greedy_reference, tiny_model, to_float32
+
+PROMPT = [1, 5, 9, 14, 3, 7, 11, 2]
+
+
+@pytest.fixture
+def background(monkeypatch, tmp_path):
+    """Builds in the background, as outside the tests, with markers in a folder of the test's
+    own; settled before and after."""
+    assert graphs.settle(60)
+    monkeypatch.setattr(graphs, "BACKGROUND", True)
+    monkeypatch.setattr(graphs, "_markers", lambda: tmp_path / "markers")
+    yield tmp_path / "markers"
+    assert graphs.settle(60)
+
+
+def test_a_first_call_runs_eagerly_and_later_ones_compiled(background):
+    model = to_float32(tiny_model())
+    calls = []
+    build = lambda: lambda x: (calls.append(x.shape) or x * 2 + 1,)  # noqa: E731
+    fn = graphs.compiled(model, ("test", "eager then compiled"), build, span=4)
+    before = graphs.built()
+    (out,) = fn(mx.arange(4, dtype=mx.float32))
+    assert out.tolist() == [1.0, 3.0, 5.0, 7.0]
+    assert graphs.built() == before + 1  # an eager call prices nothing, as a trace
+    assert graphs.settle(60)
+    traced = len(calls)  # the builder's own trace ran the function once more
+    assert traced >= 2
+    (out,) = fn(mx.arange(4, dtype=mx.float32))
+    assert out.tolist() == [1.0, 3.0, 5.0, 7.0]
+    assert len(calls) == traced + 1  # this thread's trace
+    fn(mx.arange(4, dtype=mx.float32))
+    assert len(calls) == traced + 1  # compiled: the Python function no longer runs
+    # Another span of the same key is compiled at once: its kernels are built already.
+    other = graphs.compiled(model, ("test", "eager then compiled"), build, span=8)
+    other(mx.arange(4, dtype=mx.float32))
+    assert len(calls) == traced + 2 and graphs.settle(0)
+    if mx.default_device() == mx.cpu:  # the kernels are on disk: a next process compiles
+        assert len(list(background.iterdir())) == 1
+        graphs._COMPILED.pop(id(model))
+        again = graphs.compiled(model, ("test", "eager then compiled"), build, span=4)
+        again(mx.arange(4, dtype=mx.float32))
+        assert len(calls) == traced + 3 and graphs.settle(0)  # traced here, nothing queued
+
+
+def test_fused_functions_run_unfused_in_eager_calls_until_built(background, monkeypatch):
+    """Within `eager()`, SiLU's and softmax's fused kernels are used only once built; the
+    unfused ops give the same values to float32 rounding (fast_exp's polynomial exp)."""
+    x = mx.random.normal((4, 2048))  # past fast_exp.MIN_ELEMENTS
+    fresh = graphs.Fused(fast_exp._fused_softmax, lambda a: mx.softmax(a, axis=-1, precise=True))
+    taken = []
+    monkeypatch.setattr(fresh, "fallback", lambda a: taken.append(1) or mx.softmax(a, axis=-1))
+    with graphs.eager():
+        first = fresh(x)
+    assert taken == [1]
+    assert graphs.settle(60)
+    with graphs.eager():
+        later = fresh(x)
+    assert taken == [1]
+    assert mx.allclose(first, later, rtol=1e-5, atol=1e-7).item()
+    assert mx.allclose(fast_exp.silu(x), x * mx.sigmoid(x), rtol=1e-5, atol=1e-6).item()
+
+
+@pytest.mark.parametrize("method", ["plain", "draft model"])
+def test_greedy_output_is_the_same_while_graphs_build(background, method):
+    """Greedy decoding on a fresh model: the first steps eager, the rest compiled once the
+    builds finished; tokens equal plain greedy decoding with one forward a token."""
+    from mlx_speculate.drafters.draft_model import DraftModelDrafter
+
+    model = to_float32(tiny_model())
+    drafter = None
+    if method == "draft model":
+        drafter = DraftModelDrafter(to_float32(tiny_model(seed=1)), model.args.vocab_size)
+    reference = greedy_reference(model, PROMPT, 24)
+    tokens, steps, _ = decode(model, PROMPT, 24, drafter, sampling=SamplingParams())
+    assert tokens == reference
+    assert graphs.settle(60)
+    again, _, _ = decode(model, PROMPT, 24, drafter, sampling=SamplingParams())
+    assert again == reference
+
+
+def test_a_process_ending_with_builds_queued_exits_cleanly(tmp_path):
+    """A fresh process with an empty kernel cache: its generation ends with its graphs' builds
+    queued or under way; it finishes them, exits with 0 and leaves kernels and a marker, with
+    which the next process compiles its graphs at once and exits with 0 too."""
+    code = (
+        "import mlx_speculate as m\n"
+        f"model, tok = m.load({str(MODELS / 'stories260K-llama')!r})\n"
+        "print(len(list(m.stream_generate(model, tok, 'Once upon', max_tokens=4))))\n"
+    )
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    for run in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.split()[-1] == "4"
+        if run == 0 and mx.default_device() == mx.cpu:
+            assert list(tmp_path.rglob("*.so"))
+            assert list(tmp_path.glob("mlx/*/cpu/mlx_speculate/*"))  # the model's marker
