@@ -116,3 +116,19 @@ def test_a_process_ending_with_builds_queued_exits_cleanly(tmp_path):
         if run == 0 and mx.default_device() == mx.cpu:
             assert list(tmp_path.rglob("*.so"))
             assert list(tmp_path.glob("mlx/*/cpu/mlx_speculate/*"))  # the model's marker
+
+
+@pytest.mark.parametrize("name", ["gelu_approx", "softplus", "silu"])
+def test_activations_in_eager_calls_equal_mlx_nn(background, name):
+    """The models' activations, eager before and after their kernels are built, give
+    `mlx.nn`'s values."""
+    import mlx.nn as nn
+
+    from mlx_speculate.models import activations
+
+    x = 4 * mx.random.normal((3, 50))
+    for _ in range(2):
+        with graphs.eager():
+            ours = getattr(activations, name)(x)
+        assert mx.allclose(ours, getattr(nn, name)(x), rtol=1e-5, atol=1e-6).item()
+        assert graphs.settle(60)

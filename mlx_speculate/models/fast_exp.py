@@ -15,9 +15,9 @@ The bit cast has no gradient either, so SiLU and softmax state theirs."""
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from ..graphs import Fused, is_eager
+from ..graphs import Fused
+from .activations import silu as mlx_silu
 
 # e^r on [-ln2 / 2, ln2 / 2] (Cephes expf), highest power first; ln 2 = _LN2_HI + _LN2_LO.
 _POLY = (
@@ -54,11 +54,7 @@ def _fused_silu(x: mx.array) -> mx.array:
     return (y / (1.0 + exp(-y))).astype(x.dtype)
 
 
-def _unfused_silu(x: mx.array) -> mx.array:
-    return x * mx.sigmoid(x)  # nn.silu's ops, not compiled
-
-
-_silu = Fused(_fused_silu, _unfused_silu)
+_silu = Fused(_fused_silu, lambda x: x * mx.sigmoid(x))  # eager: nn.silu's ops, unfused
 
 
 @mx.compile
@@ -84,11 +80,8 @@ MIN_ELEMENTS = 4096
 
 
 def silu(x: mx.array) -> mx.array:
-    """x * sigmoid(x), as `nn.silu` (which it calls below MIN_ELEMENTS; its ops uncompiled
-    within `graphs.eager()`)."""
-    if x.size >= MIN_ELEMENTS:
-        return _silu_with_grad(x)
-    return _unfused_silu(x) if is_eager() else nn.silu(x)
+    """x * sigmoid(x), as `nn.silu` (`activations.silu`, which it calls below MIN_ELEMENTS)."""
+    return mlx_silu(x) if x.size < MIN_ELEMENTS else _silu_with_grad(x)
 
 
 def _fused_softmax(x: mx.array) -> mx.array:

@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..state_cache import ROWS, RecurrentShape, keeps_every
+from .activations import silu, softplus
 from .context import ForwardContext
 
 
@@ -166,7 +167,7 @@ class GatedRMSNorm(nn.Module):
         h = x.astype(mx.float32)
         h = h * mx.rsqrt((h * h).mean(axis=-1, keepdims=True) + self.eps)
         h = self.weight * h.astype(x.dtype)
-        return (h * nn.silu(gate.astype(mx.float32))).astype(x.dtype)
+        return (h * silu(gate.astype(mx.float32))).astype(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -214,7 +215,7 @@ class GatedDeltaNet(nn.Module):
                 raise ValueError(f"recurrent layers verify at most {ROWS} rows at once, got {L}")
             window, state = cache.recurrent(layer, ctx.start, B, mixed.dtype)
         conv_in = mx.concatenate([window.astype(mixed.dtype), mixed], axis=1)
-        conv = nn.silu(self.conv1d(conv_in))  # (B, L, conv_dim)
+        conv = silu(self.conv1d(conv_in))  # (B, L, conv_dim)
         q, k, v = mx.split(conv, [self.key_dim, 2 * self.key_dim], axis=-1)
         q = l2norm(q.reshape(B, L, self.num_k_heads, -1).astype(mx.float32))
         k = l2norm(k.reshape(B, L, self.num_k_heads, -1).astype(mx.float32))
@@ -225,7 +226,7 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(B, L, self.num_v_heads, -1).astype(mx.float32)
         beta = mx.sigmoid(b).astype(mx.float32)
         dt = a.astype(mx.float32) + self.dt_bias.astype(mx.float32)
-        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(dt)
+        g = -mx.exp(self.A_log.astype(mx.float32)) * softplus(dt)
         if cache is not None and cache.lengths is not None:
             # A padded row's padding neither decays nor writes its state (g = beta = 0), so
             # its final state is the one at its own end; the conv only looks back.

@@ -15,6 +15,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .activations import gelu_approx
 from .base import BaseModelArgs, CausalLM
 from .context import ForwardContext
 from .llama import MLP as LlamaMLP
@@ -129,7 +130,7 @@ class Attention(Qwen3Attention):
 
 class MLP(LlamaMLP):
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(gelu_approx(self.gate_proj(x)) * self.up_proj(x))
 
 
 class TransformerBlock(nn.Module):

@@ -28,6 +28,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .activations import gelu_approx
 from .base import (
     BaseModelArgs,
     BlockFactory,
@@ -317,14 +318,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(gelu_approx(self.gate_proj(x)) * self.up_proj(x))
 
 
 class GeGLU(nn.Module):
     """gelu_tanh(gate) * up, in SwitchGLU's argument order (up, gate)."""
 
     def __call__(self, up: mx.array, gate: mx.array) -> mx.array:
-        return nn.gelu_approx(gate) * up
+        return gelu_approx(gate) * up
 
 
 class Router(nn.Module):
@@ -396,7 +397,7 @@ class TransformerBlock(nn.Module):
             r = self.post_feedforward_layernorm_1(r) + self.post_feedforward_layernorm_2(e)
         h = h + self.post_feedforward_layernorm(r)
         if self._per_layer:
-            gate = nn.gelu_approx(self.per_layer_input_gate(h))
+            gate = gelu_approx(self.per_layer_input_gate(h))
             gate = gate * ctx.layer_inputs[:, :, self.index, :]
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gate))
         return h * self.layer_scalar

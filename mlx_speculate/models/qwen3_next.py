@@ -23,6 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..state_cache import HybridCache, chains_only
+from .activations import silu
 from .base import BaseModelArgs, CausalLM, ModelOutput, attend
 from .context import ForwardContext
 from .experts import SwitchGLU
@@ -138,7 +139,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class SparseMoeBlock(nn.Module):
