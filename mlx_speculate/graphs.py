@@ -256,6 +256,7 @@ class _Builder:
         self.building = 0  # builds queued or under way
         self.idle = threading.Event()
         self.idle.set()
+        self.stopping = False  # set at exit by Ctrl-C: no further build starts
 
     def ready(self, build: _Build) -> bool:
         """Whether `build` is done and no build is under way."""
@@ -275,12 +276,19 @@ class _Builder:
             self.lock.notify()
 
     def finish(self) -> None:
-        """Waits for the queued builds (at exit, where the main thread has ended); Ctrl-C
-        leaves them to a later process."""
+        """Waits for the queued builds (at exit, where the main thread has ended). Ctrl-C
+        leaves those not started to a later process and waits for the one under way (a thread
+        inside MLX as the process tears MLX down could crash it); a second Ctrl-C waits for
+        nothing."""
         try:
             self.idle.wait(EXIT_SECONDS)
         except KeyboardInterrupt:
-            pass
+            with self.lock:
+                self.stopping = True
+            try:
+                self.idle.wait(EXIT_SECONDS)
+            except KeyboardInterrupt:
+                pass
 
     def _run(self) -> None:
         if sys.platform.startswith("linux"):
@@ -297,6 +305,9 @@ class _Builder:
                 self._wait_for_quiet()
             with self.lock:
                 self.queue.popleft()
+                if self.stopping:  # left to be traced where it is called
+                    self._ended(build)
+                    continue
             try:
                 mx.eval(make()(*(mx.zeros(shape, dtype) for shape, dtype in shapes)))
                 if build.marker is not None:
@@ -304,10 +315,14 @@ class _Builder:
             except Exception as error:  # the caller's own trace meets it again
                 build.failed = error
             with self.lock:
-                build.done.set()
-                self.building -= 1
-                if self.building == 0:
-                    self.idle.set()
+                self._ended(build)
+
+    def _ended(self, build: _Build) -> None:
+        """Marks `build` done, built or not; under the lock."""
+        build.done.set()
+        self.building -= 1
+        if self.building == 0:
+            self.idle.set()
 
     @staticmethod
     def _wait_for_quiet() -> None:
