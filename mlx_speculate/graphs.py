@@ -65,6 +65,14 @@ def settle(timeout: float | None = None) -> bool:
     return _builder.idle.wait(timeout)
 
 
+def build_in_place() -> None:
+    """From now on, in this process, graphs are built where they are called (no eager calls,
+    no background builds): a model split over ranks has collectives in its graphs, which a
+    background build would run out of step with the other ranks."""
+    global BACKGROUND
+    BACKGROUND = False
+
+
 @contextmanager
 def synchronous() -> Iterator[None]:
     """Within it, graphs this thread calls are traced and their kernels compiled at once in

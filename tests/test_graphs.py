@@ -132,3 +132,13 @@ def test_activations_in_eager_calls_equal_mlx_nn(background, name):
             ours = getattr(activations, name)(x)
         assert mx.allclose(ours, getattr(nn, name)(x), rtol=1e-5, atol=1e-6).item()
         assert graphs.settle(60)
+
+
+def test_a_split_model_builds_its_graphs_in_place(monkeypatch):
+    """A model split over ranks has collectives in its graphs: no background build may run
+    them out of step with the other ranks."""
+    from mlx_speculate.parallel.sharding import Split
+
+    monkeypatch.setattr(graphs, "BACKGROUND", True)
+    Split(mx.distributed.init(), "pipeline").apply(tiny_model())
+    assert graphs.BACKGROUND is False

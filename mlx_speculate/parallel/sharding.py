@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_linear
 from mlx.utils import tree_flatten
 
+from ..graphs import build_in_place
 from .pipeline import split_layers
 
 PARALLEL_MODES = ("tensor", "pipeline")
@@ -42,7 +43,9 @@ class Split:
             )
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Splits `model` in place; its weights stay lazy (`load` reads this rank's part)."""
+        """Splits `model` in place; its weights stay lazy (`load` reads this rank's part).
+        Graphs are built in place from then on (`graphs.build_in_place`)."""
+        build_in_place()
         if self.mode == "pipeline":
             return split_layers(model, self.group)
         return shard(model, self.group)
