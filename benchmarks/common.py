@@ -85,8 +85,14 @@ def setup_blas(path: str | None) -> str:
 
 
 def header(title: str, blas: str) -> None:
+    """Prints the run's title, device and BLAS; from then on graphs are built where they are
+    called, as before the background builds (graphs.py): a benchmark times steady steps after
+    its warm-ups, which must not leave builds queued behind them."""
     import mlx.core as mx
 
+    from mlx_speculate import graphs
+
+    graphs.build_in_place()
     print(f"# {title}")
     print(f"device: {mx.default_device()}, BLAS: {blas}, mlx {mx.__version__}")
 
