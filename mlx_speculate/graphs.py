@@ -129,7 +129,7 @@ def compiled(
         mx.eval(model.parameters())
         graph = _counted(_compile(model, fn))
         marker = _marker(model)
-        if not BACKGROUND or (marker is not None and marker.exists()):
+        if not _unbuilt(marker):
             return graph
         pending = per_model(_BUILDS, model, key, lambda: _Build(marker=marker))
         return _Lazy(fn, graph, pending, lambda: _compile(model, build()))
@@ -168,30 +168,40 @@ def _counted(fn: Callable) -> Callable:
 
 
 def _marker(model) -> Path | None:
-    """On the CPU, the file that says `model`'s graphs were built on this machine: beside
-    MLX's kernel cache (`$TMPDIR/mlx/<version>/cpu`), named by the model's class and its
-    parameters' names, shapes and dtypes. None on a GPU, whose kernels live in the process."""
+    """The marker of `model`'s graphs (`_named_marker`), named by the model's class and its
+    parameters' names, shapes and dtypes."""
+    parameters = [(name, w.shape, str(w.dtype)) for name, w in tree_flatten(model.parameters())]
+    return _named_marker((type(model).__module__, type(model).__qualname__, parameters))
+
+
+def _named_marker(name: tuple) -> Path | None:
+    """On the CPU, the file that says the kernels of what `name` names were built on this
+    machine, beside MLX's kernel cache (`$TMPDIR/mlx/<version>/cpu`). None on a GPU, whose
+    kernels live in the process."""
     if mx.default_device() != mx.cpu:
         return None
-    parameters = [(name, w.shape, str(w.dtype)) for name, w in tree_flatten(model.parameters())]
-    signature = repr((type(model).__module__, type(model).__qualname__, parameters))
-    return _markers() / hashlib.sha256(signature.encode()).hexdigest()[:32]
+    return _markers() / hashlib.sha256(repr(name).encode()).hexdigest()[:32]
 
 
 def _markers() -> Path:
     return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "cpu" / "mlx_speculate"
 
 
+def _unbuilt(marker: Path | None) -> bool:
+    """Whether a graph or function with this marker is built in the background: builds are
+    on, and no earlier process built it (the marker is absent, or there is none: a GPU)."""
+    return BACKGROUND and not (marker is not None and marker.exists())
+
+
 @dataclass
 class _Build:
-    """One background build: started by a first call, done when its graph has run once
-    (`failed` when it raised: the caller then traces the graph itself, and meets the error);
-    `marker` written when it succeeded."""
+    """One background build: started by a first call, done when its graph has run once or
+    raised (the caller then traces the graph itself, and meets the error); `marker` written
+    when it succeeded."""
 
     marker: Path | None = None
     started: bool = False
     done: threading.Event = field(default_factory=threading.Event)
-    failed: BaseException | None = None
 
 
 class _Lazy:
@@ -238,12 +248,9 @@ class Fused:
         return self.fallback(*args)
 
     def _build(self, signature: tuple, args: tuple[mx.array, ...]) -> _Build:
-        marker = None
-        if mx.default_device() == mx.cpu:
-            name = repr((self.fn.__module__, self.fn.__qualname__, signature))
-            marker = _markers() / hashlib.sha256(name.encode()).hexdigest()[:32]
+        marker = _named_marker((self.fn.__module__, self.fn.__qualname__, signature))
         build = _Build(marker=marker, started=True)
-        if BACKGROUND and not (marker is not None and marker.exists()):
+        if _unbuilt(marker):
             _builder.submit(build, lambda: mx.compile(self.fn), [(a.shape, a.dtype) for a in args])
         else:
             build.done.set()
@@ -320,8 +327,8 @@ class _Builder:
                 mx.eval(make()(*(mx.zeros(shape, dtype) for shape, dtype in shapes)))
                 if build.marker is not None:
                     _touch(build.marker)
-            except Exception as error:  # the caller's own trace meets it again
-                build.failed = error
+            except Exception:  # the caller's own trace meets it again
+                pass
             with self.lock:
                 self._ended(build)
 

@@ -29,19 +29,22 @@ def _silu(x: mx.array) -> mx.array:
     return x * mx.sigmoid(x)
 
 
-_EAGER = {f: Fused(f, f) for f in (_gelu_approx, _softplus, _silu)}
+# Their eager forms: the same ops compiled once built, unfused until then.
+_EAGER_GELU_APPROX = Fused(_gelu_approx, _gelu_approx)
+_EAGER_SOFTPLUS = Fused(_softplus, _softplus)
+_EAGER_SILU = Fused(_silu, _silu)
 
 
 def gelu_approx(x: mx.array) -> mx.array:
     """`nn.gelu_approx`: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))."""
-    return _EAGER[_gelu_approx](x) if is_eager() else nn.gelu_approx(x)
+    return _EAGER_GELU_APPROX(x) if is_eager() else nn.gelu_approx(x)
 
 
 def softplus(x: mx.array) -> mx.array:
     """`nn.softplus`: log(1 + e^x)."""
-    return _EAGER[_softplus](x) if is_eager() else nn.softplus(x)
+    return _EAGER_SOFTPLUS(x) if is_eager() else nn.softplus(x)
 
 
 def silu(x: mx.array) -> mx.array:
     """`nn.silu`: x sigmoid(x) (fast_exp's `silu` for wide inputs on the CPU)."""
-    return _EAGER[_silu](x) if is_eager() else nn.silu(x)
+    return _EAGER_SILU(x) if is_eager() else nn.silu(x)
