@@ -196,11 +196,17 @@ class BatchHybridCache(BatchKVCache):
         start[b]: the ring's row start[b] - base[b]."""
         r, kernel = self._rec[layer], self.shape.kernel
         ring, conv = self.ring[r], self.conv[r]
+        if ring.shape[0] == 1 and conv.shape[1] == kernel - 1:
+            # The last forward kept each row's final state alone (a plain step's): every row
+            # reads ring row 0, so there is nothing to gather.
+            return conv.astype(dtype), ring[0]
         row = mx.clip(start - self.base, 0, ring.shape[0] - 1)  # (B,)
         at = (row[:, None] + mx.arange(kernel - 1, dtype=mx.int32))[:, :, None]
         window = mx.take_along_axis(conv, mx.broadcast_to(at, (batch, kernel - 1, 1)), axis=1)
-        states = ring.swapaxes(0, 1)  # (B, L + 1, H, Dk, Dv)
-        state = mx.take_along_axis(states, row.reshape(-1, 1, 1, 1, 1), axis=1)[:, 0]
+        # Row b's state is ring[row[b], b]: whole (H, Dk, Dv) blocks taken from the flattened
+        # (ring row, batch row) axis, not gathered element by element.
+        flat = ring.reshape(-1, *ring.shape[2:])  # ((L + 1) * B, H, Dk, Dv)
+        state = mx.take(flat, row * ring.shape[1] + mx.arange(batch, dtype=mx.int32), axis=0)
         return window.astype(dtype), state
 
     def keep(self, layer: int, start: mx.array, conv: mx.array, states: list[mx.array]) -> None:
