@@ -9,8 +9,9 @@ thread works beside the request (Metal compiles in every process; the device doe
 request's work). On the CPU the system's C++ compiler builds each kernel, seconds per graph,
 and shares the cores with the request, so builds wait until no graph has been called for
 IDLE_SECONDS (between requests; at exit, where a process finishes its builds before it
-ends). MLX keeps CPU kernels on disk, and a marker beside them says a model's graphs were
-built: later processes compile its graphs at once. Why: a model's first request would
+ends). MLX keeps CPU kernels on disk, and a marker beside them says a model's graphs of one kind
+were built (`_kind`: a plain step, a fused EAGLE step, a batch step): later processes compile
+graphs of that kind at once. Why: a model's first request would
 otherwise wait for every kernel its graphs fuse, where the same ops eagerly cost about what
 mlx-lm's do. `synchronous()` builds in the calling thread instead (what calibration times).
 """
@@ -128,7 +129,7 @@ def compiled(
         # loaded lazily) would be computed again inside every call.
         mx.eval(model.parameters())
         graph = _counted(_compile(model, fn))
-        marker = _marker(model)
+        marker = _marker(model, key)
         if not _unbuilt(marker):
             return graph
         pending = per_model(_BUILDS, model, key, lambda: _Build(marker=marker))
@@ -167,11 +168,23 @@ def _counted(fn: Callable) -> Callable:
     return call
 
 
-def _marker(model) -> Path | None:
-    """The marker of `model`'s graphs (`_named_marker`), named by the model's class and its
-    parameters' names, shapes and dtypes."""
+def _marker(model, key: tuple) -> Path | None:
+    """The marker of `model`'s graphs of `key`'s kind (`_named_marker`), named by the model's
+    class, its parameters' names, shapes and dtypes, and the names in the key (`_kind`)."""
     parameters = [(name, w.shape, str(w.dtype)) for name, w in tree_flatten(model.parameters())]
-    return _named_marker((type(model).__module__, type(model).__qualname__, parameters))
+    return _named_marker((type(model).__module__, type(model).__qualname__, parameters, _kind(key)))
+
+
+def _kind(key: object) -> tuple[str, ...]:
+    """The names in a graph's key, nested keys included ("verify", "eagle", "greedy", ...):
+    what kind of graph it is, which decides the kernels it fuses, where its numbers (sizes,
+    widths, a head's id) only vary its shapes. Why: a method first used in a later process
+    (its graphs' kind without a marker) builds its kernels in the background too."""
+    if isinstance(key, str):
+        return (key,)
+    if isinstance(key, tuple):
+        return tuple(name for part in key for name in _kind(part))
+    return ()
 
 
 def _named_marker(name: tuple) -> Path | None:

@@ -61,6 +61,26 @@ def test_a_first_call_runs_eagerly_and_later_ones_compiled(background):
         assert len(calls) == traced + 3 and graphs.settle(0)  # traced here, nothing queued
 
 
+def test_a_marker_covers_graphs_of_its_kind_only(background):
+    """A marker names the kind of graph that was built (the names in its key): one of the same
+    kind with other numbers compiles at once, one of another kind (a method first used after
+    the marker was written) still runs eagerly while it builds in the background."""
+    if mx.default_device() != mx.cpu:
+        pytest.skip("markers say which CPU kernels are on disk; a GPU has none")
+    model = to_float32(tiny_model())
+    build = lambda: lambda x: (x * 3 - 1,)  # noqa: E731
+    graphs.compiled(model, ("test", "kind one", 1), build)(mx.zeros((3,)))
+    assert graphs.settle(60) and len(list(background.iterdir())) == 1
+    before = graphs.built()
+    (out,) = graphs.compiled(model, ("test", "kind one", 2), build)(mx.ones((5,)))
+    assert out.tolist() == [2.0] * 5
+    assert graphs.settle(0) and graphs.built() == before + 1  # traced here, nothing queued
+    (out,) = graphs.compiled(model, ("test", "kind two", 1), build)(mx.ones((5,)))
+    assert out.tolist() == [2.0] * 5  # eager, its build queued behind the request
+    assert not graphs.settle(0)
+    assert graphs.settle(60) and len(list(background.iterdir())) == 2
+
+
 def test_fused_functions_run_unfused_in_eager_calls_until_built(background, monkeypatch):
     """Within `eager()`, SiLU's and softmax's fused kernels are used only once built; the
     unfused ops give the same values to float32 rounding (fast_exp's polynomial exp)."""
