@@ -257,6 +257,34 @@ def test_hybrid_prompts_prefill_together(monkeypatch):
     assert [h.last.cached_tokens for h in handles] == [len(p) - 1 for p in prompts]
 
 
+def test_each_row_reads_the_recurrent_state_at_its_own_slot():
+    """A hybrid batch cache's rows read their conv window and delta-rule state at their own
+    start slots (ring row start - base, clipped to the ring), however the other rows differ;
+    after a forward that kept each row's final state alone, every row reads that state."""
+    cache = BatchKVCache.of(tiny_hybrid("qwen3_5_text"), 4)
+    layer = cache.linear.index(True)
+    s, B, L = cache.shape, 4, 2
+    conv = mx.random.normal((B, s.kernel - 1 + L, s.channels), key=mx.random.key(1))
+    states = [
+        mx.random.normal((B, s.heads, s.key_dim, s.value_dim), key=mx.random.key(2 + i))
+        for i in range(L + 1)
+    ]
+    start = mx.array([10, 20, 30, 40], dtype=mx.int32)
+    cache.keep(layer, start, conv, states)  # a verify of L rows from each row's start
+    cache.advance(L)
+    slots = mx.array([10, 22, 31, 45], dtype=mx.int32)  # ring rows 0, 2, 1 and 5 -> 2
+    window, state = cache.recurrent(layer, slots, B, mx.float32)
+    for b, row in enumerate([0, 2, 1, 2]):
+        assert mx.array_equal(state[b], states[row][b])
+        assert mx.array_equal(window[b], conv[b, row : row + s.kernel - 1])
+    final = states[-1]
+    cache.keep(layer, slots, conv[:, : s.kernel], [final])  # one new row, its final state
+    cache.advance(1)
+    window, state = cache.recurrent(layer, slots + 1, B, mx.float32)
+    assert mx.array_equal(state, final)
+    assert mx.array_equal(window, conv[:, 1 : s.kernel])
+
+
 def test_sampling_in_a_batch_follows_the_target():
     """At temperature 1, with a draft model that is often rejected, the first and second
     tokens of sequences sampled eight at a time follow the target's exact marginals."""
