@@ -28,6 +28,7 @@ from .engine import BatchEngine, Handle, batch_stream, check_batchable
 
 __all__ = ["BatchEngine", "BatchResponse", "Handle", "batch_generate", "check_batchable"]
 
+
 @dataclass(frozen=True)
 class BatchResponse:
     """What each prompt got, in the prompts' order."""

@@ -163,8 +163,9 @@ class BatchHybridCache(BatchKVCache):
     row: row b's next forward, from its own start, gathers its ring row start[b] - base[b], so
     each sequence rolls back to its own accepted count on the device, no host sync.
 
-    Chains only (`check_verify`), at most ROWS rows a forward; prompts are prefilled in their
-    own caches (a padded batch prefill would run padding through a row's recurrent state)."""
+    Chains only (`check_verify`), at most ROWS rows a forward. A padded prefill of several
+    prompts (`lengths` set) keeps each row's state at its own length: its padding neither
+    decays nor writes the state (models/gated_delta.py)."""
 
     def __init__(self, template: HybridCache, rows: int):
         """`template`: a one-sequence cache of the model (`make_cache`), whose layers it takes."""

@@ -26,9 +26,10 @@ Host syncs per step: one `mx.eval` of every row's acceptance; drafters and gramm
 their own as they do alone. A prefill step is evaluated before the decoding step is built.
 The planner (policy/batch.py) sets the step's width from measured step costs and each sequence's
 acceptance. A hybrid target's rows keep their own recurrent state (`BatchHybridCache`),
-rolled back per row on the device; they verify chains only, and their prompts prefill one at a
-time. Length-dependent rope types are refused (`check_batchable`): their rotation depends on
-the longest position, which differs per row.
+rolled back per row on the device; they verify chains only, and their prompts prefill together
+too (a padded row's padding leaves its state as it was). Length-dependent rope types are
+refused (`check_batchable`): their rotation depends on the longest position, which differs per
+row.
 """
 
 from __future__ import annotations
