@@ -228,8 +228,10 @@ def test_a_failing_generation_leaves_the_server_up(stories, monkeypatch, max_bat
             raise RuntimeError("boom")
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Sequence, "begin_prefill", flaky)
     with serve(*stories, max_batch=max_batch) as running:
+        # Patched once loaded: one at a time, the server calibrates its steps before it serves
+        # (prefills of its own, which must not take the failures meant for the requests).
+        monkeypatch.setattr(Sequence, "begin_prefill", flaky)
         error = assert_error(post(running, "/v1/completions", TEXT, key=None), 500)
         assert "boom" in error["message"] and error["type"] == "server_error"
         with pytest.raises(openai.APIError, match="boom"):
