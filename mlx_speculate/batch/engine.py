@@ -174,7 +174,10 @@ class _AlonePolicy:
 
     def choose(self) -> int:
         r = self.running
-        cap = r.cap if r.sequence.room() > 0 else 0
+        cap = r.cap
+        if cap == 0:  # nothing to draft (plain decoding): nothing to plan, each token
+            return 0
+        cap = cap if r.sequence.room() > 0 else 0
         return self.planner.width(1, [cap], [r.rate.rate], 1 + r.fixed) - 1
 
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:

@@ -14,8 +14,10 @@ Admission: up to `max_batch` requests decode (one when requests run one at a tim
 A job counts from `submit` until its last event, so a burst the batch can take is taken, however
 fast it arrives.
 
-What the thread holds is published after every step (`WorkerState`: sequences decoding, the
-batch cache's rows and slots, the sessions kept), for /metrics and GET /debug/state.
+What the thread holds is published (`WorkerState`: sequences decoding, the batch cache's rows
+and slots, the sessions kept), for /metrics and GET /debug/state: after every request one at a
+time, and in the batch after every step that changed its sequences or rows, else at most every
+PUBLISH_SECONDS.
 
 A job is cancelled (its client went away) by a flag the thread reads after every token (every
 batch step) and between prefill chunks, so a cancelled generation stops within one decoding
@@ -56,6 +58,9 @@ MIN_QUEUE = 16  # requests that may wait by default, however small the batch
 # still being prepared (`arriving`), polling every GATHER_POLL, so that they prefill together.
 GATHER_SECONDS = 0.1
 GATHER_POLL = 0.005
+# Between batch steps that leave the engine's sequences and rows as they were, what the thread
+# holds is published at most this often: a lone stream's steps come faster than /metrics reads.
+PUBLISH_SECONDS = 0.05
 
 
 class QueueFull(Exception):
@@ -117,6 +122,7 @@ class Worker:
         self.fatal: str | None = None
         self._lockstep = lockstep or Solo()
         self._running: list[Job] = []
+        self._published: tuple[float, tuple[int, ...]] = (0.0, ())  # when, and the engine's
         metrics.queue_depth.set_function(lambda: self.waiting)
         metrics.batch_size.set_function(lambda: self.state.decoding)
         metrics.cache_rows.set_function(lambda: self.state.cache_rows)
@@ -370,7 +376,16 @@ class Worker:
             engine = self._advance(engine, served)
             # Published once the step's handles are gone: the memory it reports is what the
             # server holds, not a session a handle of the step still named.
+            self._publish_step(engine)
+
+    def _publish_step(self, engine: BatchEngine) -> None:
+        """Publishes after a batch step when the engine's sequences or rows changed, else
+        once PUBLISH_SECONDS have passed since the last time."""
+        now, shape = time.monotonic(), (engine.size, engine.load, engine.cache.rows)
+        when, last = self._published
+        if shape != last or now - when >= PUBLISH_SECONDS:
             self._publish(engine)
+            self._published = (now, shape)
 
     def _take_jobs(self, engine: BatchEngine, served: dict[int, _Served]) -> bool:
         """Admits queued jobs while the engine has room, waiting only when it is idle; False
@@ -384,12 +399,12 @@ class Worker:
                 if engine.idle:
                     job = self._queue.get()
                     gather = time.monotonic() + GATHER_SECONDS
+                elif gathering:
+                    job = self._queue.get(timeout=GATHER_POLL)
+                elif self._queue.empty():  # a step's poll, most often: nothing came
+                    break
                 else:
-                    job = (
-                        self._queue.get(timeout=GATHER_POLL)
-                        if gathering
-                        else self._queue.get(False)
-                    )
+                    job = self._queue.get(False)
             except queue.Empty:
                 if gathering:
                     continue
