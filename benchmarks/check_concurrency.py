@@ -2,7 +2,7 @@
 mlx_speculate.server.
 
     python benchmarks/check_concurrency.py [--openblas] [--model FOLDER] [--max-tokens 48]
-        [--copy-max-tokens 96] [--rounds 1] [--out FILE]
+        [--copy-max-tokens 96] [--rounds 1] [--fresh [--cold]] [--out FILE]
 
 (a) Eight greedy chat requests (a story each, on eight topics) sent at once, then the same
     eight one after another: the ratio of their aggregate tokens/s (goal: at least 3; the
@@ -15,6 +15,9 @@ mlx_speculate.server.
     tokens/s (goal: at least 1.2), the median over --rounds rounds of the per-round ratio, the
     two methods' order alternating; greedy answers must be equal between the methods
     (lossless). A warm-up pass of each method first, so both find their prompts cached alike.
+    `--fresh`: (b) alone, on a server with no calibration stored, whose first request asks for
+    prompt lookup: no warm-up, and lookup goes first in every round; with `--cold`, also an
+    empty TMPDIR (MLX's kernel cache and our graph markers empty), as on a fresh machine.
 
 Aggregate tokens/s: all completion tokens (usage) over the wall time from sending the first
 request to the last stream's end. Prints the figures and whether each goal is met, writes them
@@ -30,6 +33,7 @@ import os
 import shlex
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -106,16 +110,17 @@ def check_concurrent(server: Server, max_tokens: int, rounds: int) -> dict:
     }
 
 
-def check_lookup(server: Server, max_tokens: int, rounds: int) -> dict:
-    """(b): two copy-heavy requests at once, prompt lookup against no speculation."""
+def check_lookup(server: Server, max_tokens: int, rounds: int, fresh: bool = False) -> dict:
+    """(b): two copy-heavy requests at once, prompt lookup against no speculation (`fresh`:
+    no warm-up, lookup first in every round: its first use is timed)."""
     methods = {m: {"speculative": {"method": m}} for m in ("prompt_lookup", "none")}
     requests = copy_requests()
-    for extra in methods.values():
+    for extra in [] if fresh else methods.values():
         send(server, requests, max_tokens, True, extra)
     figures = {m: [] for m in methods}
     texts, lengths, per_forward = {}, {}, []
     for r in range(rounds):
-        for method in list(methods) if r % 2 == 0 else list(methods)[::-1]:
+        for method in list(methods) if r % 2 == 0 or fresh else list(methods)[::-1]:
             wall, replies = send(server, requests, max_tokens, True, methods[method])
             figures[method].append(rate(wall, replies))
             texts.setdefault(method, [reply.text for reply in replies])
@@ -148,6 +153,10 @@ def main(argv=None) -> None:
                         help="per request in (b)")
     parser.add_argument("--rounds", type=positive, default=1,
                         help="timed rounds of (a) and of (b); ratios are medians over them")
+    parser.add_argument("--fresh", action="store_true",
+                        help="(b) alone, its first use timed, nothing calibrated")
+    parser.add_argument("--cold", action="store_true",
+                        help="with --fresh: MLX's kernel cache empty too (an empty TMPDIR)")
     parser.add_argument("--out", type=Path, default=None)
     add_blas_argument(parser)
     args = parser.parse_args(argv)
@@ -159,15 +168,23 @@ def main(argv=None) -> None:
     if not (folder / "config.json").exists():
         raise SystemExit(f"{folder} is not an MLX model folder (no config.json)")
     versions = describe_versions()
-    with started(env, ours=(ours(folder, "--max-queue", "64"), folder.name)) as servers:
-        concurrent = check_concurrent(servers["ours"], args.max_tokens, args.rounds)
-        lookup = check_lookup(servers["ours"], args.copy_max_tokens, args.rounds)
-    met = {
-        "concurrent_speedup": concurrent["concurrent_speedup"] >= GOALS["concurrent_speedup"],
-        "equal_answers": concurrent["equal_answers"] >= GOALS["equal_answers"],
-        "lookup_speedup": lookup["lookup_speedup"] >= GOALS["lookup_speedup"],
-    }
+    with tempfile.TemporaryDirectory() as empty:
+        if args.fresh:  # no calibration (and, cold, no kernels or markers) from earlier runs
+            env = {**env, "MLX_SPECULATE_CALIBRATION": f"{empty}/calibration"}
+            env.update({"TMPDIR": empty} if args.cold else {})
+        with started(env, ours=(ours(folder, "--max-queue", "64"), folder.name)) as servers:
+            concurrent = None
+            if not args.fresh:
+                concurrent = check_concurrent(servers["ours"], args.max_tokens, args.rounds)
+            lookup = check_lookup(servers["ours"], args.copy_max_tokens, args.rounds, args.fresh)
+    met = {"lookup_speedup": lookup["lookup_speedup"] >= GOALS["lookup_speedup"]}
+    if concurrent is not None:
+        met["concurrent_speedup"] = (
+            concurrent["concurrent_speedup"] >= GOALS["concurrent_speedup"]
+        )
+        met["equal_answers"] = concurrent["equal_answers"] >= GOALS["equal_answers"]
     fields = {"goals": GOALS, "met": met, "concurrent": concurrent, "lookup": lookup}
+    fields["fresh"], fields["cold"] = args.fresh, args.fresh and args.cold
     out = write_result(
         "concurrency",
         fields,
@@ -182,13 +199,17 @@ def main(argv=None) -> None:
     def verdict(key: str) -> str:
         return "met" if met[key] else "MISSED"
 
-    print(f"(a) 8 at once vs one at a time: "
-          f"{statistics.median(concurrent['concurrent_tokens_per_s']):.1f} vs "
-          f"{statistics.median(concurrent['one_at_a_time_tokens_per_s']):.1f} tok/s, "
-          f"{concurrent['concurrent_speedup']:.2f}x (goal >= {GOALS['concurrent_speedup']}: "
-          f"{verdict('concurrent_speedup')}); answers equal: {concurrent['equal_answers']}/8 "
-          f"(goal >= {GOALS['equal_answers']}: {verdict('equal_answers')})")
-    print(f"(b) 2 copy-heavy at once, prompt lookup vs none: "
+    if concurrent is not None:
+        print(f"(a) 8 at once vs one at a time: "
+              f"{statistics.median(concurrent['concurrent_tokens_per_s']):.1f} vs "
+              f"{statistics.median(concurrent['one_at_a_time_tokens_per_s']):.1f} tok/s, "
+              f"{concurrent['concurrent_speedup']:.2f}x (goal >= "
+              f"{GOALS['concurrent_speedup']}: {verdict('concurrent_speedup')}); answers "
+              f"equal: {concurrent['equal_answers']}/8 (goal >= {GOALS['equal_answers']}: "
+              f"{verdict('equal_answers')})")
+    first = ", lookup's first use, nothing calibrated" if args.fresh else ""
+    first += " and MLX's kernel cache empty" if args.fresh and args.cold else ""
+    print(f"(b) 2 copy-heavy at once, prompt lookup vs none{first}: "
           f"{statistics.median(lookup['lookup_tokens_per_s']):.1f} vs "
           f"{statistics.median(lookup['plain_tokens_per_s']):.1f} tok/s, "
           f"{lookup['lookup_speedup']:.2f}x (goal >= {GOALS['lookup_speedup']}: "
