@@ -9,11 +9,11 @@ thread works beside the request (Metal compiles in every process; the device doe
 request's work). On the CPU the system's C++ compiler builds each kernel, seconds per graph,
 and shares the cores with the request, so builds wait until no graph has been called for
 IDLE_SECONDS (between requests; at exit, where a process finishes its builds before it
-ends). MLX keeps CPU kernels on disk, and a marker beside them says a model's graphs of one kind
-were built (`_kind`: a plain step, a fused EAGLE step, a batch step): later processes compile
-graphs of that kind at once. Why: a model's first request would
-otherwise wait for every kernel its graphs fuse, where the same ops eagerly cost about what
-mlx-lm's do. `synchronous()` builds in the calling thread instead (what calibration times).
+ends). MLX keeps CPU kernels on disk, and a marker beside them says a model's graphs of one
+kind were built (`_kind`: a plain step, a fused EAGLE step, a batch step): later processes
+compile graphs of that kind at once. Why: a model's first request would otherwise wait for
+every kernel its graphs fuse, where the same ops eagerly cost about what mlx-lm's do.
+`synchronous()` builds in the calling thread instead (what calibration times).
 """
 
 from __future__ import annotations

@@ -175,7 +175,7 @@ class _AlonePolicy:
     def choose(self) -> int:
         r = self.running
         cap = r.cap
-        if cap == 0:  # nothing to draft (plain decoding): nothing to plan, each token
+        if cap == 0:  # no drafts (plain decoding): no width to plan, on every token
             return 0
         cap = cap if r.sequence.room() > 0 else 0
         return self.planner.width(1, [cap], [r.rate.rate], 1 + r.fixed) - 1
