@@ -257,6 +257,32 @@ def test_hybrid_prompts_prefill_together(monkeypatch):
     assert [h.last.cached_tokens for h in handles] == [len(p) - 1 for p in prompts]
 
 
+def test_a_sequence_alone_drafts_by_its_handles_policy():
+    """A sequence decoding alone in the engine takes its draft lengths from its handle's policy
+    (the method's adaptive one in the server, as one at a time), which sees every step's
+    outcome; its tokens are still greedy decoding's."""
+
+    class Recording:
+        def __init__(self):
+            self.chosen, self.drafted = 0, []
+
+        def choose(self) -> int:
+            self.chosen += 1
+            return 2
+
+        def observe(self, drafted: int, accepted: int, seconds: float) -> None:
+            self.drafted.append(drafted)
+
+    target, n = tiny_model(), 16
+    policy = Recording()
+    lookup = LookupDrafter(max_ngram=3, branches=1)
+    handle = Handle(Session(target, StubTokenizer(), lookup), REPEATING, GREEDY, n, policy=policy)
+    tokens = [r.token for _, r in batch_stream(BatchEngine(target, 8), [handle])]
+    assert tokens == greedy_reference(target, REPEATING, n)
+    assert policy.chosen >= len(policy.drafted) > 0
+    assert max(policy.drafted) == 2  # its lengths, not the planner's (up to 8 here)
+
+
 def test_each_row_reads_the_recurrent_state_at_its_own_slot():
     """A hybrid batch cache's rows read their conv window and delta-rule state at their own
     start slots (ring row start - base, clipped to the ring), however the other rows differ;

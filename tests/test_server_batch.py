@@ -152,10 +152,10 @@ def test_sixteen_clients_with_disconnects_keep_streaming_and_memory_flat(server,
 
 @pytest.mark.parametrize("max_batch", [8, 1])
 def test_no_request_waits_on_a_calibration(max_batch, monkeypatch, tmp_path):
-    """On a machine with no calibration: a batched server calibrates nothing (its planner
-    prices the widths), and a server decoding one request at a time calibrates every method it
-    serves before it takes a request; either way a prompt-lookup request answers as plain
-    decoding does and calibrates nothing itself."""
+    """On a machine with no calibration, a server calibrates every method it serves before it
+    takes a request (batched too: a request decoding alone follows its method's policy, as one
+    at a time); a prompt-lookup request then answers as plain decoding does and calibrates
+    nothing itself."""
     monkeypatch.setenv("MLX_SPECULATE_CALIBRATION", str(tmp_path))
     model, tokenizer = load(MODELS / "stories260K-llama")
 
@@ -164,7 +164,7 @@ def test_no_request_waits_on_a_calibration(max_batch, monkeypatch, tmp_path):
 
     with serve(model, tokenizer, max_batch=max_batch) as running:
         before = calibrations()
-        assert (before == []) == (max_batch > 1), before
+        assert before, "nothing was calibrated before the first request"
         prompt = OPENINGS[0] + " " + OPENINGS[0]
         assert complete(running, prompt, "prompt_lookup") == complete(running, prompt, "none")
         assert calibrations() == before

@@ -51,6 +51,7 @@ from ..grammar import Grammar
 from ..grammar.constraint import Constraint, Guide, masked
 from ..graphs import built
 from ..models.base import CausalLM
+from ..policy.adaptive import Policy
 from ..policy.batch import Acceptance as Rate
 from ..policy.batch import BatchPlanner
 from ..policy.costs import cached_costs
@@ -96,6 +97,9 @@ class Handle:
     stop: tuple[str, ...] = ()
     grammar: Grammar | None = None
     num_draft_tokens: int | None = None  # a cap on its drafts per step; None: its drafter's
+    # Its draft lengths while it decodes alone (the method's adaptive policy, or a fixed one):
+    # what `--max-batch 1` follows. None: the batch planner's, for one row.
+    policy: Policy | None = None
     cancelled: Callable[[], bool] = lambda: False
     submitted: float = field(default_factory=time.perf_counter)
     done: bool = False
@@ -165,9 +169,10 @@ class _Alone:
 
 @dataclass(frozen=True)
 class _AlonePolicy:
-    """The planner's draft lengths for a sequence decoding alone (a batch of one row), as the
-    `Policy` its decoder asks; its outcomes update the sequence's acceptance rate, which it
-    keeps when it goes back into the batch."""
+    """The draft lengths of a sequence decoding alone, as the `Policy` its decoder asks: its
+    handle's policy where it has one (as `--max-batch 1` decodes it), else the planner's for a
+    batch of one row. Its outcomes also update the sequence's acceptance rate, which it keeps
+    when it goes back into the batch."""
 
     planner: BatchPlanner
     running: _Running
@@ -177,11 +182,15 @@ class _AlonePolicy:
         cap = r.cap
         if cap == 0:  # no drafts (plain decoding): no width to plan, on every token
             return 0
+        if r.handle.policy is not None:
+            return r.handle.policy.choose()
         cap = cap if r.sequence.room() > 0 else 0
         return self.planner.width(1, [cap], [r.rate.rate], 1 + r.fixed) - 1
 
     def observe(self, drafted: int, accepted: int, seconds: float) -> None:
         self.running.rate.observe(drafted, accepted)
+        if self.running.handle.policy is not None:
+            self.running.handle.policy.observe(drafted, accepted, seconds)
 
 
 class BatchEngine:

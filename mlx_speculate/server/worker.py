@@ -211,8 +211,10 @@ class Worker:
                 try:
                     self.pool = self._load()
                     batched = self._batched()
-                    if not batched and isinstance(self._lockstep, Solo):
-                        self.pool.calibrate()  # before the first request, never inside it
+                    if isinstance(self._lockstep, Solo):
+                        # Before the first request, never inside it: the policies a request
+                        # follows one at a time, or alone in the batch engine.
+                        self.pool.calibrate()
                 except Exception as e:  # a bad model folder must not kill the process silently
                     # One line for the user (the command line prints it); the traceback only
                     # under --log-level debug.
@@ -457,6 +459,9 @@ class Worker:
         except ValueError as e:
             job.emit(Failed(one_line(e), 400, "invalid_request"))
             return
+        policy = pool.policy(request.method)  # built at start-up (`calibrate`)
+        if request.num_draft_tokens is not None:
+            policy = FixedPolicy(request.num_draft_tokens)
         handle = Handle(
             entry.session,
             request.tokens,
@@ -465,6 +470,7 @@ class Worker:
             tuple(request.stop),
             request.grammar,
             request.num_draft_tokens,
+            policy,
             cancelled=lambda: job.cancelled,
             submitted=job.submitted,
         )
