@@ -3,7 +3,7 @@ mlx_lm.server (which batches plain decoding) on the same weights, at 1 to 16 cli
 
     python benchmarks/bench_serving.py [--openblas] [--quick] [--clients 1,2,4,8,16]
         [--rounds 3] [--max-tokens 32] [--method none] [--model FOLDER] [--out FILE]
-        [--against mlx-lm|max-batch-1]
+        [--against mlx-lm|max-batch-1] [--prompts stories|copy]
 
 Both servers serve one MLX folder: SmolLM2-135M-Instruct in float32, converted once from the
 package's default GGUF (`--model` for another). Each client sends one streamed greedy chat
@@ -19,7 +19,8 @@ sending the first request to the last stream's end) and the p50 / p95 of the req
 first token; the table gives the median over rounds. `--method` picks our server's method per
 request (the `speculative` field); mlx-lm always decodes plainly. `--against max-batch-1` puts
 our own server with `--max-batch 1` (one request at a time, the single-stream loop) in mlx-lm's
-place, with the same method: what batching costs or saves.
+place, with the same method: what batching costs or saves. `--prompts copy` sends each client
+a paragraph to return with its typos fixed instead (copy-heavy: what prompt lookup speeds up).
 
 Writes benchmarks/results/serving-<date>-<device>.json (`--out` for another path), which
 benchmarks/report.py renders as the Serving section of docs/results.md.
@@ -49,6 +50,7 @@ from servers import (  # noqa: E402
     Server,
     blas_env,
     check_lengths,
+    copy_heavy,
     ours,
     positive,
     send,
@@ -61,9 +63,12 @@ from servers import (  # noqa: E402
 CLIENTS = (1, 2, 4, 8, 16)
 QUICK = {"clients": (1, 4, 16), "rounds": 1, "max_tokens": 24}
 DEFAULTS = {"clients": CLIENTS, "rounds": 3, "max_tokens": 32}
-def measure(server: Server, tag: str, clients: int, max_tokens: int, extra_body) -> dict:
+def measure(
+    server: Server, tag: str, clients: int, max_tokens: int, extra_body, prompts: str = "stories"
+) -> dict:
     """One concurrent pass: aggregate tokens/s and TTFT percentiles, checked lengths."""
-    wall, replies = send(server, stories(tag, clients), max_tokens, True, extra_body)
+    conversations = (copy_heavy if prompts == "copy" else stories)(tag, clients)
+    wall, replies = send(server, conversations, max_tokens, True, extra_body)
     check_lengths(server, replies, max_tokens, f"{clients} clients, pass {tag}")
     ttft = [1e3 * r.ttft for r in replies]
     tokens = sum(r.completion_tokens for r in replies)
@@ -81,13 +86,14 @@ def run(servers: dict[str, Server], args, extras: dict[str, dict | None]) -> lis
     """Every (server, clients) row with its per-round figures and their medians."""
     names = list(servers)
     for name in names:
-        measure(servers[name], "warm-up", max(args.clients), args.max_tokens, extras[name])
+        measure(servers[name], "warm-up", max(args.clients), args.max_tokens, extras[name],
+                args.prompts)
     rounds: dict[tuple[str, int], list[dict]] = {(n, c): [] for n in names for c in args.clients}
     for r in range(args.rounds):
         for clients in args.clients:
             for name in names if r % 2 == 0 else names[::-1]:
                 figures = measure(servers[name], f"{r}.{clients}", clients, args.max_tokens,
-                                  extras[name])
+                                  extras[name], args.prompts)
                 rounds[name, clients].append(figures)
                 print(f"round {r + 1}: {name:<14} {clients:>2} clients "
                       f"{figures['tokens_per_s']:8.1f} tok/s  TTFT p50 "
@@ -139,6 +145,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-tokens", type=positive, default=None, help="per request (32)")
     parser.add_argument("--method", default="none", choices=["none", "prompt_lookup"],
                         help="our server's method per request")
+    parser.add_argument("--prompts", default="stories", choices=["stories", "copy"],
+                        help="a story each, or a paragraph to return with its typos fixed")
     parser.add_argument("--model", type=Path, default=None,
                         help="an MLX folder both servers load (default: SmolLM2-135M f32)")
     parser.add_argument("--out", type=Path, default=None)

@@ -45,9 +45,11 @@ from common import (  # noqa: E402
     smollm2_f32,
 )
 from servers import (  # noqa: E402
+    PARAGRAPHS,
     Server,
     blas_env,
     check_lengths,
+    copy_heavy,
     ours,
     positive,
     send,
@@ -57,23 +59,8 @@ from servers import (  # noqa: E402
 )
 
 GOALS = {"concurrent_speedup": 3.0, "equal_answers": 7, "lookup_speedup": 1.2}
-PARAGRAPHS = (
-    "The comittee met on tuesday to discus the new librery budget. After a long debate, they "
-    "agreed to by more books for the childrens section and to fix the leeking roof before the "
-    "winter. The mayor thanked evryone for there hard work and promissed to visit the librery "
-    "next month.",
-    "Our familly went to the beach last sumer. We bilt a huge sand castle with towers and a "
-    "moat, and my little brother found a crab hiding under a rock. In the evening we ate fish "
-    "and chips and watched the sun go down behind the lighthouse untill it was compleetly dark.",
-)
-
-
 def copy_requests() -> list[list[dict]]:
-    return [
-        [{"role": "user", "content": "Fix the typos in this paragraph and return it otherwise "
-                                     f"unchanged:\n\n{paragraph}"}]
-        for paragraph in PARAGRAPHS
-    ]
+    return copy_heavy(None, len(PARAGRAPHS))
 
 
 def rate(wall: float, replies) -> float:

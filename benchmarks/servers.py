@@ -61,6 +61,29 @@ def stories(tag: str, clients: int) -> list[list[dict]]:
     ]
 
 
+PARAGRAPHS = (
+    "The comittee met on tuesday to discus the new librery budget. After a long debate, they "
+    "agreed to by more books for the childrens section and to fix the leeking roof before the "
+    "winter. The mayor thanked evryone for there hard work and promissed to visit the librery "
+    "next month.",
+    "Our familly went to the beach last sumer. We bilt a huge sand castle with towers and a "
+    "moat, and my little brother found a crab hiding under a rock. In the evening we ate fish "
+    "and chips and watched the sun go down behind the lighthouse untill it was compleetly dark.",
+)
+
+
+def copy_heavy(tag: str | None, clients: int) -> list[list[dict]]:
+    """`clients` requests to return a paragraph with its typos fixed (copy-heavy: what prompt
+    lookup speeds up), the paragraphs in turn; `tag` (a system line) keeps them apart from
+    every other request's in a prefix cache."""
+    system = [] if tag is None else [{"role": "system", "content": f"Session {tag}."}]
+    return [
+        system + [{"role": "user", "content": "Fix the typos in this paragraph and return it "
+                   f"otherwise unchanged:\n\n{PARAGRAPHS[i % len(PARAGRAPHS)]}"}]
+        for i in range(clients)
+    ]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
