@@ -168,6 +168,7 @@ def test_a_client_leaving_during_prefill_frees_the_server_within_a_chunk(quantiz
     model, tokenizer = quantized
     gated = Gated(model)
     with serve(gated, tokenizer) as running:
+        gated.chunks = 0  # the server's start-up calibration ran prompt forwards of its own
         gated.go.clear()
         body = {"model": "stories", "prompt": LONG_PROMPT, "max_tokens": 4, "stream": True}
 
