@@ -395,8 +395,12 @@ class Worker:
         is not kept alive while the loop waits on the queue. An idle engine that took a job
         takes the rest of its burst too, waiting while their prompts are prepared (`arriving`)."""
         gather = None  # once an idle engine took a job: until when it waits for more
+        arrived = False  # prompts were being prepared at the last poll
         while engine.load <= self.max_batch:
-            gathering = gather is not None and self._arriving > 0 and time.monotonic() < gather
+            # A prompt's preparation ends just before its job is submitted: one more poll
+            # after the last one ended, so that its job is not missed in between.
+            before, arrived = arrived, self._arriving > 0
+            gathering = gather is not None and (arrived or before) and time.monotonic() < gather
             try:
                 if engine.idle:
                     job = self._queue.get()
