@@ -45,7 +45,7 @@ from ..cli import one_line
 from ..device import clear_cache
 from ..generation import GenerationResponse
 from ..grammar import GrammarError
-from ..policy.adaptive import FixedPolicy
+from ..policy.adaptive import FixedPolicy, Policy
 from .lockstep import Lockstep, Mirror, Solo
 from .metrics import Metrics
 from .records import Delta, Failed, Finished, Generation, Job, TokenLogprob, Usage
@@ -276,9 +276,7 @@ class Worker:
         request, pool, metrics = job.request, self.pool, self._metrics
         assert pool is not None
         entry = pool.acquire(request.method, request.tokens)
-        policy = pool.policy(request.method)
-        if request.num_draft_tokens is not None:
-            policy = FixedPolicy(request.num_draft_tokens)
+        policy = self._policy(request)
         eos = set(pool.tokenizer.eos_token_ids)
         last: GenerationResponse | None = None
         first = True
@@ -463,9 +461,7 @@ class Worker:
         except ValueError as e:
             job.emit(Failed(one_line(e), 400, "invalid_request"))
             return
-        policy = pool.policy(request.method)  # built at start-up (`calibrate`)
-        if request.num_draft_tokens is not None:
-            policy = FixedPolicy(request.num_draft_tokens)
+        policy = self._policy(request)
         handle = Handle(
             entry.session,
             request.tokens,
@@ -535,6 +531,14 @@ class Worker:
             if error is not state.failure:
                 log.error("generation failed: %s", one_line(error))
             job.emit(Failed(f"generation failed: {type(error).__name__}: {one_line(error)}"))
+
+    def _policy(self, request: Generation) -> Policy | None:
+        """The draft lengths `request` follows decoding one at a time or alone in the batch:
+        a fixed number when it gave one, else its method's policy (built at start-up,
+        `calibrate`; None for plain decoding)."""
+        if request.num_draft_tokens is not None:
+            return FixedPolicy(request.num_draft_tokens)
+        return self.pool.policy(request.method)
 
     def _logprob(self, response: GenerationResponse, top: int) -> TokenLogprob:
         logprobs = response.logprobs  # (V,)
