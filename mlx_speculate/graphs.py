@@ -77,8 +77,11 @@ def build_in_place() -> None:
 @contextmanager
 def synchronous() -> Iterator[None]:
     """Within it, graphs this thread calls are traced and their kernels compiled at once in
-    this thread, as every call after a background build is (what a measurement times)."""
-    with _flag("synchronous", True):
+    this thread, as every call after a background build is (what a measurement times). No
+    background build starts while one is open, and one under way is waited for first: a
+    build's compiler would share the cores and the compiler's lock with what is timed (on an
+    empty kernel cache, a calibration priced a one-row step at 30 times its cost)."""
+    with _builder.holding(), _flag("synchronous", True):
         yield
 
 
@@ -226,7 +229,19 @@ class _Lazy:
 
     def __call__(self, *args: mx.array):
         global _built, _last_call
-        if getattr(_local, "synchronous", False) or _builder.ready(self.build):
+        if getattr(_local, "synchronous", False):
+            with _flag("eager", False):
+                out = self.graph(*args)
+            # Its kernels are built here, as the caller evaluates it: later calls run it
+            # compiled (after a start-up calibration, a first request's steps too), and a
+            # later process compiles graphs of its kind at once.
+            if not self.build.started:
+                self.build.started = True
+                self.build.done.set()
+                if self.build.marker is not None:
+                    _touch(self.build.marker)
+            return out
+        if _builder.ready(self.build):
             with _flag("eager", False):  # traced with the fused functions inline
                 return self.graph(*args)
         _last_call = time.monotonic()
@@ -285,6 +300,24 @@ class _Builder:
         self.idle = threading.Event()
         self.idle.set()
         self.stopping = False  # set at exit by Ctrl-C: no further build starts
+        self.held = 0  # `synchronous()` sections open: no build starts meanwhile
+        self.under_way = False  # a build has started and not ended
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """No build starts within it; entering waits for one under way to end."""
+        global _last_call
+        with self.lock:
+            self.held += 1
+            while self.under_way:
+                self.lock.wait()
+        try:
+            yield
+        finally:
+            with self.lock:
+                _last_call = time.monotonic()  # builds wait for quiet from here
+                self.held -= 1
+                self.lock.notify_all()
 
     def ready(self, build: _Build) -> bool:
         """Whether `build` is done and no build is under way."""
@@ -301,7 +334,7 @@ class _Builder:
                 )
                 self.thread.start()
                 atexit.register(self.finish)
-            self.lock.notify()
+            self.lock.notify_all()
 
     def finish(self) -> None:
         """Waits for the queued builds (at exit, where the main thread has ended). Ctrl-C
@@ -329,13 +362,8 @@ class _Builder:
                 while not self.queue:
                     self.lock.wait()
                 build, make, shapes = self.queue[0]
-            if build.marker is not None:  # on the CPU: the request's cores first
-                self._wait_for_quiet()
-            with self.lock:
-                self.queue.popleft()
-                if self.stopping:  # left to be traced where it is called
-                    self._ended(build)
-                    continue
+            if not self._start(build):
+                continue
             try:
                 mx.eval(make()(*(mx.zeros(shape, dtype) for shape, dtype in shapes)))
                 if build.marker is not None:
@@ -345,8 +373,29 @@ class _Builder:
             with self.lock:
                 self._ended(build)
 
+    def _start(self, build: _Build) -> bool:
+        """Takes the queue's first build, `build`, once the cores are free (on the CPU, once no
+        graph has been called for a while; and no synchronous section is open); False when it
+        is not to start (Ctrl-C at exit)."""
+        while True:
+            if build.marker is not None:  # on the CPU: the request's cores first
+                self._wait_for_quiet()
+            with self.lock:
+                if self.held:  # a section times or builds in its thread: quiet after it
+                    while self.held:
+                        self.lock.wait()
+                    continue
+                self.queue.popleft()
+                if self.stopping:  # left to be traced where it is called
+                    self._ended(build)
+                    return False
+                self.under_way = True
+                return True
+
     def _ended(self, build: _Build) -> None:
         """Marks `build` done, built or not; under the lock."""
+        self.under_way = False
+        self.lock.notify_all()
         build.done.set()
         self.building -= 1
         if self.building == 0:

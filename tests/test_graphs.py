@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import mlx.core as mx
 import pytest
@@ -162,3 +163,35 @@ def test_a_split_model_builds_its_graphs_in_place(monkeypatch):
     monkeypatch.setattr(graphs, "BACKGROUND", True)
     Split(mx.distributed.init(), "pipeline").apply(tiny_model())
     assert graphs.BACKGROUND is False
+
+
+def test_a_graph_built_synchronously_runs_compiled_after(background):
+    """A graph first called within `synchronous()` (a start-up calibration's steps) is built
+    there: later calls outside it run compiled with nothing queued, and on the CPU a marker
+    lets the next process compile graphs of its kind at once."""
+    model = to_float32(tiny_model())
+    calls = []
+    build = lambda: lambda x: (calls.append(x.shape) or x + 1,)  # noqa: E731
+    fn = graphs.compiled(model, ("test", "built synchronously"), build)
+    with graphs.synchronous():
+        mx.eval(fn(mx.zeros((3,))))
+    traced = len(calls)
+    (out,) = fn(mx.ones((3,)))
+    assert out.tolist() == [2.0] * 3
+    assert len(calls) == traced  # compiled: the Python function did not run again
+    assert graphs.settle(0)  # and no build was queued
+    if mx.default_device() == mx.cpu:
+        assert len(list(background.iterdir())) == 1
+
+
+def test_no_build_starts_within_a_synchronous_section(background):
+    """A build queued before a synchronous section (what calibration times) waits for its end,
+    however long it is quiet: a build's compiler would share the cores with what is timed."""
+    model = to_float32(tiny_model())
+    build = lambda: lambda x: (x * 5 + 2,)  # noqa: E731
+    (out,) = graphs.compiled(model, ("test", "held back"), build)(mx.ones((3,)))
+    assert out.tolist() == [7.0] * 3  # eager, its build queued
+    with graphs.synchronous():
+        time.sleep(4 * graphs.IDLE_SECONDS)  # quiet for longer than a build waits
+        assert not graphs.settle(0)
+    assert graphs.settle(60)
