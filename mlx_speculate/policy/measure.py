@@ -257,20 +257,23 @@ class _Beside:
     """The quick plan's clock: one warm-up and one timed run per point, each point a ratio to
     a one-row forward timed right before and after it (a busy moment slows both; where the
     two disagree by more than `AGREE`, the load changed between them, and the point is timed
-    once more), and the budget spent so far, in one-row forwards timed beside. `decide`: as
-    `load_costs`'s."""
+    once more), and the budget spent so far, in one-row forwards timed beside (warm-ups not
+    counted). `decide`: as `load_costs`'s."""
 
     def __init__(self, one: Callable[[], object], decide: Callable[[bool], bool] = bool):
         self.one, self.decide = one, decide
-        start = time.perf_counter()
         one()  # warm-up
+        start = time.perf_counter()
         self.anchors = [_once(one)]
         self.forwards = (time.perf_counter() - start) / self.anchors[0]
 
     def ratio(self, run: Callable[[], object], warm: bool = True) -> float:
-        start = time.perf_counter()
         if warm:
-            run()  # a new row bucket traces its graph
+            # A new row bucket traces its graph, and on an empty kernel cache compiles its
+            # kernels (seconds each): outside the budget, which would otherwise end the curve
+            # at its second point and price wider steps in proportion to their rows.
+            run()
+        start = time.perf_counter()
         for _ in range(2):
             seconds = _once(run)
             # decide(): whether to time an anchor (a target forward) must be every rank's
