@@ -195,3 +195,28 @@ def test_no_build_starts_within_a_synchronous_section(background):
         time.sleep(4 * graphs.IDLE_SECONDS)  # quiet for longer than a build waits
         assert not graphs.settle(0)
     assert graphs.settle(60)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])
+def test_batch_steps_built_ahead_compile_at_once(background, family):
+    """A server builds its batch step's graphs at start-up (`batch.step.build`), in place:
+    nothing is left queued, and on the CPU a batch step of another width and span (a first
+    request's) compiles at once where it would run eagerly with a build queued behind it."""
+    from mlx_speculate.batch.cache import BatchKVCache
+    from mlx_speculate.batch.step import build, forward
+
+    from .test_hybrid import tiny_hybrid
+
+    model = to_float32(tiny_model() if family == "llama" else tiny_hybrid(family))
+    build(model, 2)
+    assert graphs.settle(0)
+    if mx.default_device() != mx.cpu:
+        return  # no markers: a GPU builds each graph in the background on its first call
+    assert len(list(background.iterdir())) == 1  # the batch step's kind
+    cache = BatchKVCache.of(model, 2)
+    cache.offsets = [40, 7]
+    start = cache.prepare(3)
+    positions = start[:, None] + mx.arange(3, dtype=mx.int32)
+    out = forward(model, cache, mx.ones((2, 3), dtype=mx.int32), positions, None, ())
+    mx.eval(out.logits)
+    assert graphs.settle(0)

@@ -15,9 +15,14 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from ..graphs import compiled
+from ..graphs import compiled, synchronous
 from ..models.base import CausalLM, ModelOutput
+from ..policy.batch import MAX_WIDTH
+from ..step import bucket
 from .cache import BatchKVCache
+
+# The tree widths built ahead (`build`): the buckets of every tree the planner may verify.
+TREE_WIDTHS = tuple(sorted({bucket(n) for n in range(2, MAX_WIDTH + 1)}))
 
 
 def forward(
@@ -53,3 +58,26 @@ def _forward_fn(
         return out.logits, out.hidden, *out.taps, *view.state
 
     return step
+
+
+def build(model: CausalLM, rows: int) -> None:
+    """Builds the batch step's graphs for `rows` sequences now, in this thread: a plain step's
+    and, where the target's cache follows trees, a tree step's of each of TREE_WIDTHS, over
+    an empty cache (their kernels serve every span). What a server runs at start-up, before
+    its first requests: on the CPU each graph would otherwise run eagerly until the machine
+    is idle long enough to build it (graphs.py), and concurrent requests leave it no idle."""
+    cache = BatchKVCache.of(model, rows)
+    shapes = [(1, True)]
+    try:
+        cache.check_verify(max(TREE_WIDTHS), False)
+        shapes += [(n, False) for n in TREE_WIDTHS]
+    except ValueError:  # a hybrid's recurrent rows follow chains only
+        pass
+    with synchronous():
+        for n, chain in shapes:
+            cache.prepare(n)
+            tokens = mx.zeros((rows, n), dtype=mx.int32)
+            positions = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (rows, n))
+            mask = None if chain else mx.broadcast_to(mx.eye(n, dtype=mx.bool_), (rows, n, n))
+            out = forward(model, cache, tokens, positions, mask, ())
+            mx.eval(out.logits, cache.state)

@@ -30,6 +30,7 @@ PRIOR_FIXED_ROWS = 10.0  # fixed cost of a forward in rows, until two row counts
 PRIOR_RATE = 0.6  # acceptance rate per draft token of a sequence not yet measured
 EXPLORE_EVERY = 16  # steps between tries of a width next to the chosen one
 DECAY = 0.8  # weight of the old estimate in each moving average
+MAX_WIDTH = 9  # rows per sequence a step verifies at most: its pending token and 8 drafts
 
 
 @dataclass
@@ -51,16 +52,14 @@ def expected_tokens(rate: float, drafts: int) -> float:
 class BatchPlanner:
     """Chooses each step's width from measured step costs and acceptance (see the module)."""
 
-    def __init__(self, prior: StepCosts | None = None, max_width: int = 9):
+    def __init__(self, prior: StepCosts | None = None, max_width: int = MAX_WIDTH):
         """`prior`: the target's calibrated costs, which price rows until measured ones do."""
         self.prior = prior
         self.max_width = max_width
         self._seconds: dict[tuple[int, int], float] = {}  # (B, N) -> moving average
         self._steps = 0
 
-    def width(
-        self, batch: int, caps: Sequence[int], rates: Sequence[float], least: int = 1
-    ) -> int:
+    def width(self, batch: int, caps: Sequence[int], rates: Sequence[float], least: int = 1) -> int:
         """The rows per sequence for a step of `batch` rows (bucketed) whose sequences may
         draft up to caps[i] tokens at acceptance rates[i], at least `least` (a request that
         fixed its draft length gets it)."""

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..batch import BatchEngine, Handle, check_batchable
+from ..batch.engine import rows_bucket
+from ..batch.step import build as build_batch_steps
 from ..cli import one_line
 from ..device import clear_cache
 from ..generation import GenerationResponse
@@ -129,6 +131,12 @@ class Worker:
         metrics.sessions.set_function(lambda: self.state.sessions)
 
     @property
+    def ready(self) -> SessionPool | None:
+        """The loaded model's sessions once the server takes requests (loaded, calibrated and
+        its first steps built: a request earlier would wait behind that); else None."""
+        return self.pool if self.loaded.is_set() else None
+
+    @property
     def waiting(self) -> int:
         """Requests accepted and not decoding yet (queued, or prefilling)."""
         return max(0, self._held - self.state.decoding)
@@ -215,6 +223,8 @@ class Worker:
                         # Before the first request, never inside it: the policies a request
                         # follows one at a time, or alone in the batch engine.
                         self.pool.calibrate()
+                    if batched:  # and the steps of the first requests at once
+                        build_batch_steps(self.pool.model, rows_bucket(2, self.max_batch))
                 except Exception as e:  # a bad model folder must not kill the process silently
                     # One line for the user (the command line prints it); the traceback only
                     # under --log-level debug.
