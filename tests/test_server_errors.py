@@ -5,6 +5,7 @@ requests while loading, a failed load, and a generation that raises."""
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import openai
@@ -198,6 +199,31 @@ def test_health_is_503_while_loading(stories):
         assert health.status_code == 503 and health.json()["status"] == "loading"
         assert_error(post(running, "/v1/chat/completions", CHAT), 503, code="model_not_ready")
         assert_error(httpx.get(f"{running.url}/v1/models"), 503)
+        release.set()
+        assert running.worker.loaded.wait(30)
+        assert httpx.get(f"{running.url}/health").json() == {"status": "ok"}
+        assert post(running, "/v1/chat/completions", CHAT).status_code == 200
+
+
+def test_health_is_503_until_calibrated(stories):
+    """A loaded model whose calibration (or first steps' build) is under way takes no request
+    yet: one accepted then would wait behind it, past a client's timeout on a fresh machine."""
+    from mlx_speculate.server.sessions import SessionPool
+
+    release = threading.Event()
+
+    def load():
+        pool = SessionPool(*stories)
+        pool.calibrate = lambda: release.wait(30)
+        return pool
+
+    with serve(*stories, load=load) as running:
+        deadline = time.monotonic() + 30
+        while running.worker.pool is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert running.worker.pool is not None  # loaded, calibrating
+        assert httpx.get(f"{running.url}/health").status_code == 503
+        assert_error(post(running, "/v1/chat/completions", CHAT), 503, code="model_not_ready")
         release.set()
         assert running.worker.loaded.wait(30)
         assert httpx.get(f"{running.url}/health").json() == {"status": "ok"}

@@ -70,7 +70,7 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if worker.pool is not None:
+        if worker.ready is not None:
             return JSONResponse({"status": "ok"})
         status = "failed" if worker.load_error else "loading"
         return JSONResponse({"status": status, "error": worker.load_error}, status_code=503)

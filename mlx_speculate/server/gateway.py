@@ -77,10 +77,11 @@ class Gateway:
         self._prompts.shutdown(wait=False, cancel_futures=True)
 
     def loaded(self) -> SessionPool:
-        if self.worker.pool is None:
+        pool = self.worker.ready
+        if pool is None:
             message = self.worker.load_error or "the model is still loading"
             raise APIError(503, message, type_="server_error", code="model_not_ready")
-        return self.worker.pool
+        return pool
 
     def served(self, model: str) -> SessionPool:
         pool = self.loaded()
