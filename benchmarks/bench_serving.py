@@ -2,8 +2,8 @@
 mlx_lm.server (which batches plain decoding) on the same weights, at 1 to 16 clients at once.
 
     python benchmarks/bench_serving.py [--openblas] [--quick] [--clients 1,2,4,8,16]
-        [--rounds 3] [--max-tokens 32] [--method none] [--model FOLDER] [--out FILE]
-        [--against mlx-lm|max-batch-1] [--prompts stories|copy]
+        [--rounds 3] [--max-tokens 32] [--method none|prompt_lookup|eagle] [--eagle DIR]
+        [--model FOLDER] [--out FILE] [--against mlx-lm|max-batch-1] [--prompts stories|copy]
 
 Both servers serve one MLX folder: SmolLM2-135M-Instruct in float32, converted once from the
 package's default GGUF (`--model` for another). Each client sends one streamed greedy chat
@@ -143,8 +143,10 @@ def main(argv=None) -> None:
                         help=f"client counts (default {','.join(map(str, CLIENTS))})")
     parser.add_argument("--rounds", type=positive, default=None, help="timed rounds (default 3)")
     parser.add_argument("--max-tokens", type=positive, default=None, help="per request (32)")
-    parser.add_argument("--method", default="none", choices=["none", "prompt_lookup"],
-                        help="our server's method per request")
+    parser.add_argument("--method", default="none", choices=["none", "prompt_lookup", "eagle"],
+                        help="our server's method per request (eagle: with --eagle)")
+    parser.add_argument("--eagle", type=Path, default=None, metavar="DIR",
+                        help="EAGLE heads our servers load (--method eagle)")
     parser.add_argument("--prompts", default="stories", choices=["stories", "copy"],
                         help="a story each, or a paragraph to return with its typos fixed")
     parser.add_argument("--model", type=Path, default=None,
@@ -166,14 +168,17 @@ def main(argv=None) -> None:
     folder = args.model or smollm2_f32()
     if not (folder / "config.json").exists():
         raise SystemExit(f"{folder} is not an MLX model folder (no config.json)")
+    if (args.method == "eagle") != (args.eagle is not None):
+        raise SystemExit("--method eagle goes with --eagle DIR (the heads), and only with it")
     method = {"speculative": {"method": args.method}}
-    commands = {"mlx_speculate": (ours(folder, "--max-queue", "64"), folder.name)}
+    flags = ("--max-queue", "64") + (("--eagle", str(args.eagle)) if args.eagle else ())
+    commands = {"mlx_speculate": (ours(folder, *flags), folder.name)}
     extras = {"mlx_speculate": method}
     if args.against == "mlx-lm":
         commands["mlx-lm"] = (theirs(folder, "--log-level", "WARNING"), str(folder))
         extras["mlx-lm"] = None
     else:
-        solo = ours(folder, "--max-queue", "64", "--max-batch", "1")
+        solo = ours(folder, *flags, "--max-batch", "1")
         commands["max-batch-1"], extras["max-batch-1"] = (solo, folder.name), method
     print(f"# serving: {folder.name}, clients {args.clients}, {args.rounds} rounds, "
           f"{args.max_tokens} tokens per request, our method {args.method}; BLAS: {blas}")
