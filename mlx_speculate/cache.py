@@ -80,6 +80,8 @@ class Checkpoint:
 
 
 class KVCache:
+    follows_trees = True  # whether a verify may be a tree, not only a chain (`check_verify`)
+
     def __init__(
         self,
         num_layers: int,

@@ -178,12 +178,15 @@ def _marker(model, key: tuple) -> Path | None:
     return _named_marker((type(model).__module__, type(model).__qualname__, parameters, _kind(key)))
 
 
-def _kind(key: object) -> tuple[str, ...]:
-    """The names in a graph's key, nested keys included ("verify", "eagle", "greedy", ...):
+def _kind(key: object) -> tuple[str | bool, ...]:
+    """The names and flags in a graph's key, nested keys included ("verify", "eagle", whether
+    a step verifies a chain or a tree, reads a draft's probabilities, is masked by a grammar):
     what kind of graph it is, which decides the kernels it fuses, where its numbers (sizes,
     widths, a head's id) only vary its shapes. Why: a method first used in a later process
-    (its graphs' kind without a marker) builds its kernels in the background too."""
-    if isinstance(key, str):
+    (its graphs' kind without a marker) builds its kernels in the background too, and a
+    tree's step after chains' (a tree's mask fuses kernels of its own) runs eagerly while it
+    builds rather than compiling them inside a request for seconds."""
+    if isinstance(key, str | bool):
         return (key,)
     if isinstance(key, tuple):
         return tuple(name for part in key for name in _kind(part))

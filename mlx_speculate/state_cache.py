@@ -66,6 +66,8 @@ class HybridCache(KVCache):
     whether layer i (of this process) is recurrent; attention layers write through `write` by
     their model index, mapped to their slot among the attention layers."""
 
+    follows_trees = False  # a recurrent state follows one path: chains only
+
     def __init__(
         self,
         linear: Sequence[bool],

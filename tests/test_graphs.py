@@ -80,6 +80,11 @@ def test_a_marker_covers_graphs_of_its_kind_only(background):
     assert out.tolist() == [2.0] * 5  # eager, its build queued behind the request
     assert not graphs.settle(0)
     assert graphs.settle(60) and len(list(background.iterdir())) == 2
+    # A flag is part of the kind (a tree's step after chains'): eager while it builds.
+    (out,) = graphs.compiled(model, ("test", "kind one", (2, False)), build)(mx.ones((5,)))
+    assert out.tolist() == [2.0] * 5
+    assert not graphs.settle(0)
+    assert graphs.settle(60) and len(list(background.iterdir())) == 3
 
 
 def test_fused_functions_run_unfused_in_eager_calls_until_built(background, monkeypatch):
@@ -212,11 +217,41 @@ def test_batch_steps_built_ahead_compile_at_once(background, family):
     assert graphs.settle(0)
     if mx.default_device() != mx.cpu:
         return  # no markers: a GPU builds each graph in the background on its first call
-    assert len(list(background.iterdir())) == 1  # the batch step's kind
+    # The batch step's kinds: a plain (chain) step's, and a tree step's where the cache
+    # follows trees (a hybrid's does not).
+    assert len(list(background.iterdir())) == (2 if family == "llama" else 1)
     cache = BatchKVCache.of(model, 2)
     cache.offsets = [40, 7]
     start = cache.prepare(3)
     positions = start[:, None] + mx.arange(3, dtype=mx.int32)
     out = forward(model, cache, mx.ones((2, 3), dtype=mx.int32), positions, None, ())
+    mx.eval(out.logits)
+    assert graphs.settle(0)
+
+
+def test_calibrating_a_tree_drafter_builds_a_trees_step(background):
+    """A calibration whose drafter drafts trees (Medusa's, prompt lookup's) builds a tree's
+    verify step too, whose mask fuses kernels of its own: a first request's tree step, of
+    another shape, then compiles at once (on the CPU; a GPU has no markers)."""
+    if mx.default_device() != mx.cpu:
+        pytest.skip("markers say which CPU kernels are on disk; a GPU has none")
+    from mlx_speculate.drafters import MedusaSpec, make_drafter
+    from mlx_speculate.heads.medusa import MedusaHeads
+    from mlx_speculate.policy import measure
+    from mlx_speculate.sequence import Sequence
+    from mlx_speculate.step import verify as verify_step
+    from mlx_speculate.tree import Tree
+
+    model = to_float32(tiny_model())
+    drafter = make_drafter(MedusaSpec(heads=MedusaHeads(64, 97, num_heads=2)), model)
+    *_, trees = measure.measure(model, drafter, (1, 4, 8), progress=False, quick=True)
+    assert trees and graphs.settle(60)
+    sequence = Sequence(model)
+    sequence.prefill(PROMPT)  # eager: its fused functions' builds are queued
+    assert graphs.settle(60)
+    tree = Tree.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0)])
+    drafted = mx.ones((tree.num_nodes - 1,), dtype=mx.int32)
+    pending = mx.ones((1,), dtype=mx.int32)
+    out = verify_step(model, sequence.cache, pending, tree, drafted, None, measure.GREEDY)
     mx.eval(out.logits)
     assert graphs.settle(0)

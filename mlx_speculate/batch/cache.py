@@ -167,6 +167,8 @@ class BatchHybridCache(BatchKVCache):
     prompts (`lengths` set) keeps each row's state at its own length: its padding neither
     decays nor writes the state (models/gated_delta.py)."""
 
+    follows_trees = False
+
     def __init__(self, template: HybridCache, rows: int):
         """`template`: a one-sequence cache of the model (`make_cache`), whose layers it takes."""
         shapes = [(like.shape[1], like.shape[3]) for like in template.likes]

@@ -67,12 +67,7 @@ def build(model: CausalLM, rows: int) -> None:
     its first requests: on the CPU each graph would otherwise run eagerly until the machine
     is idle long enough to build it (graphs.py), and concurrent requests leave it no idle."""
     cache = BatchKVCache.of(model, rows)
-    shapes = [(1, True)]
-    try:
-        cache.check_verify(max(TREE_WIDTHS), False)
-        shapes += [(n, False) for n in TREE_WIDTHS]
-    except ValueError:  # a hybrid's recurrent rows follow chains only
-        pass
+    shapes = [(1, True)] + [(n, False) for n in TREE_WIDTHS if cache.follows_trees]
     with synchronous():
         for n, chain in shapes:
             cache.prepare(n)

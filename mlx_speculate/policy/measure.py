@@ -152,10 +152,11 @@ def measure(
     mark = sequence.cache.checkpoint(offset)
     pending = mx.ones((1,), dtype=mx.int32)
 
-    def forward(r: int) -> Callable[[], None]:
-        """The loop's own compiled verify step over r rows (a row bucket): the cost depends on
-        the row count, not the tree's shape."""
-        tree, drafted = Tree.chain(r - 1), mx.ones((r - 1,), dtype=mx.int32)
+    def forward(r: int, tree: Tree | None = None) -> Callable[[], None]:
+        """The loop's own compiled verify step over r rows (a row bucket), of a chain unless
+        `tree` (of r nodes): the cost depends on the row count, not the tree's shape."""
+        tree = Tree.chain(r - 1) if tree is None else tree
+        drafted = mx.ones((r - 1,), dtype=mx.int32)
 
         def run():
             out = verify_step(model, sequence.cache, pending, tree, drafted, None, GREEDY)
@@ -198,6 +199,10 @@ def measure(
                 draft[k] = _time(propose, decide)
             trees = trees or propose() == "tree"
             bar.update()
+    if trees and sequence.cache.follows_trees:
+        # A tree's step fuses kernels of its own (its mask): built here too, untimed, so that
+        # the first request's tree compiles at once (graphs.py: a kind's marker).
+        forward(4, Tree.from_paths([(0,), (1,), (0, 0)]))()
     if beside is not None:  # ratios to one-row forwards, in seconds of the least of them
         verify = {r: q * beside.scale for r, q in verify.items()}
         draft = {k: q * beside.scale for k, q in draft.items()}
