@@ -323,8 +323,9 @@ class _Builder:
                 self.lock.notify_all()
 
     def ready(self, build: _Build) -> bool:
-        """Whether `build` is done and no build is under way."""
-        return build.done.is_set() and self.building == 0
+        """Whether `build` is done and no build is under way (one only queued, waiting for the
+        cores to be free, holds no lock a compiled call takes)."""
+        return build.done.is_set() and not self.under_way
 
     def submit(self, build: _Build, make: Callable[[], Callable], shapes: list) -> None:
         with self.lock:

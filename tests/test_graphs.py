@@ -255,3 +255,20 @@ def test_calibrating_a_tree_drafter_builds_a_trees_step(background):
     out = verify_step(model, sequence.cache, pending, tree, drafted, None, measure.GREEDY)
     mx.eval(out.logits)
     assert graphs.settle(0)
+
+
+def test_a_built_graph_runs_compiled_beside_a_queued_build(background):
+    """Another graph's build only queued (waiting for the cores to be free, as it does under
+    concurrent requests) leaves a built graph compiled: only a build under way, whose compiler
+    holds the lock a compiled call takes, sends calls to their eager form."""
+    model = to_float32(tiny_model())
+    calls = []
+    build = lambda: lambda x: (calls.append(x.shape) or x - 1,)  # noqa: E731
+    built = graphs.compiled(model, ("test", "built first"), build)
+    with graphs.synchronous():
+        mx.eval(built(mx.zeros((3,))))
+    graphs.compiled(model, ("test", "queued after"), build)(mx.ones((3,)))  # eager
+    traced = len(calls)
+    (out,) = built(mx.ones((3,)))
+    assert out.tolist() == [0.0] * 3
+    assert len(calls) == traced and not graphs.settle(0)  # compiled, the other still queued
