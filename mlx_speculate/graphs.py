@@ -79,8 +79,8 @@ def synchronous() -> Iterator[None]:
     """Within it, graphs this thread calls are traced and their kernels compiled at once in
     this thread, as every call after a background build is (what a measurement times). No
     background build starts while one is open, and one under way is waited for first: a
-    build's compiler would share the cores and the compiler's lock with what is timed (on an
-    empty kernel cache, a calibration priced a one-row step at 30 times its cost)."""
+    build's compiler would share the cores and the compiler's lock with what is timed, and on
+    an empty kernel cache price a step at many times its cost."""
     with _builder.holding(), _flag("synchronous", True):
         yield
 
