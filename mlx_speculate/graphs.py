@@ -69,9 +69,12 @@ def settle(timeout: float | None = None) -> bool:
 def build_in_place() -> None:
     """From now on, in this process, graphs are built where they are called (no eager calls,
     no background builds): a model split over ranks has collectives in its graphs, which a
-    background build would run out of step with the other ranks."""
+    background build would run out of step with the other ranks. Builds queued before (an
+    unsplit model's) finish first, since one run after the split would trace its collectives
+    on this rank alone."""
     global BACKGROUND
     BACKGROUND = False
+    settle()
 
 
 @contextmanager

@@ -272,3 +272,14 @@ def test_a_built_graph_runs_compiled_beside_a_queued_build(background):
     (out,) = built(mx.ones((3,)))
     assert out.tolist() == [0.0] * 3
     assert len(calls) == traced and not graphs.settle(0)  # compiled, the other still queued
+
+
+def test_building_in_place_finishes_the_builds_queued_before(background):
+    """A model about to be split over ranks (`build_in_place`) first has its queued builds
+    run: one left for after the split would trace its collectives on one rank alone."""
+    model = to_float32(tiny_model())
+    build = lambda: lambda x: (x * 7,)  # noqa: E731
+    graphs.compiled(model, ("test", "queued before a split"), build)(mx.ones((3,)))
+    assert not graphs.settle(0)
+    graphs.build_in_place()
+    assert graphs.settle(0)
