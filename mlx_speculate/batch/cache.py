@@ -167,8 +167,6 @@ class BatchHybridCache(BatchKVCache):
     prompts (`lengths` set) keeps each row's state at its own length: its padding neither
     decays nor writes the state (models/gated_delta.py)."""
 
-    follows_trees = False
-
     def __init__(self, template: HybridCache, rows: int):
         """`template`: a one-sequence cache of the model (`make_cache`), whose layers it takes."""
         shapes = [(like.shape[1], like.shape[3]) for like in template.likes]
@@ -241,6 +239,10 @@ class BatchHybridCache(BatchKVCache):
     def keep_marked(self, layer: int, window: mx.array, state: mx.array) -> None:
         """Each row's conv window and delta-rule state at its marked slot (`mark`)."""
         self._marked[self._rec[layer]] = (window, state)
+
+    @property
+    def follows_trees(self) -> bool:
+        return self.template.follows_trees
 
     def check_verify(self, rows: int, is_chain: bool) -> None:
         self.template.check_verify(rows, is_chain)

@@ -152,11 +152,9 @@ def measure(
     mark = sequence.cache.checkpoint(offset)
     pending = mx.ones((1,), dtype=mx.int32)
 
-    def forward(r: int, tree: Tree | None = None) -> Callable[[], None]:
-        """The loop's own compiled verify step over r rows (a row bucket), of a chain unless
-        `tree` (of r nodes): the cost depends on the row count, not the tree's shape."""
-        tree = Tree.chain(r - 1) if tree is None else tree
-        drafted = mx.ones((r - 1,), dtype=mx.int32)
+    def verifying(tree: Tree) -> Callable[[], None]:
+        """The loop's own compiled verify step of `tree`, its cache rolled back after."""
+        drafted = mx.ones((tree.num_nodes - 1,), dtype=mx.int32)
 
         def run():
             out = verify_step(model, sequence.cache, pending, tree, drafted, None, GREEDY)
@@ -167,6 +165,11 @@ def measure(
                 sequence.cache.return_to(mark)
 
         return run
+
+    def forward(r: int) -> Callable[[], None]:
+        """A verify step over r rows (a row bucket), of a chain: the cost depends on the row
+        count, not the tree's shape."""
+        return verifying(Tree.chain(r - 1))
 
     # The rows a step of the longest draft verifies are measured whatever the budget (up to
     # 16): a curve cut short and carried on in proportion would price long drafts far above
@@ -202,7 +205,7 @@ def measure(
     if trees and sequence.cache.follows_trees:
         # A tree's step fuses kernels of its own (its mask): built here too, untimed, so that
         # the first request's tree compiles at once (graphs.py: a kind's marker).
-        forward(4, Tree.from_paths([(0,), (1,), (0, 0)]))()
+        verifying(Tree.from_paths([(0,), (1,), (0, 0)]))()
     if beside is not None:  # ratios to one-row forwards, in seconds of the least of them
         verify = {r: q * beside.scale for r, q in verify.items()}
         draft = {k: q * beside.scale for k, q in draft.items()}
