@@ -65,14 +65,16 @@ def build(model: CausalLM, rows: int) -> None:
     and, where the target's cache follows trees, a tree step's of each of TREE_WIDTHS, over
     an empty cache (their kernels serve every span). What a server runs at start-up, before
     its first requests: on the CPU each graph would otherwise run eagerly until the machine
-    is idle long enough to build it (graphs.py), and concurrent requests leave it no idle."""
+    is idle long enough to build it (graphs.py), and concurrent requests leave it no idle.
+    Its inputs are laid out as the engine's (stacked, contiguous): a compiled kernel is built
+    per layout, and a broadcast one would build kernels no step uses."""
     cache = BatchKVCache.of(model, rows)
     shapes = [(1, True)] + [(n, False) for n in TREE_WIDTHS if cache.follows_trees]
     with synchronous():
         for n, chain in shapes:
             cache.prepare(n)
             tokens = mx.zeros((rows, n), dtype=mx.int32)
-            positions = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (rows, n))
-            mask = None if chain else mx.broadcast_to(mx.eye(n, dtype=mx.bool_), (rows, n, n))
+            positions = mx.stack([mx.arange(n, dtype=mx.int32)] * rows)
+            mask = None if chain else mx.stack([mx.eye(n, dtype=mx.bool_)] * rows)
             out = forward(model, cache, tokens, positions, mask, ())
             mx.eval(out.logits, cache.state)
