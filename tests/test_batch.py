@@ -148,7 +148,9 @@ def test_every_method_in_a_batch_equals_greedy_alone(family):
         tokens, handles = run(target, prompts, make, n, fixed=None if name == "none" else 4)
         assert tokens == references, name
         if name in ("draft model", "medusa", "eagle-1 tree", "eagle-3 chain", "dflash tree"):
-            assert sum(h.last.stats.drafted for h in handles) > 0, name
+            # every sequence drafted: its prompt, prefilled beside longer ones, gave its
+            # drafter its own features (a head drafting from a padded row's never drafts)
+            assert all(h.last.stats.drafted > 0 for h in handles), name
 
 
 def test_joining_prompts_prefill_together_in_chunks(monkeypatch):

@@ -97,8 +97,9 @@ class PrefillGroup:
             out = self.model(mx.array(tokens), cache, positions=positions, taps=taps)
             for row, (prefill, chunk) in enumerate(zip(members, chunks, strict=True)):
                 index = [taps.index(t) for t in prefill.sequence.taps]
-                hidden = out.hidden[row, : len(chunk)]
-                prefill.took(TargetFeatures(hidden, tuple(out.taps[i][row] for i in index)))
+                n = len(chunk)  # its rows, not the padding after them
+                own = tuple(out.taps[i][row, :n] for i in index)
+                prefill.took(TargetFeatures(out.hidden[row, :n], own))
                 cache.offsets[row] += len(chunk)
             cache.lengths = None
             mx.eval(cache.state)
