@@ -37,7 +37,7 @@ from .graphs import built
 from .policy.adaptive import FixedPolicy, Policy
 from .sampling import SamplingParams
 from .sequence import Sequence, Step, finite
-from .step import Then, Verified, verify
+from .step import Verified, verify
 from .tree import ROOT, Tree
 from .verify import Acceptance
 
@@ -205,7 +205,7 @@ class StepBuilder:
         draft, guide = sequence.plan(k)
         tree = ROOT if draft is None else draft.tree
         offset = sequence.cache.offset
-        then = None if draft is None or guide is not None else self._then()
+        then = None if draft is None or guide is not None else self.sequence.then()
         allowed = None if guide is None else guide.allowed
         verified = self._verify(pending, tree, draft, allowed=allowed, then=then)
         chain = None if draft is None or guide is not None or not self._follows() else draft
@@ -242,12 +242,6 @@ class StepBuilder:
         mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
         return verified
 
-    def _then(self) -> Then | None:
-        """EAGLE's next draft, traced into this step's graph (`step.Then`), on a real target."""
-        sequence = self.sequence
-        fits = sequence.fused and sequence.model.traceable and not sequence.rule.typical
-        return sequence.drafter.then() if fits else None
-
     def _follows(self) -> bool:
         """Whether a step can be queued on the last one's lazy count: the drafter continues
         drafts (`follow`) and the target's step is compiled, so the root slot may be lazy."""
@@ -264,7 +258,7 @@ class StepBuilder:
             draft = sequence.drafter.follow(step.draft, accepted, pending, k, sequence.sampling)
             if draft is None:
                 return None
-            then = self._then()
+            then = self.sequence.then()
             last = sequence.cache.offset if step.offset is None else step.offset
             at = ((last + 1 + accepted).astype(mx.int32), last + step.tree.num_nodes)
             verified = self._verify(pending, draft.tree, draft, at=at, then=then)

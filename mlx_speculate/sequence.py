@@ -40,6 +40,7 @@ from .models.base import CausalLM
 from .models.quantized_kv import KVQuantization
 from .models.quantized_prefill import prefilling
 from .sampling import SamplingParams
+from .step import Then
 from .tree import ROOT, Tree
 from .verify import Acceptance, AcceptanceRule
 
@@ -355,6 +356,14 @@ class Sequence:
         k = min(k, self.context_room())
         draft = self.drafter.propose(self.context, k, self.sampling)
         return None if draft is None else draft.limited(self.room())
+
+    def then(self) -> Then | None:
+        """The fused drafter's next draft, to trace into the graph of the step verifying its
+        last one (`step.Then`), where that fits: a traceable target and a lossless rule. None
+        otherwise, or when the drafter cannot (it then drafts by `propose`). Both schedulers
+        ask it once a step's draft is planned without a grammar's guide."""
+        fits = self.fused and self.model.traceable and not self.rule.typical
+        return self.drafter.then() if fits else None
 
     def commit(
         self,

@@ -99,7 +99,7 @@ def verify(
     n = tree.num_nodes
     rows = verify_rows(tree)
     cache.check_verify(rows, tree.is_chain)  # before tracing: a refusal inside would not undo
-    padded = _bounded(tree.padded(rows))
+    padded = bounded(tree.padded(rows))
     pad = rows - n
     drafted = mx.zeros((0,), mx.int32) if draft is None else draft.astype(mx.int32)
     drafted = mx.concatenate([drafted, mx.full((pad,), -1, mx.int32)])  # (rows - 1,)
@@ -136,7 +136,7 @@ def verify(
     return Verified(acceptance, logits, hidden, tuple(rest[:t]), tuple(rest[t:]))
 
 
-def _bounded(padded: PaddedTree) -> PaddedTree:
+def bounded(padded: PaddedTree) -> PaddedTree:
     """The padded tree with static bounds for its depth and width rather than its own, so
     that drafts of nearby sizes and shapes share one traced graph (a trace costs several
     steps, and the adaptive policy and lookup trees vary both): a padded chain is a chain of

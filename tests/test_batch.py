@@ -14,6 +14,7 @@ from mlx_speculate.batch.engine import batch_stream
 from mlx_speculate.batch.prefill import PREFILL_ROWS, PrefillGroup
 from mlx_speculate.drafters import DFlashSpec, EagleGrowth, EagleSpec, MtpSpec, make_drafter
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
+from mlx_speculate.drafters.features import FusedSteps
 from mlx_speculate.drafters.lookup import LookupDrafter
 from mlx_speculate.drafters.medusa import MedusaDrafter
 from mlx_speculate.generation import Session
@@ -151,6 +152,33 @@ def test_every_method_in_a_batch_equals_greedy_alone(family):
             # every sequence drafted: its prompt, prefilled beside longer ones, gave its
             # drafter its own features (a head drafting from a padded row's never drafts)
             assert all(h.last.stats.drafted > 0 for h in handles), name
+
+
+@pytest.mark.parametrize("method", ["eagle-1 tree", "eagle-3 chain", "dflash tree"])
+def test_fused_drafters_draft_inside_the_batch_step(method, monkeypatch):
+    """A fused drafter's row drafts its next proposal inside the batch's verify graph, as its
+    step alone does: after a sequence's first proposal, its proposals take the draft the
+    last step made (no catch-up or growth of their own between steps), and every sequence
+    emits plain greedy decoding's tokens."""
+    target, draft = FAMILIES["llama"]()
+    n = 24
+    prompts = [p for p in CANDIDATES if clear(target, p, n)][:4]
+    proposals = {"fresh": 0, "fused": 0}
+    take_ready = FusedSteps.take_ready
+
+    def counted(steps):
+        ready = take_ready(steps)
+        proposals["fresh" if ready is None else "fused"] += 1
+        return ready
+
+    monkeypatch.setattr(FusedSteps, "take_ready", counted)
+    tokens, handles = run(target, prompts, drafters(target, draft)[method], n, fixed=4)
+    assert tokens == [greedy_reference(target, p, n) for p in prompts]
+    assert all(h.last.stats.drafted > 0 for h in handles)
+    # Each sequence's first proposal is fresh; every later one (in the batch, and alone once
+    # the others left) takes the draft its last step made.
+    assert proposals["fresh"] == len(prompts), proposals
+    assert proposals["fused"] >= 3 * len(prompts), proposals
 
 
 def test_joining_prompts_prefill_together_in_chunks(monkeypatch):

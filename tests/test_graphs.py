@@ -224,7 +224,7 @@ def test_batch_steps_built_ahead_compile_at_once(background, family):
     cache.offsets = [40, 7]
     start = cache.prepare(3)
     positions = start[:, None] + mx.arange(3, dtype=mx.int32)
-    out = forward(model, cache, mx.ones((2, 3), dtype=mx.int32), positions, None, ())
+    out = forward(model, cache, mx.ones((2, 3), dtype=mx.int32), positions, None, ()).model
     mx.eval(out.logits)
     assert graphs.settle(0)
 

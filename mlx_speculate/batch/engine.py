@@ -22,6 +22,11 @@ its last queued step is read first and its keys move into a row of the batch, an
 batch is down to one it goes on alone again. A seeded sequence stays in the batch, whose
 per-sequence reseeding makes its draws the same beside any others.
 
+A fused drafter's row (EAGLE, MTP, DFlash) drafts as its step alone does: its acceptance rule
+and its drafter's next draft run inside the batch step's graph (`batch.step.FusedRow`), so its
+next proposal is that draft, with no drafting call of its own between steps (a seeded request's
+row, whose draws come from its own seed, drafts by `propose`).
+
 Host syncs per step: one `mx.eval` of every row's acceptance; drafters and grammars add
 their own as they do alone. A prefill step is evaluated before the decoding step is built.
 The planner (policy/batch.py) sets the step's width from measured step costs and each sequence's
@@ -57,12 +62,12 @@ from ..policy.batch import BatchPlanner
 from ..policy.costs import cached_costs
 from ..sampling import SamplingParams
 from ..sequence import Prefill, Sequence, Step, finite
-from ..step import bucket
+from ..step import Then, bucket
 from ..tree import ROOT, Tree
 from ..verify import Acceptance
 from .cache import BatchKVCache
 from .prefill import PrefillGroup
-from .step import forward
+from .step import FusedRow, forward
 
 
 def rows_bucket(n: int, most: int) -> int:
@@ -411,6 +416,7 @@ class BatchEngine:
         rates = [r.rate.rate for r in running]
         width = self.planner.width(self.cache.rows, caps, rates, least)
         planned: list[tuple[Draft | None, Guide | None] | None] = []
+        thens: dict[int, Then] = {}  # fused rows' next drafts, by id of their `_Running`
         seeded = False
         for r in running:
             try:
@@ -418,6 +424,9 @@ class BatchEngine:
                 draft, guide = r.sequence.plan(min(width - 1, r.cap))
                 if draft is not None:  # a hybrid's recurrent rows follow chains only
                     self.cache.check_verify(draft.tree.num_nodes, draft.tree.is_chain)
+                    then = self._then(r, guide)
+                    if then is not None:
+                        thens[id(r)] = then
                 planned.append((draft, guide))
             except Exception as e:
                 planned.append(None)
@@ -453,11 +462,35 @@ class BatchEngine:
         positions = offsets + mx.stack(depths)
         mask = None if chains else mx.stack(seen)
         taps = tuple(sorted({t for r, _ in live for t in r.sequence.taps}))
+        fused = {
+            id(r): FusedRow.of(
+                r.row,
+                n,
+                draft.tree,
+                draft.tokens,
+                draft.logprobs,
+                r.sequence.rule,
+                tuple(taps.index(t) for t in r.sequence.taps),
+                thens[id(r)],
+            )
+            for r, (draft, _) in live
+            if id(r) in thens
+        }
+        if seeded and fused:  # their draws in the graph follow no other sequence's seed
+            _unseed()
         self.cache.prepare(n)
-        out = forward(self.model, self.cache, batch_tokens, positions, mask, taps)
+        step = forward(
+            self.model, self.cache, batch_tokens, positions, mask, taps, tuple(fused.values())
+        )
+        out, fused_out = step.model, dict(zip(fused, step.fused, strict=True))
         verdicts: list[tuple[Acceptance, mx.array]] = []
         for (r, (draft, guide)), tree in zip(live, trees, strict=True):
             logits = masked(out.logits[r.row, : tree.num_nodes], guide)
+            if id(r) in fused_out:
+                acceptance, following = fused_out[id(r)]
+                r.sequence.drafter.received(following)
+                verdicts.append((acceptance, logits))
+                continue
             tokens_in = mx.zeros((0,), mx.int32) if draft is None else draft.tokens
             q = None if draft is None else draft.logprobs
             seeded |= r.reseed()
@@ -487,15 +520,33 @@ class BatchEngine:
         for r, b, guide, tree, accepted, path, emitted, logits in commits:
             try:
                 features = None
-                if r.sequence.drafter is not None:
+                if r.sequence.drafter is not None and id(r) not in fused_out:
                     index = [taps.index(t) for t in r.sequence.taps]
                     features = TargetFeatures(out.hidden[b], tuple(out.taps[i][b] for i in index))
                 self._commit(
-                    r, features, guide, tree, accepted, path, emitted, logits, seconds, oks[b]
+                    r,
+                    features,
+                    guide,
+                    tree,
+                    accepted,
+                    path,
+                    emitted,
+                    logits,
+                    seconds,
+                    oks[b],
+                    settled=id(r) in fused_out,
                 )
             except Exception as e:  # this request's (its grammar, its drafter), not the batch's
                 self._fail(r, e)
             yield r.handle
+
+    def _then(self, running: _Running, guide: Guide | None) -> Then | None:
+        """The drafted row's next draft, to run in the step's graph with its rule, as its
+        step alone does (`Sequence.then`); None under a grammar's guide, for a seeded request
+        (its draws come from its own seed, outside the graph), or when its drafter cannot."""
+        if guide is not None or running.handle.sampling.seed is not None:
+            return None
+        return running.sequence.then()
 
     def _commit(
         self,
@@ -509,13 +560,23 @@ class BatchEngine:
         logits: mx.array,
         seconds: float,
         ok: bool,
+        settled: bool = False,
     ) -> None:
         """Commits a row's accepted path (its keys are in place in the row: the offset moves
         over them) through `Sequence.commit`, as alone (`features`: the row's, for its
-        drafter), and ends the sequence when that finished it."""
+        drafter; `settled`: its drafter drafted in the step already, and takes the count),
+        and ends the sequence when that finished it."""
         self.cache.offsets[running.row] += accepted + 1
         step = running.sequence.commit(
-            emitted, path, logits, tree, guide, features, seconds=seconds, finite=ok
+            emitted,
+            path,
+            logits,
+            tree,
+            guide,
+            features,
+            settled=settled,
+            seconds=seconds,
+            finite=ok,
         )
         if guide is None:
             running.rate.observe(step.drafted, accepted)

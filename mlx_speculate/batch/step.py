@@ -1,5 +1,5 @@
 """The batch's verify forward, compiled: one graph per (rows, width, attended span, cache
-capacity, chain or tree, taps), as the single-stream step is (step.py).
+capacity, chain or tree, taps, fused rows), as the single-stream step is (step.py).
 
 Inputs are the (B, N) tokens and rotary positions, each row's start slot (B,), a tree step's
 (B, N, N) visibility among the new tokens, and the cache's arrays; outputs are the logits,
@@ -7,22 +7,93 @@ hidden states and taps of every row and the cache's arrays with the new keys wri
 row's own slots. Nothing in the graph depends on the host offsets: rows grow by buckets
 (engine.BUCKETS), widths are the planner's few, the span takes two sizes an octave
 (`KVCache.span`) and the capacity grows a chunk at a time, so the traces stay few.
+
+A fused drafter's row (EAGLE, MTP, DFlash: `FusedRow`) has its acceptance rule and its
+drafter's next draft (`step.Then`) traced into the same graph, over its own rows of the
+output, as its step alone is: the row needs no drafting call of its own between steps, and
+the step stays one compiled call and one host sync.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ..graphs import compiled, synchronous
 from ..models.base import CausalLM, ModelOutput
 from ..policy.batch import MAX_WIDTH
-from ..step import bucket
+from ..step import Then, bounded, bucket, verify_rows
+from ..tree import DeviceTree, PaddedTree, Tree
+from ..verify import Acceptance, AcceptanceRule
 from .cache import BatchKVCache
 
 # The tree widths built ahead (`build`): the buckets of every tree the planner may verify.
 TREE_WIDTHS = tuple(sorted({bucket(n) for n in range(2, MAX_WIDTH + 1)}))
+
+
+@dataclass(frozen=True, eq=False)
+class FusedRow:
+    """A batch row whose acceptance rule and drafter's next draft run inside the batch step
+    (see the module): its draft over its own leading rows of the step (`rows`), padded as its
+    step alone pads it (`of`), its rule, its drafter's taps (indices into the step's) and the
+    drafter's `Then`."""
+
+    row: int
+    tree: PaddedTree  # with static bounds (step.bounded)
+    drafted: mx.array  # (rows - 1,) int32: its draft tokens, -1 past them (never accepted)
+    q: mx.array | None  # (rows, V) its draft's distributions, where its rule reads them
+    rule: AcceptanceRule
+    taps: tuple[int, ...]
+    then: Then
+
+    @classmethod
+    def of(
+        cls,
+        row: int,
+        width: int,
+        tree: Tree | DeviceTree,
+        tokens: mx.array,
+        logprobs: mx.array | None,
+        rule: AcceptanceRule,
+        taps: tuple[int, ...],
+        then: Then,
+    ) -> FusedRow:
+        """Row `row` of a step `width` wide, verifying `tree`'s `tokens` (its draft's
+        `logprobs`, None for deterministic picks) by `rule`. Its rows are those its step
+        alone would verify (`verify_rows`), at most the batch's width: the drafter's `Then`
+        sized its writes by them."""
+        rows = min(verify_rows(tree), width)
+        pad = rows - tree.num_nodes
+        drafted = mx.concatenate([tokens.astype(mx.int32), mx.full((pad,), -1, mx.int32)])
+        q = None
+        if logprobs is not None and rule.reads_draft:
+            q = logprobs.astype(mx.float32)
+            q = mx.concatenate([q, mx.zeros((rows - q.shape[0], q.shape[-1]), mx.float32)])
+        return cls(row, bounded(tree.padded(rows)), drafted, q, rule, taps, then)
+
+    @property
+    def key(self) -> tuple:
+        """What shapes its part of the step's graph."""
+        t = self.tree
+        shape = (t.num_nodes, t.is_chain, t.depth, t.width)
+        return (self.row, shape, self.q is not None, self.rule, self.taps, self.then.key)
+
+    @property
+    def inputs(self) -> tuple[mx.array, ...]:
+        t = self.tree
+        own = (t.parent_index, t.depth_index, t.ancestors, self.drafted)
+        return own + (() if self.q is None else (self.q,)) + self.then.inputs
+
+
+@dataclass(frozen=True)
+class BatchOutput:
+    """A batch step's lazy results: the target's over every row, and each fused row's
+    acceptance and its `Then`'s outputs, in the order of the rows given."""
+
+    model: ModelOutput
+    fused: tuple[tuple[Acceptance, tuple[mx.array, ...]], ...] = ()
 
 
 def forward(
@@ -32,32 +103,68 @@ def forward(
     positions: mx.array,
     mask: mx.array | None,
     taps: tuple[int, ...],
-) -> ModelOutput:
+    fused: tuple[FusedRow, ...] = (),
+) -> BatchOutput:
     """The target over (B, N) `tokens` at `positions`, row b's keys written from its start
     slot (`BatchKVCache.prepare` reserved the room and set the starts and span); `mask`: None
-    (causal) or (B, N, N) bool. Lazy; the cache takes the written arrays."""
+    (causal) or (B, N, N) bool; `fused`: rows whose rule and next draft run in the graph too.
+    Lazy; the cache takes the written arrays."""
     B, N = tokens.shape
     span = cache.attended
-    key = ("batch", B, N, mask is None, taps)
-    build = lambda: _forward_fn(model, cache, mask is None, taps, span)  # noqa: E731
+    key = ("batch", B, N, mask is None, taps, tuple(f.key for f in fused))
+    build = lambda: _forward_fn(model, cache, mask is None, taps, span, fused)  # noqa: E731
     fn = compiled(model, key, build, span=span)
     args = (tokens, positions, cache.start) + (() if mask is None else (mask,))
-    logits, hidden, *taps_out = cache.take_outputs(fn(*args, *cache.state))
-    return ModelOutput(logits, hidden, tuple(taps_out))
+    extra = tuple(a for f in fused for a in f.inputs)
+    logits, hidden, taps_out, rows = cache.take_outputs(fn(*args, *extra, *cache.state))
+    out = ModelOutput(logits, hidden, tuple(taps_out))
+    return BatchOutput(out, tuple((Acceptance(*r[:3]), tuple(r[3:])) for r in rows))
 
 
 def _forward_fn(
-    model: CausalLM, cache: BatchKVCache, chain: bool, taps: tuple[int, ...], span: int
+    model: CausalLM,
+    cache: BatchKVCache,
+    chain: bool,
+    taps: tuple[int, ...],
+    span: int,
+    fused: tuple[FusedRow, ...],
 ) -> Callable:
+    # The fused rows' static parts: the arrays they take in come as inputs, in `inputs` order.
+    shapes = [(f, len(f.inputs)) for f in fused]
+
     def step(tokens, positions, start, *rest):
-        mask, arrays = (None, rest) if chain else (rest[0], rest[1:])
+        mask, rest = (None, rest) if chain else (rest[0], rest[1:])
         view = cache.fresh()
-        view.adopt(arrays)
+        used = sum(n for _, n in shapes)
+        view.adopt(rest[used:])
         view.start, view.attended = start, span
         out = model(tokens, view, positions=positions, mask=mask, taps=taps)
-        return out.logits, out.hidden, *out.taps, *view.state
+        rows, at = [], 0
+        for f, n in shapes:
+            rows.append(_fused_row(f, out, rest[at : at + n]))
+            at += n
+        return out.logits, out.hidden, tuple(out.taps), tuple(rows), *view.state
 
     return step
+
+
+def _fused_row(f: FusedRow, out: ModelOutput, inputs: tuple[mx.array, ...]) -> tuple:
+    """A fused row's rule over its rows of `out`, then its `Then`: (path, tokens, accepted
+    count, *the Then's outputs)."""
+    parent_index, depth_index, ancestors, drafted, *rest = inputs
+    q, extra = (rest[0], rest[1:]) if f.q is not None else (None, rest)
+    t = f.tree
+    tree = PaddedTree(
+        t.num_nodes, t.depth, t.width, t.is_chain, parent_index, depth_index, ancestors
+    )
+    b, m = f.row, t.num_nodes
+    # A slice, not [b]: MLX indexes with an int by a gather (two graph nodes, not one).
+    logits = out.logits[b : b + 1, :m].squeeze(0)
+    hidden = out.hidden[b : b + 1, :m].squeeze(0)
+    row_taps = tuple(out.taps[i][b : b + 1, :m].squeeze(0) for i in f.taps)
+    acceptance = f.rule(tree, drafted, logits, q)
+    following = f.then.trace(acceptance, hidden, row_taps, *extra)
+    return (acceptance.path, acceptance.tokens, acceptance.num_accepted, *following)
 
 
 def build(model: CausalLM, rows: int) -> None:
@@ -76,5 +183,5 @@ def build(model: CausalLM, rows: int) -> None:
             tokens = mx.zeros((rows, n), dtype=mx.int32)
             positions = mx.stack([mx.arange(n, dtype=mx.int32)] * rows)
             mask = None if chain else mx.stack([mx.eye(n, dtype=mx.bool_)] * rows)
-            out = forward(model, cache, tokens, positions, mask, ())
+            out = forward(model, cache, tokens, positions, mask, ()).model
             mx.eval(out.logits, cache.state)
