@@ -3,14 +3,17 @@ in one process: aggregate tokens/s of `batch_generate` over N prompts (each deco
 with or without a method) and of `stream_generate` run over them in turn, every answer compared.
 
     python benchmarks/bench_batch.py [--openblas] [--family qwen3_5] [--size "SmolLM2-sized"]
-        [--prompts 8] [--max-tokens 32] [--method none|prompt_lookup] [--rounds 3]
+        [--prompts 8] [--max-tokens 32] [--method none|prompt_lookup|eagle] [--rounds 3]
+        [--model FOLDER] [--eagle HEADS]
 
 The model is report.py's families set's random folder of that family and size (family_models.py;
-stories260K's tokenizer grown to the vocabulary, no EOS, so every run lasts its token count).
+stories260K's tokenizer grown to the vocabulary, no EOS, so every run lasts its token count), or
+--model's folder, prompted with story openings (SmolLM2-135M-Instruct with --eagle
+../shared/eagle/smollm2-eagle1 for EAGLE rows in the batch).
 Rounds alternate which side goes first; the table gives medians over rounds. Every timed run
 must emit exactly --max-tokens tokens for every prompt and the batch's answers must equal the
 one-at-a-time ones token for token, else the run stops. Writes
-benchmarks/results/batch-<family>-<date>-<device>.json.
+benchmarks/results/batch-<family or model>-<method>-<date>-cpu.json.
 """
 
 from __future__ import annotations
@@ -28,6 +31,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_blas_argument, describe_versions, header, setup_blas  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# Story openings for --model (a real model's prompts)
+STORIES = (
+    "Once upon a time, there was a little",
+    "The cat sat on the mat and",
+    "In a small village by the sea,",
+    "Tom wanted to play with his red ball, but",
+    "The sun was shining and the birds",
+    "Lily found a shiny key in the garden.",
+    "Max the dog loved to run",
+    "One day, a little girl named Sue",
+)
 
 
 def main(argv=None) -> None:
@@ -36,7 +50,9 @@ def main(argv=None) -> None:
     parser.add_argument("--size", default="SmolLM2-sized")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--method", default="none", choices=["none", "prompt_lookup"])
+    parser.add_argument("--method", default="none", choices=["none", "prompt_lookup", "eagle"])
+    parser.add_argument("--model", default=None, help="a real model's folder, story prompts")
+    parser.add_argument("--eagle", default=None, help="EAGLE heads (--method eagle)")
     parser.add_argument("--rounds", type=int, default=3)
     add_blas_argument(parser)
     args = parser.parse_args(argv)
@@ -47,15 +63,29 @@ def main(argv=None) -> None:
     from mlx_speculate import load, stream_generate
     from mlx_speculate.batch import batch_generate
 
-    config = family_config(args.family, args.size)
-    folder = family_folder(config)
-    header(f"Batch vs one at a time: {args.family} ({args.size}), {describe(config)}", blas)
-    model, tokenizer = load(folder)
-    prompts = [
-        [1] + [(17 * i + 5 * j * j) % 400 + 3 for j in range(24 + 3 * i)]
-        for i in range(args.prompts)
-    ]
-    options = {"prompt_lookup": True} if args.method == "prompt_lookup" else {}
+    if args.method == "eagle" and args.eagle is None:
+        parser.error("--method eagle needs --eagle HEADS")
+    if args.model is None:
+        config = family_config(args.family, args.size)
+        model, tokenizer = load(family_folder(config))
+        described = f"{args.family} ({args.size}), {describe(config)}"
+        prompts = [
+            [1] + [(17 * i + 5 * j * j) % 400 + 3 for j in range(24 + 3 * i)]
+            for i in range(args.prompts)
+        ]
+    else:
+        model, tokenizer = load(args.model)
+        described = args.model
+        openings = [
+            STORIES[i % len(STORIES)] + " " * (i // len(STORIES)) for i in range(args.prompts)
+        ]
+        prompts = [tokenizer.encode(t) for t in openings]
+    header(f"Batch vs one at a time: {described}", blas)
+    options = {
+        "none": {},
+        "prompt_lookup": {"prompt_lookup": True},
+        "eagle": {"eagle": args.eagle},
+    }[args.method]
     n = args.max_tokens
 
     def batched() -> tuple[float, list[list[int]]]:
@@ -93,10 +123,11 @@ def main(argv=None) -> None:
     print(f"  in turn  {tps['in turn']:8.1f} tok/s")
     print(f"  ratio    {ratio:8.2f}x   answers equal: yes")
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"batch-{args.family}-{date.today()}-cpu.json"
+    name = args.family if args.model is None else Path(args.model).name
+    out = RESULTS / f"batch-{name}-{args.method}-{date.today()}-cpu.json"
     record = {
         "command": "python benchmarks/" + " ".join([Path(__file__).name, *(argv or sys.argv[1:])]),
-        "model": describe(config),
+        "model": described,
         "prompts": len(prompts),
         "max_tokens": n,
         "method": args.method,
