@@ -464,20 +464,24 @@ def test_a_joining_sequence_gets_its_first_token_before_the_batch_decodes():
     assert engine.size == 4 and not late.done
 
 
-def test_a_lone_sequence_decodes_outside_the_batch_and_back():
+@pytest.mark.parametrize("method", ["draft model", "eagle-1 tree", "eagle-3 chain"])
+def test_a_lone_sequence_decodes_outside_the_batch_and_back(method):
     """A sequence that no other runs or waits beside decodes alone on its own cache, each step
     queued before the last is read (`Decoder.resume`, as `--max-batch 1` decodes it); a joiner
     brings its keys into the batch's cache, and once the others left it decodes alone again;
-    its tokens are plain greedy decoding's throughout. A seeded sequence stays in the batch."""
+    its tokens are plain greedy decoding's throughout, with a pipelined drafter and with fused
+    ones (their draft made in the last step alone goes on in the batch's, and back). A
+    seeded sequence stays in the batch."""
     target, draft = FAMILIES["llama"]()
     n, short = 40, 6
     prompts = [p for p in CANDIDATES if clear(target, p, n)][:2]
     engine = BatchEngine(target, 4)
     tokens: dict[int, list[int]] = {}
+    make = drafters(target, draft)[method]
 
     def handle(prompt, max_tokens, sampling=GREEDY):
-        session = Session(target, StubTokenizer(), DraftModelDrafter(draft, 97))
-        return Handle(session, prompt, sampling, max_tokens)
+        session = Session(target, StubTokenizer(), make())
+        return Handle(session, prompt, sampling, max_tokens, num_draft_tokens=4)
 
     def step():
         for h in engine.step():
@@ -501,6 +505,7 @@ def test_a_lone_sequence_decodes_outside_the_batch_and_back():
         step()
     assert tokens[id(lone)] == greedy_reference(target, prompts[0], n)
     assert tokens[id(joiner)] == greedy_reference(target, prompts[1], short)
+    assert lone.last.stats.drafted > 0 and joiner.last.stats.drafted > 0
     seeded = handle(prompts[0], n, SamplingParams(temperature=1.0, seed=3))
     engine.add(seeded)
     step()
