@@ -12,12 +12,15 @@ from mlx_speculate.batch import BatchEngine, Handle, batch_generate, check_batch
 from mlx_speculate.batch.cache import BatchKVCache
 from mlx_speculate.batch.engine import batch_stream
 from mlx_speculate.batch.prefill import PREFILL_ROWS, PrefillGroup
+from mlx_speculate.batch.step import FusedRow
 from mlx_speculate.drafters import DFlashSpec, EagleGrowth, EagleSpec, MtpSpec, make_drafter
 from mlx_speculate.drafters.draft_model import DraftModelDrafter
 from mlx_speculate.drafters.features import FusedSteps
 from mlx_speculate.drafters.lookup import LookupDrafter
 from mlx_speculate.drafters.medusa import MedusaDrafter
+from mlx_speculate.drafters.mtp import MtpDrafter
 from mlx_speculate.generation import Session
+from mlx_speculate.heads.mtp import MtpHead
 from mlx_speculate.loading import load
 from mlx_speculate.policy.batch import BatchPlanner, expected_tokens
 from mlx_speculate.policy.costs import StepCosts
@@ -34,7 +37,8 @@ from .test_hybrid import VOCAB as HYBRID_VOCAB
 from .test_hybrid import tiny_hybrid
 from .test_hybrid_methods import eagle_heads, llama_draft
 from .test_medusa import random_heads
-from .test_mtp import save_mlx
+from .test_mtp import PROMPT as MTP_PROMPT
+from .test_mtp import copying_weights, save_mlx
 
 GREEDY = SamplingParams()
 DEEP = {"num_hidden_layers": 3}
@@ -394,6 +398,31 @@ def test_sampled_trees_in_a_batch_follow_the_target(method):
     assert drafted > 200  # drafts were verified at most steps
     assert_follows_marginal(target, prompt, 1.0, 0, [t[0] for t in draws])
     assert_follows_marginal(target, prompt, 1.0, 1, [t[1] for t in draws])
+
+
+def test_fused_sampled_mtp_drafts_in_a_batch_follow_the_target(tmp_path, monkeypatch):
+    """At temperature 0.5, sequences sampled eight at a time on a hybrid target with a noisy
+    MTP head (chains of one draft, often wrong) draw their third token from the target's exact
+    marginal: where the first step rejected its draft, that token is the second step's draft,
+    which the first step's batch graph drew (fused), or its resample."""
+    target, _ = load(save_mlx(tmp_path / "qwen3_5_text", "qwen3_5_text"))
+    weights = copying_weights(target.args)
+    noise = mx.random.normal(weights["fc.weight"].shape, key=mx.random.key(3))
+    weights["fc.weight"] = weights["fc.weight"] + 0.3 * noise
+    head = MtpHead(target.args).load_weights(list(weights.items()))
+    fused = []
+    of = FusedRow.of.__func__
+    monkeypatch.setattr(FusedRow, "of", classmethod(lambda *a: fused.append(1) or of(*a)))
+    mx.random.seed(1)
+    sampling = SamplingParams(temperature=0.5)
+    engine = BatchEngine(target, 8)
+    thirds = []
+    for _ in range(50):
+        make = lambda: MtpDrafter(head, target)  # noqa: E731
+        tokens, _ = run(target, [MTP_PROMPT] * 8, make, 5, sampling, fixed=1, engine=engine)
+        thirds += [t[2] for t in tokens]
+    assert len(fused) > 200  # most steps' drafts were drawn in the batch's graph
+    assert_follows_marginal(target, MTP_PROMPT, 0.5, 2, thirds)
 
 
 def test_sequences_join_and_leave_mid_generation():
