@@ -81,10 +81,40 @@ class FusedRow:
         return (self.row, shape, self.q is not None, self.rule, self.taps, self.then.key)
 
     @property
+    def static(self) -> _Static:
+        t = self.tree
+        return _Static(
+            self.row,
+            t.num_nodes,
+            t.depth,
+            t.width,
+            t.is_chain,
+            self.q is not None,
+            self.rule,
+            self.taps,
+            self.then.trace,
+        )
+
+    @property
     def inputs(self) -> tuple[mx.array, ...]:
         t = self.tree
         own = (t.parent_index, t.depth_index, t.ancestors, self.drafted)
         return own + (() if self.q is None else (self.q,)) + self.then.inputs
+
+
+@dataclass(frozen=True)
+class _Static:
+    """What a fused row's part of the graph is traced from: its `FusedRow` without arrays."""
+
+    row: int
+    rows: int
+    depth: int
+    width: int
+    is_chain: bool
+    sampled_q: bool
+    rule: AcceptanceRule
+    taps: tuple[int, ...]
+    trace: Callable[..., tuple[mx.array, ...]]
 
 
 @dataclass(frozen=True)
@@ -129,8 +159,9 @@ def _forward_fn(
     span: int,
     fused: tuple[FusedRow, ...],
 ) -> Callable:
-    # The fused rows' static parts: the arrays they take in come as inputs, in `inputs` order.
-    shapes = [(f, len(f.inputs)) for f in fused]
+    # The fused rows' static parts only (the graph keeps no array of the first call's rows):
+    # their arrays come as inputs, in `inputs` order.
+    shapes = [(f.static, len(f.inputs)) for f in fused]
 
     def step(tokens, positions, start, *rest):
         mask, rest = (None, rest) if chain else (rest[0], rest[1:])
@@ -148,22 +179,19 @@ def _forward_fn(
     return step
 
 
-def _fused_row(f: FusedRow, out: ModelOutput, inputs: tuple[mx.array, ...]) -> tuple:
+def _fused_row(f: _Static, out: ModelOutput, inputs: tuple[mx.array, ...]) -> tuple:
     """A fused row's rule over its rows of `out`, then its `Then`: (path, tokens, accepted
     count, *the Then's outputs)."""
     parent_index, depth_index, ancestors, drafted, *rest = inputs
-    q, extra = (rest[0], rest[1:]) if f.q is not None else (None, rest)
-    t = f.tree
-    tree = PaddedTree(
-        t.num_nodes, t.depth, t.width, t.is_chain, parent_index, depth_index, ancestors
-    )
-    b, m = f.row, t.num_nodes
+    q, extra = (rest[0], rest[1:]) if f.sampled_q else (None, rest)
+    tree = PaddedTree(f.rows, f.depth, f.width, f.is_chain, parent_index, depth_index, ancestors)
+    b, m = f.row, f.rows
     # A slice, not [b]: MLX indexes with an int by a gather (two graph nodes, not one).
     logits = out.logits[b : b + 1, :m].squeeze(0)
     hidden = out.hidden[b : b + 1, :m].squeeze(0)
     row_taps = tuple(out.taps[i][b : b + 1, :m].squeeze(0) for i in f.taps)
     acceptance = f.rule(tree, drafted, logits, q)
-    following = f.then.trace(acceptance, hidden, row_taps, *extra)
+    following = f.trace(acceptance, hidden, row_taps, *extra)
     return (acceptance.path, acceptance.tokens, acceptance.num_accepted, *following)
 
 
