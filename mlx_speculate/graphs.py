@@ -185,15 +185,26 @@ def _kind(key: object) -> tuple[str | bool, ...]:
     """The names and flags in a graph's key, nested keys included ("verify", "eagle", whether
     a step verifies a chain or a tree, reads a draft's probabilities, is masked by a grammar):
     what kind of graph it is, which decides the kernels it fuses, where its numbers (sizes,
-    widths, a head's id) only vary its shapes. Why: a method first used in a later process
-    (its graphs' kind without a marker) builds its kernels in the background too, and a
-    tree's step after chains' (a tree's mask fuses kernels of its own) runs eagerly while it
-    builds rather than compiling them inside a request for seconds."""
+    widths, a head's id) only vary its shapes. A nested key of a kind its key holds already
+    counts once (a batch step's fused rows: four EAGLE rows fuse the kernels one does). Why:
+    a method first used in a later process (its graphs' kind without a marker) builds its
+    kernels in the background too, and a tree's step after chains' (a tree's mask fuses
+    kernels of its own) runs eagerly while it builds rather than compiling them inside a
+    request for seconds."""
     if isinstance(key, str | bool):
         return (key,)
-    if isinstance(key, tuple):
-        return tuple(name for part in key for name in _kind(part))
-    return ()
+    if not isinstance(key, tuple):
+        return ()
+    kind: list[str | bool] = []
+    nested: list[tuple] = []
+    for part in key:
+        part_kind = _kind(part)
+        if isinstance(part, tuple):
+            if part_kind in nested:
+                continue
+            nested.append(part_kind)
+        kind.extend(part_kind)
+    return tuple(kind)
 
 
 def _named_marker(name: tuple) -> Path | None:

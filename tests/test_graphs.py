@@ -85,6 +85,17 @@ def test_a_marker_covers_graphs_of_its_kind_only(background):
     assert out.tolist() == [2.0] * 5
     assert not graphs.settle(0)
     assert graphs.settle(60) and len(list(background.iterdir())) == 3
+    # Nested keys of one kind count once (a batch step's fused rows, one or four of them):
+    # compiled at once; a nested key of another kind beside them makes a kind of its own.
+    rows = lambda *kinds: ("test", "kind one", tuple((i, k) for i, k in enumerate(kinds)))  # noqa: E731
+    graphs.compiled(model, rows(("eagle", False)), build)(mx.ones((5,)))
+    assert graphs.settle(60) and len(list(background.iterdir())) == 4
+    before = graphs.built()
+    graphs.compiled(model, rows(*[("eagle", False)] * 4), build)(mx.ones((5,)))
+    assert graphs.settle(0) and graphs.built() == before + 1  # traced here, nothing queued
+    graphs.compiled(model, rows(("eagle", False), ("mtp", True)), build)(mx.ones((5,)))
+    assert not graphs.settle(0)
+    assert graphs.settle(60) and len(list(background.iterdir())) == 5
 
 
 def test_fused_functions_run_unfused_in_eager_calls_until_built(background, monkeypatch):
