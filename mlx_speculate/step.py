@@ -99,19 +99,15 @@ def verify(
     n = tree.num_nodes
     rows = verify_rows(tree)
     cache.check_verify(rows, tree.is_chain)  # before tracing: a refusal inside would not undo
-    padded = bounded(tree.padded(rows))
-    pad = rows - n
-    drafted = mx.zeros((0,), mx.int32) if draft is None else draft.astype(mx.int32)
-    drafted = mx.concatenate([drafted, mx.full((pad,), -1, mx.int32)])  # (rows - 1,)
+    padded, drafted, q = padded_draft(tree, rows, draft, draft_logprobs, rule)
     inputs = mx.concatenate([pending.astype(mx.int32), mx.maximum(drafted, 0)])[None]
     args = [inputs, drafted, padded.parent_index, padded.depth_index, padded.ancestors]
-    sampled_q = draft_logprobs is not None and rule.reads_draft
+    sampled_q = q is not None
     if sampled_q:
-        m = draft_logprobs.shape[0]
-        q = draft_logprobs.astype(mx.float32)
-        args.append(mx.concatenate([q, mx.zeros((rows - m, q.shape[-1]), mx.float32)]))
+        args.append(q)
     if allowed is not None:  # padding rows allow everything (they are never read)
-        args.append(mx.concatenate([allowed, mx.ones((pad, allowed.shape[-1]), mx.bool_)]))
+        ones = mx.ones((rows - n, allowed.shape[-1]), mx.bool_)
+        args.append(mx.concatenate([allowed, ones]))
     masked = allowed is not None
     shape = (rows, padded.is_chain, padded.depth, padded.width)
     span = _reserve(model, cache, (cache.offset if at is None else at[1]) + rows)
@@ -136,7 +132,28 @@ def verify(
     return Verified(acceptance, logits, hidden, tuple(rest[:t]), tuple(rest[t:]))
 
 
-def bounded(padded: PaddedTree) -> PaddedTree:
+def padded_draft(
+    tree: Tree | DeviceTree,
+    rows: int,
+    draft: mx.array | None,
+    draft_logprobs: mx.array | None,
+    rule: AcceptanceRule,
+) -> tuple[PaddedTree, mx.array, mx.array | None]:
+    """A verify step's draft over `rows` >= tree.num_nodes rows: the tree padded with static
+    bounds (`_bounded`), its draft tokens (rows - 1,) with -1 past them (never accepted), and
+    where `rule` reads them, the draft's distributions (rows, V), zeros past them. The single
+    step and a batch's fused rows (batch/step.py) pad alike, so their graphs agree."""
+    pad = rows - tree.num_nodes
+    drafted = mx.zeros((0,), mx.int32) if draft is None else draft.astype(mx.int32)
+    drafted = mx.concatenate([drafted, mx.full((pad,), -1, mx.int32)])
+    q = None
+    if draft_logprobs is not None and rule.reads_draft:
+        q = draft_logprobs.astype(mx.float32)
+        q = mx.concatenate([q, mx.zeros((rows - q.shape[0], q.shape[-1]), mx.float32)])
+    return _bounded(tree.padded(rows)), drafted, q
+
+
+def _bounded(padded: PaddedTree) -> PaddedTree:
     """The padded tree with static bounds for its depth and width rather than its own, so
     that drafts of nearby sizes and shapes share one traced graph (a trace costs several
     steps, and the adaptive policy and lookup trees vary both): a padded chain is a chain of

@@ -100,7 +100,7 @@ class PrefillGroup:
                 n = len(chunk)  # its rows, not the padding after them
                 own = tuple(out.taps[i][row, :n] for i in index)
                 prefill.took(TargetFeatures(out.hidden[row, :n], own))
-                cache.offsets[row] += len(chunk)
+                cache.offsets[row] += n
             cache.lengths = None
             mx.eval(cache.state)
         for row, (prefill, reached) in enumerate(zip(members, reaching, strict=True)):

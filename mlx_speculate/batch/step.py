@@ -24,7 +24,7 @@ import mlx.core as mx
 from ..graphs import compiled, synchronous
 from ..models.base import CausalLM, ModelOutput
 from ..policy.batch import MAX_WIDTH
-from ..step import Then, bounded, bucket, verify_rows
+from ..step import Then, bucket, padded_draft, verify_rows
 from ..tree import DeviceTree, PaddedTree, Tree
 from ..verify import Acceptance, AcceptanceRule
 from .cache import BatchKVCache
@@ -41,7 +41,7 @@ class FusedRow:
     drafter's `Then`."""
 
     row: int
-    tree: PaddedTree  # with static bounds (step.bounded)
+    tree: PaddedTree  # with static bounds (step.padded_draft)
     drafted: mx.array  # (rows - 1,) int32: its draft tokens, -1 past them (never accepted)
     q: mx.array | None  # (rows, V) its draft's distributions, where its rule reads them
     rule: AcceptanceRule
@@ -65,13 +65,8 @@ class FusedRow:
         alone would verify (`verify_rows`), at most the batch's width: the drafter's `Then`
         sized its writes by them."""
         rows = min(verify_rows(tree), width)
-        pad = rows - tree.num_nodes
-        drafted = mx.concatenate([tokens.astype(mx.int32), mx.full((pad,), -1, mx.int32)])
-        q = None
-        if logprobs is not None and rule.reads_draft:
-            q = logprobs.astype(mx.float32)
-            q = mx.concatenate([q, mx.zeros((rows - q.shape[0], q.shape[-1]), mx.float32)])
-        return cls(row, bounded(tree.padded(rows)), drafted, q, rule, taps, then)
+        padded, drafted, q = padded_draft(tree, rows, tokens, logprobs, rule)
+        return cls(row, padded, drafted, q, rule, taps, then)
 
     @property
     def key(self) -> tuple:
@@ -142,7 +137,10 @@ def forward(
     B, N = tokens.shape
     span = cache.attended
     key = ("batch", B, N, mask is None, taps, tuple(f.key for f in fused))
-    build = lambda: _forward_fn(model, cache, mask is None, taps, span, fused)  # noqa: E731
+    # The fused rows' static parts only: the graph (and its pending build) keeps no array of
+    # the first call's rows; their arrays come as inputs, in `inputs` order.
+    shapes = tuple((f.static, len(f.inputs)) for f in fused)
+    build = lambda: _forward_fn(model, cache, mask is None, taps, span, shapes)  # noqa: E731
     fn = compiled(model, key, build, span=span)
     args = (tokens, positions, cache.start) + (() if mask is None else (mask,))
     extra = tuple(a for f in fused for a in f.inputs)
@@ -157,12 +155,8 @@ def _forward_fn(
     chain: bool,
     taps: tuple[int, ...],
     span: int,
-    fused: tuple[FusedRow, ...],
+    shapes: tuple[tuple[_Static, int], ...],
 ) -> Callable:
-    # The fused rows' static parts only (the graph keeps no array of the first call's rows):
-    # their arrays come as inputs, in `inputs` order.
-    shapes = [(f.static, len(f.inputs)) for f in fused]
-
     def step(tokens, positions, start, *rest):
         mask, rest = (None, rest) if chain else (rest[0], rest[1:])
         view = cache.fresh()
