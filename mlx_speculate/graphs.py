@@ -144,6 +144,20 @@ def compiled(
     return per_model(_COMPILED, model, key if span is None else (*key, span), make)
 
 
+def ahead(model, name: tuple, build: Callable[[], None]) -> None:
+    """Runs `build` (graphs built ahead of requests, `name` naming them: a server's start-up
+    builds), unless this machine built them for a model of `model`'s class and parameters
+    before: on the CPU a marker beside MLX's kernel cache says so, and the kernels they
+    compiled are on disk, so requests trace their graphs at once. On a GPU, whose kernels
+    live in the process, always."""
+    marker = _named_marker((*_model_name(model), "ahead", name))
+    if marker is not None and marker.exists():
+        return
+    build()
+    if marker is not None:
+        _touch(marker)
+
+
 def _compile(model, fn: Callable) -> Callable:
     state = mx.random.state
     inputs = [state, model] if _scalar_weights(model) else state
@@ -177,8 +191,13 @@ def _counted(fn: Callable) -> Callable:
 def _marker(model, key: tuple) -> Path | None:
     """The marker of `model`'s graphs of `key`'s kind (`_named_marker`), named by the model's
     class, its parameters' names, shapes and dtypes, and the names in the key (`_kind`)."""
+    return _named_marker((*_model_name(model), _kind(key)))
+
+
+def _model_name(model) -> tuple:
+    """What names a model in a marker: its class, its parameters' names, shapes and dtypes."""
     parameters = [(name, w.shape, str(w.dtype)) for name, w in tree_flatten(model.parameters())]
-    return _named_marker((type(model).__module__, type(model).__qualname__, parameters, _kind(key)))
+    return type(model).__module__, type(model).__qualname__, parameters
 
 
 def _kind(key: object) -> tuple[str | bool, ...]:

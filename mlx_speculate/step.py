@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from .cache import KVCache, KVCodec
-from .graphs import compiled
+from .graphs import compiled, synchronous
 from .models.base import CausalLM
 from .sampling import SamplingParams, pick
 from .tree import DeviceTree, PaddedTree, Tree
@@ -35,6 +35,17 @@ BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 # or lookup's k is mostly fixed, so the few graphs are reused, and on an overhead-bound target
 # a bucket's padding rows are a large share of the step.
 EXACT_CHAIN = 8
+
+# Cache offsets a start-up build verifies at (`build`, batch/step.py's too): the cache's start,
+# within its first storage chunk (`KVCache.step` slots) and past it. The kernels MLX fuses
+# for a graph differ between these (it collapses an array's dimensions by their strides,
+# which the span and the capacity change); steps further on share the last one's.
+DEPTHS = (0, 160, 320)
+# The widths a start-up build verifies: a chain of one row, of two and of more fuse kernels of
+# their own, while longer chains share the four-row one's, as trees of every width share
+# theirs (their sizes are inputs of the graph, never constants in its kernels).
+CHAIN_WIDTHS = (1, 2, 4)
+TREE_WIDTHS = (4,)
 
 
 def bucket(n: int) -> int:
@@ -322,3 +333,34 @@ def _widened(logits: mx.array, vocab: int) -> mx.array:
     if pad == 0:
         return logits
     return mx.concatenate([logits, mx.full((pad,), -mx.inf, mx.float32)])
+
+
+def build(model: CausalLM, rule: AcceptanceRule | None = None) -> None:
+    """Builds the verify step's graphs under `rule` (greedy by default) now, in this thread:
+    chains of CHAIN_WIDTHS and, where the cache follows trees, trees of TREE_WIDTHS, at each
+    of DEPTHS. What a server runs at start-up: on the CPU a request's step whose kernels are
+    not built yet compiles them inside the request (seconds each), and a graph's kernels at
+    one depth do not serve every other (see DEPTHS)."""
+    rule = rule or AcceptanceRule(SamplingParams())
+    cache = model.make_cache()
+    trees = [Tree.chain(n - 1) for n in CHAIN_WIDTHS]
+    if cache.follows_trees:
+        trees += [Tree((-1, 0, *range(n - 2))) for n in TREE_WIDTHS]  # two branches
+    pending = mx.ones((1,), dtype=mx.int32)
+    with synchronous():
+        for depth in DEPTHS:
+            if depth > cache.offset:  # the prompt's forward, eager as a prefill's is
+                model(mx.zeros((1, depth - cache.offset), dtype=mx.int32), cache)
+            mark = cache.checkpoint(depth)
+            for tree in trees:
+                drafted = mx.ones((tree.num_nodes - 1,), dtype=mx.int32)
+                out = verify(model, cache, pending, tree, drafted, None, rule)
+                # Evaluated as the decoding loop does, the acceptance first: the kernels MLX
+                # fuses for a graph's outputs evaluated apart differ from those for all at once.
+                acceptance = out.acceptance
+                mx.async_eval(acceptance.tokens, acceptance.num_accepted, acceptance.path)
+                mx.eval(out.logits, cache.state)
+                if mark is None:
+                    cache.truncate(depth)
+                else:
+                    cache.return_to(mark)

@@ -21,6 +21,9 @@ import mlx.core as mx
 from .sampling import SamplingParams, log_probs, sample
 from .tree import PaddedTree, Tree
 
+# Added to the sort keys of nodes off the accepted path (`_path`): past any tree's size.
+_OFF_PATH = 1 << 30
+
 
 @dataclass(frozen=True)
 class Acceptance:
@@ -252,11 +255,12 @@ def _deepest(tree: Tree, ok: mx.array) -> mx.array:
 
 def _path(tree: Tree, last: mx.array) -> tuple[mx.array, mx.array]:
     """(..., D + 1) node indices from the root to `last` (then padding), and its depth."""
-    n = tree.num_nodes
     on_path = mx.take(tree.ancestors, last, axis=0)  # (..., N)
-    index = mx.arange(n, dtype=mx.int32)
-    # Path nodes first, in node order (ancestors precede descendants), then the others.
-    path = mx.argsort(mx.where(on_path, index, n + index), axis=-1)[..., : tree.depth + 1]
+    index = mx.arange(tree.num_nodes, dtype=mx.int32)
+    # Path nodes first, in node order (ancestors precede descendants), then the others. The
+    # offset is one for every tree: a constant that varied with the tree's size would be
+    # inlined into a kernel compiled anew for each size.
+    path = mx.argsort(mx.where(on_path, index, index + _OFF_PATH), axis=-1)[..., : tree.depth + 1]
     return path.astype(mx.int32), mx.take(tree.depth_index, last)
 
 

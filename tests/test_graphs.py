@@ -5,7 +5,9 @@ and exits cleanly."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -294,3 +296,108 @@ def test_building_in_place_finishes_the_builds_queued_before(background):
     assert not graphs.settle(0)
     graphs.build_in_place()
     assert graphs.settle(0)
+
+
+def test_a_build_ahead_runs_once_per_machine(background):
+    """`graphs.ahead` runs a start-up build on a machine's first start only (on the CPU, where
+    its kernels stay on disk); on a GPU every process builds its own."""
+    model = to_float32(tiny_model())
+    runs = []
+    for _ in range(2):
+        graphs.ahead(model, ("test", 2), lambda: runs.append(1))
+    assert len(runs) == (1 if mx.default_device() == mx.cpu else 2)
+    graphs.ahead(model, ("test", 4), lambda: runs.append(1))  # another name: built too
+    assert len(runs) == (2 if mx.default_device() == mx.cpu else 3)
+
+
+def test_start_up_builds_trace_the_steps_at_the_depths_requests_reach(background):
+    """A server's start-up builds (`step.build`, `batch.step.build`) leave the steps of
+    greedy decoding traced at each of DEPTHS: a first request's step there traces nothing."""
+    from mlx_speculate.batch.cache import BatchKVCache
+    from mlx_speculate.batch.step import build as build_batch
+    from mlx_speculate.batch.step import forward
+    from mlx_speculate.step import DEPTHS, build, verify
+    from mlx_speculate.tree import Tree
+    from mlx_speculate.verify import AcceptanceRule
+
+    model = to_float32(tiny_model(max_position_embeddings=1024))
+    build(model)
+    build_batch(model, 2)
+    before = graphs.built()
+    rule = AcceptanceRule(SamplingParams())
+    for depth in DEPTHS[1:]:
+        cache = model.make_cache()
+        model(mx.ones((1, depth), dtype=mx.int32), cache)
+        tree = Tree.chain(3)
+        out = verify(
+            model, cache, mx.ones((1,), mx.int32), tree, mx.ones((3,), mx.int32), None, rule
+        )
+        mx.eval(out.acceptance.tokens, out.logits)
+        batch = BatchKVCache.of(model, 2)
+        batch.offsets = [depth, depth]
+        start = batch.prepare(4)
+        positions = start[:, None] + mx.arange(4, dtype=mx.int32)
+        tokens = mx.ones((2, 4), dtype=mx.int32)
+        mx.eval(forward(model, batch, tokens, positions, None, ()).model.logits)
+    assert graphs.built() == before
+
+
+TREE_KERNELS = """
+import glob, json, os, sys
+import mlx.core as mx
+from mlx_speculate.batch.cache import BatchKVCache
+from mlx_speculate.batch.step import forward
+from mlx_speculate.graphs import synchronous
+from mlx_speculate.sampling import SamplingParams
+from mlx_speculate.step import verify
+from mlx_speculate.tree import Tree
+from mlx_speculate.verify import AcceptanceRule
+from tests.helpers import tiny_model, to_float32
+
+model = to_float32(tiny_model())
+rule = AcceptanceRule(SamplingParams())
+def kernels():
+    return set(glob.glob(os.path.join(os.environ["TMPDIR"], "mlx", "**", "*.so"), recursive=True))
+new = []
+with synchronous():
+    for n in (12, 24):  # two row buckets
+        before = kernels()
+        cache = model.make_cache()
+        model(mx.ones((1, 9), dtype=mx.int32), cache)
+        tree = Tree((-1, 0, *range(n - 2)))  # two branches
+        drafted = mx.ones((n - 1,), dtype=mx.int32)
+        out = verify(model, cache, mx.ones((1,), mx.int32), tree, drafted, None, rule)
+        mx.async_eval(out.acceptance.tokens, out.acceptance.num_accepted, out.acceptance.path)
+        mx.eval(out.logits, cache.state)
+        batch = BatchKVCache.of(model, 2)
+        batch.offsets = [9, 30]
+        start = batch.prepare(n)
+        positions = start[:, None] + mx.arange(n, dtype=mx.int32)
+        mask = mx.stack([mx.tril(mx.ones((n, n), dtype=mx.bool_))] * 2)
+        step = forward(model, batch, mx.ones((2, n), dtype=mx.int32), positions, mask, ())
+        mx.eval(step.model.logits, batch.state)
+        new.append(sorted(os.path.basename(k) for k in kernels() - before))
+print(json.dumps(new))
+"""
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="MLX keeps kernels on disk on the CPU")
+def test_trees_of_every_width_share_their_compiled_kernels(tmp_path):
+    """A tree's width reaches its step's graph as an input, never as a constant inlined into a
+    fused kernel: on an empty kernel cache, a second tree width (alone and in a batch)
+    compiles no kernel that differs from one of the first's only by its constants, where
+    each width would compile its own in the request that first verifies it. (Other new
+    kernels are layouts the backend picks by shape, which start-up builds cover.)"""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run(
+        [sys.executable, "-c", TREE_KERNELS], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    first, second = json.loads(run.stdout)
+    assert first  # the cache was empty: the first width compiled its kernels
+
+    def stem(name: str) -> str:  # a kernel's name without the hash of its constants
+        return re.sub(r"_\d{6,}_", "_", name)
+
+    assert not {stem(k) for k in second} & {stem(k) for k in first}

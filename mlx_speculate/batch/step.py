@@ -23,14 +23,10 @@ import mlx.core as mx
 
 from ..graphs import compiled, synchronous
 from ..models.base import CausalLM, ModelOutput
-from ..policy.batch import MAX_WIDTH
-from ..step import Then, bucket, padded_draft, verify_rows
+from ..step import CHAIN_WIDTHS, DEPTHS, TREE_WIDTHS, Then, padded_draft, verify_rows
 from ..tree import DeviceTree, PaddedTree, Tree
 from ..verify import Acceptance, AcceptanceRule
 from .cache import BatchKVCache
-
-# The tree widths built ahead (`build`): the buckets of every tree the planner may verify.
-TREE_WIDTHS = tuple(sorted({bucket(n) for n in range(2, MAX_WIDTH + 1)}))
 
 
 @dataclass(frozen=True, eq=False)
@@ -190,20 +186,24 @@ def _fused_row(f: _Static, out: ModelOutput, inputs: tuple[mx.array, ...]) -> tu
 
 
 def build(model: CausalLM, rows: int) -> None:
-    """Builds the batch step's graphs for `rows` sequences now, in this thread: a plain step's
-    and, where the target's cache follows trees, a tree step's of each of TREE_WIDTHS, over
-    an empty cache (their kernels serve every span). What a server runs at start-up, before
-    its first requests: on the CPU each graph would otherwise run eagerly until the machine
-    is idle long enough to build it (graphs.py), and concurrent requests leave it no idle.
-    Its inputs are laid out as the engine's (stacked, contiguous): a compiled kernel is built
-    per layout, and a broadcast one would build kernels no step uses."""
+    """Builds the batch step's graphs for `rows` sequences now, in this thread: chains of
+    CHAIN_WIDTHS and, where the target's cache follows trees, trees of TREE_WIDTHS, with
+    every row at each of DEPTHS (step.py: a graph's kernels at one depth do not serve every
+    other). What a server runs at start-up: on the CPU each graph would otherwise run eagerly
+    until the machine is idle long enough to build it (graphs.py), and concurrent requests
+    leave it no idle. Its inputs are laid out as the engine's (stacked, contiguous): a
+    compiled kernel is built per layout, and a broadcast one would build kernels no step
+    uses."""
     cache = BatchKVCache.of(model, rows)
-    shapes = [(1, True)] + [(n, False) for n in TREE_WIDTHS if cache.follows_trees]
+    shapes = [(n, True) for n in CHAIN_WIDTHS]
+    shapes += [(n, False) for n in TREE_WIDTHS if cache.follows_trees]
     with synchronous():
-        for n, chain in shapes:
-            cache.prepare(n)
-            tokens = mx.zeros((rows, n), dtype=mx.int32)
-            positions = mx.stack([mx.arange(n, dtype=mx.int32)] * rows)
-            mask = None if chain else mx.stack([mx.eye(n, dtype=mx.bool_)] * rows)
-            out = forward(model, cache, tokens, positions, mask, ()).model
-            mx.eval(out.logits, cache.state)
+        for depth in DEPTHS:
+            cache.offsets = [depth] * rows
+            for n, chain in shapes:
+                cache.prepare(n)
+                tokens = mx.zeros((rows, n), dtype=mx.int32)
+                positions = mx.stack([mx.arange(depth, depth + n, dtype=mx.int32)] * rows)
+                mask = None if chain else mx.stack([mx.eye(n, dtype=mx.bool_)] * rows)
+                out = forward(model, cache, tokens, positions, mask, ()).model
+                mx.eval(out.logits, cache.state)

@@ -142,15 +142,17 @@ def build_context(
     else:
         m = mask.shape[-1]  # the last m slots up to the new ones (m >= L)
         near = rel + (m - length)  # index among them; < 0 for the older, committed slots
-        new = mx.take(mask, mx.clip(near, 0, m - 1), axis=-1)  # (..., L, C)
-        allowed = (near < 0) | (new & (rel < length))
+        new = mx.take(mask, mx.clip(near, 0, _bound(m - 1)), axis=-1)  # (..., L, C)
+        allowed = (near < 0) | (new & (rel < _bound(length)))
         additive = None
     window_mask = None
     if windowed:
         # Causal by cache slot, distance by rotary position (committed slots sit at their
         # positions, new ones at theirs): (B or 1, 1, L, C).
         q_pos = (start + rows if positions is None else positions).reshape(-1, length)
-        k_pos = mx.where(rel < 0, slots, mx.take(q_pos, mx.clip(rel, 0, length - 1), axis=-1))
+        k_pos = mx.where(
+            rel < 0, slots, mx.take(q_pos, mx.clip(rel, 0, _bound(length - 1)), axis=-1)
+        )
         near = q_pos[:, :, None] - k_pos[:, None, :] < window
         window_mask = additive_mask(allowed & near, dtype)[:, None]
         if additive is not None:
@@ -196,15 +198,15 @@ def _ring_mask(
     if mask is not None and mask.dtype == mx.bool_:
         m = mask.shape[-1]
         near = rel + (m - length)
-        new = mx.take(mask, mx.clip(near, 0, m - 1), axis=-1)  # (..., L, C)
-        allowed = held & ((near < 0) | (new & (rel < length)))
+        new = mx.take(mask, mx.clip(near, 0, _bound(m - 1)), axis=-1)  # (..., L, C)
+        allowed = held & ((near < 0) | (new & (rel < _bound(length))))
     else:
         allowed = held & (rel[None, :] <= rows[:, None])
         if mask is not None:  # the public (..., L, offset + L) additive mask, by slot
             last = (0 if offset is None else offset) + length - 1
-            additive = mx.take(mask.astype(dtype), mx.clip(ids, 0, last), axis=-1)
+            additive = mx.take(mask.astype(dtype), mx.clip(ids, 0, _bound(last)), axis=-1)
     q_pos = (start + rows if positions is None else positions).reshape(-1, length)
-    k_pos = mx.where(rel < 0, ids, mx.take(q_pos, mx.clip(rel, 0, length - 1), axis=-1))
+    k_pos = mx.where(rel < 0, ids, mx.take(q_pos, mx.clip(rel, 0, _bound(length - 1)), axis=-1))
     near = q_pos[:, :, None] - k_pos[:, None, :] < window
     ring_mask = additive_mask(allowed & near, dtype)[:, None]
     return ring_mask if additive is None else mx.minimum(ring_mask, additive)
@@ -244,13 +246,13 @@ def _batch_context(
     if mask is None:
         allowed = rel[:, None, :] <= rows[None, :, None]  # (B, L, C)
     else:
-        near = mx.clip(rel, 0, length - 1)[:, None, :]
+        near = mx.clip(rel, 0, _bound(length - 1))[:, None, :]
         new = mx.take_along_axis(mask, mx.broadcast_to(near, (mask.shape[0], length, span)), -1)
-        allowed = (rel < 0)[:, None, :] | (new & (rel < length)[:, None, :])
+        allowed = (rel < 0)[:, None, :] | (new & (rel < _bound(length))[:, None, :])
     window_mask = ring_mask = None
     if window is not None and any(sliding):
         q_pos = start[:, None] + rows if positions is None else positions  # (B, L)
-        at = mx.clip(rel, 0, length - 1)
+        at = mx.clip(rel, 0, _bound(length - 1))
         k_pos = mx.where(rel < 0, slots[None, :], mx.take_along_axis(q_pos, at, axis=-1))
         near = q_pos[:, :, None] - k_pos[:, None, :] < window  # (B, L, C)
         window_mask = additive_mask(allowed & near, dtype)[:, None]
@@ -288,11 +290,19 @@ def _batch_ring_mask(
     if mask is None:
         allowed = rel[:, None, :] <= rows[None, :, None]  # (B, L, C)
     else:
-        at = mx.clip(rel, 0, length - 1)[:, None, :]
+        at = mx.clip(rel, 0, _bound(length - 1))[:, None, :]
         new = mx.take_along_axis(mask, mx.broadcast_to(at, (*mask.shape[:2], ids.shape[1])), -1)
-        allowed = (rel < 0)[:, None, :] | (new & (rel < length)[:, None, :])
+        allowed = (rel < 0)[:, None, :] | (new & (rel < _bound(length))[:, None, :])
     allowed = allowed & (ids >= 0)[:, None, :]
-    at = mx.clip(rel, 0, length - 1)
+    at = mx.clip(rel, 0, _bound(length - 1))
     k_pos = mx.where(rel < 0, ids, mx.take_along_axis(q_pos, at, axis=-1))
     near = q_pos[:, :, None] - k_pos[:, None, :] < window  # (B, L, C)
     return additive_mask(allowed & near, dtype)[:, None]
+
+
+def _bound(n: int) -> mx.array:
+    """`n` (a width, a step's length) as a (1,) int32 array made by an op: a compiled graph
+    computes it, where a scalar constant (a Python int or `mx.array(n)`) is inlined into the
+    fused kernels that compare or clip with it, and every new width would compile kernels of
+    its own (on the CPU, seconds inside the request that first verifies a tree that wide)."""
+    return mx.arange(n, n + 1, dtype=mx.int32)

@@ -47,7 +47,9 @@ from ..cli import one_line
 from ..device import clear_cache
 from ..generation import GenerationResponse
 from ..grammar import GrammarError
+from ..graphs import ahead
 from ..policy.adaptive import FixedPolicy, Policy
+from ..step import build as build_verify_steps
 from .lockstep import Lockstep, Mirror, Solo
 from .metrics import Metrics
 from .records import Delta, Failed, Finished, Generation, Job, TokenLogprob, Usage
@@ -221,10 +223,15 @@ class Worker:
                     batched = self._batched()
                     if isinstance(self._lockstep, Solo):
                         # Before the first request, never inside it: the policies a request
-                        # follows one at a time, or alone in the batch engine.
+                        # follows one at a time, or alone in the batch engine, and the steps
+                        # of greedy decoding alone at the depths requests reach.
                         self.pool.calibrate()
+                        model = self.pool.model
+                        ahead(model, ("verify",), lambda: build_verify_steps(model))
                     if batched:  # and the steps of the first requests at once
-                        build_batch_steps(self.pool.model, rows_bucket(2, self.max_batch))
+                        rows = rows_bucket(2, self.max_batch)
+                        build = lambda: build_batch_steps(self.pool.model, rows)  # noqa: E731
+                        ahead(self.pool.model, ("batch", rows), build)
                 except Exception as e:  # a bad model folder must not kill the process silently
                     # One line for the user (the command line prints it); the traceback only
                     # under --log-level debug.
