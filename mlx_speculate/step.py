@@ -335,12 +335,17 @@ def _widened(logits: mx.array, vocab: int) -> mx.array:
     return mx.concatenate([logits, mx.full((pad,), -mx.inf, mx.float32)])
 
 
+def reachable(model: CausalLM, rows: int) -> list[int]:
+    """The DEPTHS a step of `rows` rows fits after within `model`'s context."""
+    return [d for d in DEPTHS if d + rows <= model.args.max_position_embeddings]
+
+
 def build(model: CausalLM, rule: AcceptanceRule | None = None) -> None:
     """Builds the verify step's graphs under `rule` (greedy by default) now, in this thread:
     chains of CHAIN_WIDTHS and, where the cache follows trees, trees of TREE_WIDTHS, at each
-    of DEPTHS. What a server runs at start-up: on the CPU a request's step whose kernels are
-    not built yet compiles them inside the request (seconds each), and a graph's kernels at
-    one depth do not serve every other (see DEPTHS)."""
+    of DEPTHS within the model's context. What a server runs at start-up: on the CPU a
+    request's step whose kernels are not built yet compiles them inside the request (seconds
+    each), and a graph's kernels at one depth do not serve every other (see DEPTHS)."""
     rule = rule or AcceptanceRule(SamplingParams())
     cache = model.make_cache()
     trees = [Tree.chain(n - 1) for n in CHAIN_WIDTHS]
@@ -348,7 +353,7 @@ def build(model: CausalLM, rule: AcceptanceRule | None = None) -> None:
         trees += [Tree((-1, 0, *range(n - 2))) for n in TREE_WIDTHS]  # two branches
     pending = mx.ones((1,), dtype=mx.int32)
     with synchronous():
-        for depth in DEPTHS:
+        for depth in reachable(model, max(t.num_nodes for t in trees)):
             if depth > cache.offset:  # the prompt's forward, eager as a prefill's is
                 model(mx.zeros((1, depth - cache.offset), dtype=mx.int32), cache)
             mark = cache.checkpoint(depth)

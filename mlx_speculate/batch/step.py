@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from ..graphs import compiled, synchronous
 from ..models.base import CausalLM, ModelOutput
-from ..step import CHAIN_WIDTHS, DEPTHS, TREE_WIDTHS, Then, padded_draft, verify_rows
+from ..step import CHAIN_WIDTHS, TREE_WIDTHS, Then, padded_draft, reachable, verify_rows
 from ..tree import DeviceTree, PaddedTree, Tree
 from ..verify import Acceptance, AcceptanceRule
 from .cache import BatchKVCache
@@ -188,17 +188,17 @@ def _fused_row(f: _Static, out: ModelOutput, inputs: tuple[mx.array, ...]) -> tu
 def build(model: CausalLM, rows: int) -> None:
     """Builds the batch step's graphs for `rows` sequences now, in this thread: chains of
     CHAIN_WIDTHS and, where the target's cache follows trees, trees of TREE_WIDTHS, with
-    every row at each of DEPTHS (step.py: a graph's kernels at one depth do not serve every
-    other). What a server runs at start-up: on the CPU each graph would otherwise run eagerly
-    until the machine is idle long enough to build it (graphs.py), and concurrent requests
-    leave it no idle. Its inputs are laid out as the engine's (stacked, contiguous): a
-    compiled kernel is built per layout, and a broadcast one would build kernels no step
-    uses."""
+    every row at each of DEPTHS within the model's context (step.py: a graph's kernels at one
+    depth do not serve every other). What a server runs at start-up: on the CPU each graph
+    would otherwise run eagerly until the machine is idle long enough to build it (graphs.py),
+    and concurrent requests leave it no idle. Its inputs are laid out as the engine's
+    (stacked, contiguous): a compiled kernel is built per layout, and a broadcast one would
+    build kernels no step uses."""
     cache = BatchKVCache.of(model, rows)
     shapes = [(n, True) for n in CHAIN_WIDTHS]
     shapes += [(n, False) for n in TREE_WIDTHS if cache.follows_trees]
     with synchronous():
-        for depth in DEPTHS:
+        for depth in reachable(model, max(n for n, _ in shapes)):
             cache.offsets = [depth] * rows
             for n, chain in shapes:
                 cache.prepare(n)
