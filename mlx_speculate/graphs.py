@@ -144,6 +144,14 @@ def compiled(
     return per_model(_COMPILED, model, key if span is None else (*key, span), make)
 
 
+def variable(value: float, dtype: mx.Dtype) -> mx.array:
+    """`value` as a (1,) array of `dtype` made by an op, which a compiled graph computes: a
+    Python number (or `mx.array(value)`) is a constant that MLX inlines into the fused
+    kernels using it, so every value (a tree's width, a client's temperature) would compile
+    kernels of its own, on the CPU seconds each inside the request that first meets it."""
+    return mx.full((1,), value, dtype=dtype)
+
+
 def ahead(model, name: tuple, build: Callable[[], None]) -> None:
     """Runs `build` (graphs built ahead of requests, `name` naming them: a server's start-up
     builds), unless this machine built them for a model of `model`'s class and parameters

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .graphs import variable
+
 MAX_SEED = 2**64 - 1  # MLX's generator takes an unsigned 64-bit seed
 
 
@@ -65,7 +67,7 @@ def log_probs(logits: mx.array, params: SamplingParams) -> mx.array:
     logits = logits.astype(mx.float32)
     if params.greedy:
         return _point_mass(logits)
-    logits = logits / params.temperature
+    logits = logits / variable(params.temperature, mx.float32)
     if 0 < params.top_k < logits.shape[-1]:
         logits = _top_k(logits, params.top_k)
     if params.top_p < 1:
@@ -109,11 +111,13 @@ def _top_p(logits: mx.array, top_p: float) -> mx.array:
     ahead = mx.cumsum(ordered, axis=-1, inclusive=False)  # mass ranked before each token
     # The kept tokens are a prefix of `ordered` (the top one always, since ahead == 0 there);
     # thresholding at its smallest member avoids scattering the mask back to vocabulary order.
-    cutoff = mx.min(mx.where(ahead < top_p, ordered, mx.inf), axis=-1, keepdims=True)
+    cutoff = mx.min(
+        mx.where(ahead < variable(top_p, mx.float32), ordered, mx.inf), axis=-1, keepdims=True
+    )
     return mx.where(probs < cutoff, -mx.inf, logits)
 
 
 def _min_p(logits: mx.array, min_p: float) -> mx.array:
     # p < min_p * max(p), compared in log space so no softmax is needed.
     top = mx.max(logits, axis=-1, keepdims=True)  # (..., 1)
-    return mx.where(logits - top < math.log(min_p), -mx.inf, logits)
+    return mx.where(logits - top < variable(math.log(min_p), mx.float32), -mx.inf, logits)

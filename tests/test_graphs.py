@@ -342,60 +342,84 @@ def test_start_up_builds_trace_the_steps_at_the_depths_requests_reach(background
     assert graphs.built() == before
 
 
-TREE_KERNELS = """
+CONSTANT_KERNELS = """
 import glob, json, os, sys
 import mlx.core as mx
 from mlx_speculate.batch.cache import BatchKVCache
 from mlx_speculate.batch.step import forward
 from mlx_speculate.graphs import synchronous
 from mlx_speculate.sampling import SamplingParams
-from mlx_speculate.step import verify
+from mlx_speculate.step import decode, verify
 from mlx_speculate.tree import Tree
 from mlx_speculate.verify import AcceptanceRule
 from tests.helpers import tiny_model, to_float32
 
 model = to_float32(tiny_model())
-rule = AcceptanceRule(SamplingParams())
+V = model.args.vocab_size
 def kernels():
     return set(glob.glob(os.path.join(os.environ["TMPDIR"], "mlx", "**", "*.so"), recursive=True))
+def trees(n):  # a tree of n nodes, alone and in a batch
+    cache = model.make_cache()
+    model(mx.ones((1, 9), dtype=mx.int32), cache)
+    tree = Tree((-1, 0, *range(n - 2)))  # two branches
+    out = verify(model, cache, mx.ones((1,), mx.int32), tree, mx.ones((n - 1,), mx.int32), None,
+                 AcceptanceRule(SamplingParams()))
+    mx.async_eval(out.acceptance.tokens, out.acceptance.num_accepted, out.acceptance.path)
+    mx.eval(out.logits, cache.state)
+    batch = BatchKVCache.of(model, 2)
+    batch.offsets = [9, 30]
+    start = batch.prepare(n)
+    positions = start[:, None] + mx.arange(n, dtype=mx.int32)
+    mask = mx.stack([mx.tril(mx.ones((n, n), dtype=mx.bool_))] * 2)
+    step = forward(model, batch, mx.ones((2, n), dtype=mx.int32), positions, mask, ())
+    mx.eval(step.model.logits, batch.state)
+def sampling(params):  # a sampled verify step and a draft model's sampled chain
+    cache = model.make_cache()
+    model(mx.ones((1, 9), dtype=mx.int32), cache)
+    q = mx.log(mx.softmax(mx.random.normal((3, V)), axis=-1))
+    out = verify(model, cache, mx.ones((1,), mx.int32), Tree.chain(3), mx.ones((3,), mx.int32),
+                 q, AcceptanceRule(params))
+    mx.async_eval(out.acceptance.tokens, out.acceptance.num_accepted, out.acceptance.path)
+    mx.eval(out.logits, cache.state)
+    mx.eval(decode(model, cache, mx.ones((2,), mx.int32), 3, params, V, V))
+case = sys.argv[1]
+runs = {
+    "trees": [lambda: trees(12), lambda: trees(24)],  # two row buckets
+    "sampling": [lambda: sampling(SamplingParams(0.7, top_p=0.9, min_p=0.05)),
+                 lambda: sampling(SamplingParams(1.3, top_p=0.8, min_p=0.1))],
+}[case]
 new = []
 with synchronous():
-    for n in (12, 24):  # two row buckets
+    for run in runs:
         before = kernels()
-        cache = model.make_cache()
-        model(mx.ones((1, 9), dtype=mx.int32), cache)
-        tree = Tree((-1, 0, *range(n - 2)))  # two branches
-        drafted = mx.ones((n - 1,), dtype=mx.int32)
-        out = verify(model, cache, mx.ones((1,), mx.int32), tree, drafted, None, rule)
-        mx.async_eval(out.acceptance.tokens, out.acceptance.num_accepted, out.acceptance.path)
-        mx.eval(out.logits, cache.state)
-        batch = BatchKVCache.of(model, 2)
-        batch.offsets = [9, 30]
-        start = batch.prepare(n)
-        positions = start[:, None] + mx.arange(n, dtype=mx.int32)
-        mask = mx.stack([mx.tril(mx.ones((n, n), dtype=mx.bool_))] * 2)
-        step = forward(model, batch, mx.ones((2, n), dtype=mx.int32), positions, mask, ())
-        mx.eval(step.model.logits, batch.state)
+        run()
         new.append(sorted(os.path.basename(k) for k in kernels() - before))
 print(json.dumps(new))
 """
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="MLX keeps kernels on disk on the CPU")
-def test_trees_of_every_width_share_their_compiled_kernels(tmp_path):
-    """A tree's width reaches its step's graph as an input, never as a constant inlined into a
-    fused kernel: on an empty kernel cache, a second tree width (alone and in a batch)
-    compiles no kernel that differs from one of the first's only by its constants, where
-    each width would compile its own in the request that first verifies it. (Other new
-    kernels are layouts the backend picks by shape, which start-up builds cover.)"""
+@pytest.mark.parametrize("case", ["trees", "sampling"])
+def test_widths_and_sampling_settings_share_their_compiled_kernels(tmp_path, case):
+    """A tree's width and a request's sampling settings (temperature, top-p, min-p) reach a
+    step's graph as inputs, never as constants inlined into a fused kernel: on an empty
+    kernel cache, a second width (alone and in a batch) or a second client's settings (a
+    sampled verify step, a draft model's sampled chain) compile no kernel that differs from
+    one of the first's only by its constants, where each value would compile its own inside
+    the request that first meets it. (Other new kernels are layouts the backend picks by
+    shape, which start-up builds cover.)"""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     run = subprocess.run(
-        [sys.executable, "-c", TREE_KERNELS], env=env, cwd=root, capture_output=True, text=True
+        [sys.executable, "-c", CONSTANT_KERNELS, case],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     first, second = json.loads(run.stdout)
-    assert first  # the cache was empty: the first width compiled its kernels
+    assert first  # the cache was empty: the first run compiled its kernels
 
     def stem(name: str) -> str:  # a kernel's name without the hash of its constants
         return re.sub(r"_\d{6,}_", "_", name)

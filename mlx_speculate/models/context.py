@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from ..cache import KVCache
+from ..graphs import variable
 from .rope import RotaryEmbedding
 
 
@@ -301,8 +302,6 @@ def _batch_ring_mask(
 
 
 def _bound(n: int) -> mx.array:
-    """`n` (a width, a step's length) as a (1,) int32 array made by an op: a compiled graph
-    computes it, where a scalar constant (a Python int or `mx.array(n)`) is inlined into the
-    fused kernels that compare or clip with it, and every new width would compile kernels of
-    its own (on the CPU, seconds inside the request that first verifies a tree that wide)."""
-    return mx.arange(n, n + 1, dtype=mx.int32)
+    """A width or a step's length, as the graph's input (`graphs.variable`): trees of every
+    width then share their kernels."""
+    return variable(n, mx.int32)
