@@ -16,7 +16,8 @@ position, dynamic NTK and longrope) run the same step uncompiled.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -46,6 +47,9 @@ DEPTHS = (0, 160, 320)
 # theirs (their sizes are inputs of the graph, never constants in its kernels).
 CHAIN_WIDTHS = (1, 2, 4)
 TREE_WIDTHS = (4,)
+# The acceptance rules a start-up build verifies under: greedy decoding's, and one sampled
+# rule's, whose kernels serve every temperature, top-p and min-p (`graphs.variable`).
+BUILT_RULES = (AcceptanceRule(SamplingParams()), AcceptanceRule(SamplingParams(temperature=1.0)))
 
 
 def bucket(n: int) -> int:
@@ -340,13 +344,12 @@ def reachable(model: CausalLM, rows: int) -> list[int]:
     return [d for d in DEPTHS if d + rows <= model.args.max_position_embeddings]
 
 
-def build(model: CausalLM, rule: AcceptanceRule | None = None) -> None:
-    """Builds the verify step's graphs under `rule` (greedy by default) now, in this thread:
-    chains of CHAIN_WIDTHS and, where the cache follows trees, trees of TREE_WIDTHS, at each
-    of DEPTHS within the model's context. What a server runs at start-up: on the CPU a
-    request's step whose kernels are not built yet compiles them inside the request (seconds
-    each), and a graph's kernels at one depth do not serve every other (see DEPTHS)."""
-    rule = rule or AcceptanceRule(SamplingParams())
+def build(model: CausalLM, rules: Sequence[AcceptanceRule] = BUILT_RULES) -> None:
+    """Builds the verify step's graphs under each of `rules` now, in this thread: chains of
+    CHAIN_WIDTHS and, where the cache follows trees, trees of TREE_WIDTHS, at each of DEPTHS
+    within the model's context. What a server runs at start-up: on the CPU a request's step
+    whose kernels are not built yet compiles them inside the request (seconds each), and a
+    graph's kernels at one depth do not serve every other (see DEPTHS)."""
     cache = model.make_cache()
     trees = [Tree.chain(n - 1) for n in CHAIN_WIDTHS]
     if cache.follows_trees:
@@ -357,7 +360,7 @@ def build(model: CausalLM, rule: AcceptanceRule | None = None) -> None:
             if depth > cache.offset:  # the prompt's forward, eager as a prefill's is
                 model(mx.zeros((1, depth - cache.offset), dtype=mx.int32), cache)
             mark = cache.checkpoint(depth)
-            for tree in trees:
+            for rule, tree in itertools.product(rules, trees):
                 drafted = mx.ones((tree.num_nodes - 1,), dtype=mx.int32)
                 out = verify(model, cache, pending, tree, drafted, None, rule)
                 # Evaluated as the decoding loop does, the acceptance first: the kernels MLX

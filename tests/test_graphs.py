@@ -312,27 +312,26 @@ def test_a_build_ahead_runs_once_per_machine(background):
 
 def test_start_up_builds_trace_the_steps_at_the_depths_requests_reach(background):
     """A server's start-up builds (`step.build`, `batch.step.build`) leave the steps of
-    greedy decoding traced at each of DEPTHS: a first request's step there traces nothing."""
+    greedy and sampled decoding alone, and greedy batch steps, traced at each of DEPTHS: a
+    first request's step there traces nothing."""
     from mlx_speculate.batch.cache import BatchKVCache
     from mlx_speculate.batch.step import build as build_batch
     from mlx_speculate.batch.step import forward
-    from mlx_speculate.step import DEPTHS, build, verify
+    from mlx_speculate.step import BUILT_RULES, DEPTHS, build, verify
     from mlx_speculate.tree import Tree
-    from mlx_speculate.verify import AcceptanceRule
 
     model = to_float32(tiny_model(max_position_embeddings=1024))
     build(model)
     build_batch(model, 2)
     before = graphs.built()
-    rule = AcceptanceRule(SamplingParams())
     for depth in DEPTHS[1:]:
         cache = model.make_cache()
         model(mx.ones((1, depth), dtype=mx.int32), cache)
-        tree = Tree.chain(3)
-        out = verify(
-            model, cache, mx.ones((1,), mx.int32), tree, mx.ones((3,), mx.int32), None, rule
-        )
-        mx.eval(out.acceptance.tokens, out.logits)
+        for rule in BUILT_RULES:
+            drafted = mx.ones((3,), mx.int32)
+            out = verify(model, cache, mx.ones((1,), mx.int32), Tree.chain(3), drafted, None, rule)
+            mx.eval(out.acceptance.tokens, out.logits)
+            cache.truncate(depth)
         batch = BatchKVCache.of(model, 2)
         batch.offsets = [depth, depth]
         start = batch.prepare(4)

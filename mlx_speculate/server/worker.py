@@ -224,10 +224,14 @@ class Worker:
                     if isinstance(self._lockstep, Solo):
                         # Before the first request, never inside it: the policies a request
                         # follows one at a time, or alone in the batch engine, and the steps
-                        # of greedy decoding alone at the depths requests reach.
+                        # of greedy and sampled decoding alone at the depths requests reach.
                         self.pool.calibrate()
                         model = self.pool.model
-                        ahead(model, ("verify",), lambda: build_verify_steps(model))
+                        ahead(
+                            model,
+                            ("verify", "greedy", "sampled"),
+                            lambda: build_verify_steps(model),
+                        )
                     if batched:  # and the steps of the first requests at once
                         rows = rows_bucket(2, self.max_batch)
                         build = lambda: build_batch_steps(self.pool.model, rows)  # noqa: E731
