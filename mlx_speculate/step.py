@@ -50,6 +50,9 @@ TREE_WIDTHS = (4,)
 # The acceptance rules a start-up build verifies under: greedy decoding's, and one sampled
 # rule's, whose kernels serve every temperature, top-p and min-p (`graphs.variable`).
 BUILT_RULES = (AcceptanceRule(SamplingParams()), AcceptanceRule(SamplingParams(temperature=1.0)))
+# What a start-up build's shapes are (a server's `graphs.ahead` names its builds by them, so
+# that a change to them builds again on a machine that built the ones before).
+BUILT_SHAPES = (DEPTHS, CHAIN_WIDTHS, TREE_WIDTHS)
 
 
 def bucket(n: int) -> int:

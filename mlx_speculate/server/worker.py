@@ -49,6 +49,7 @@ from ..generation import GenerationResponse
 from ..grammar import GrammarError
 from ..graphs import ahead
 from ..policy.adaptive import FixedPolicy, Policy
+from ..step import BUILT_RULES, BUILT_SHAPES
 from ..step import build as build_verify_steps
 from .lockstep import Lockstep, Mirror, Solo
 from .metrics import Metrics
@@ -227,15 +228,12 @@ class Worker:
                         # of greedy and sampled decoding alone at the depths requests reach.
                         self.pool.calibrate()
                         model = self.pool.model
-                        ahead(
-                            model,
-                            ("verify", "greedy", "sampled"),
-                            lambda: build_verify_steps(model),
-                        )
+                        name = ("verify", BUILT_RULES, *BUILT_SHAPES)
+                        ahead(model, name, lambda: build_verify_steps(model))
                     if batched:  # and the steps of the first requests at once
                         rows = rows_bucket(2, self.max_batch)
                         build = lambda: build_batch_steps(self.pool.model, rows)  # noqa: E731
-                        ahead(self.pool.model, ("batch", rows), build)
+                        ahead(self.pool.model, ("batch", rows, *BUILT_SHAPES), build)
                 except Exception as e:  # a bad model folder must not kill the process silently
                     # One line for the user (the command line prints it); the traceback only
                     # under --log-level debug.
