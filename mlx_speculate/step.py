@@ -25,6 +25,7 @@ import mlx.core as mx
 from .cache import KVCache, KVCodec
 from .graphs import compiled, synchronous
 from .models.base import CausalLM
+from .models.quantized_prefill import prefilling
 from .sampling import SamplingParams, pick
 from .tree import DeviceTree, PaddedTree, Tree
 from .verify import Acceptance, AcceptanceRule
@@ -360,8 +361,9 @@ def build(model: CausalLM, rules: Sequence[AcceptanceRule] = BUILT_RULES) -> Non
     pending = mx.ones((1,), dtype=mx.int32)
     with synchronous():
         for depth in reachable(model, max(t.num_nodes for t in trees)):
-            if depth > cache.offset:  # the prompt's forward, eager as a prefill's is
-                model(mx.zeros((1, depth - cache.offset), dtype=mx.int32), cache)
+            if depth > cache.offset:  # the prompt's forward, as a prefill's (a quantized
+                with prefilling():  # model's wide matmuls dequantize: many times faster)
+                    model(mx.zeros((1, depth - cache.offset), dtype=mx.int32), cache)
             mark = cache.checkpoint(depth)
             for rule, tree in itertools.product(rules, trees):
                 drafted = mx.ones((tree.num_nodes - 1,), dtype=mx.int32)
